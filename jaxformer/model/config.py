@@ -1,0 +1,164 @@
+"""ModelConfig: one frozen, validated description of a Transformer.
+
+Fields left ``None`` are derived (see the ``resolved_*`` properties), so a
+preset overridden with a new ``d_model`` re-derives ``head_dim`` and ``d_ff``.
+Unknown keys raise (``extra="forbid"``); every validation error is a
+``ValueError`` (pydantic's ``ValidationError``) naming the field and values.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from jaxformer.ops.activations import ACTIVATIONS, ffn_hidden_size, is_gated
+from jaxformer.ops.positional import RopeScaling
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class RopeScalingConfig(BaseModel):
+    """Serialisable mirror of :class:`jaxformer.ops.positional.RopeScaling`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["linear", "ntk", "llama3", "yarn"]
+    factor: float = Field(ge=1.0)
+    original_max_position: int = Field(2048, gt=0)
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        self.to_ops()
+        return self
+
+    def to_ops(self) -> RopeScaling:
+        return RopeScaling(**self.model_dump())
+
+
+class ModelConfig(BaseModel):
+    """A Transformer: decoder-only LM, bidirectional encoder (MLM head), or encoder-decoder."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["decoder", "encoder", "encoder_decoder"] = "decoder"
+    vocab_size: int = Field(256, gt=0)
+    d_model: int = Field(256, gt=0)
+    n_layers: int = Field(4, gt=0, description="decoder-only / encoder-only stack; the decoder of an enc-dec")
+    n_encoder_layers: int | None = Field(None, description="encoder_decoder only")
+    n_heads: int = Field(4, gt=0)
+    n_kv_heads: int | None = Field(None, description="None: n_heads (MHA); fewer: GQA; 1: MQA")
+    head_dim: int | None = Field(None, description="None: d_model // n_heads")
+    d_ff: int | None = Field(None, description="None: ffn_hidden_size(d_model, activation, ffn_multiple_of)")
+    activation: str = "gelu"
+    ffn_multiple_of: int = Field(1, gt=0)
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_position: Literal["post", "pre", "deepnorm"] = "pre"
+    sandwich_norm: bool = False
+    norm_eps: float = Field(1e-5, gt=0.0)
+    final_norm: bool | None = Field(None, description="None: True for pre-norm, False otherwise")
+    embed_norm: bool = Field(False, description="a norm right after the token embedding (BLOOM)")
+    position: Literal["rope", "alibi", "sinusoidal", "learned", "none"] = "rope"
+    rope_base: float = Field(10000.0, gt=1.0)
+    rope_scaling: RopeScalingConfig | None = None
+    rope_interleaved: bool = False
+    max_seq_len: int = Field(2048, gt=0)
+    scale_embeddings: bool = Field(False, description="multiply token embeddings by sqrt(d_model) (Vaswani)")
+    tie_embeddings: bool = True
+    use_bias: bool = False
+    attention_impl: Literal["auto", "xla", "blockwise", "pallas", "sparse"] = "auto"
+    attn_softcap: float | None = Field(None, gt=0.0)
+    logits_softcap: float | None = Field(None, gt=0.0)
+    init_std: float = Field(0.02, gt=0.0)
+    param_dtype: Dtype = "float32"
+    compute_dtype: Dtype = "float32"
+    remat: bool = False
+    scan_layers: bool = False
+
+    @field_validator("activation")
+    @classmethod
+    def _check_activation(cls, v: str) -> str:
+        if v not in ACTIVATIONS:
+            raise ValueError(f"activation={v!r} is not one of {ACTIVATIONS}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.kind == "encoder_decoder":
+            if self.n_encoder_layers is None or self.n_encoder_layers <= 0:
+                raise ValueError(
+                    f"kind='encoder_decoder' needs n_encoder_layers > 0, got n_encoder_layers={self.n_encoder_layers}"
+                )
+        elif self.n_encoder_layers is not None:
+            raise ValueError(
+                f"n_encoder_layers={self.n_encoder_layers} only applies to kind='encoder_decoder' "
+                f"(kind={self.kind!r} uses n_layers)"
+            )
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model={self.d_model} not divisible by n_heads={self.n_heads}; set head_dim explicitly"
+            )
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise ValueError(f"head_dim={self.head_dim} must be > 0")
+        kv = self.resolved_kv_heads
+        if kv <= 0 or self.n_heads % kv:
+            raise ValueError(f"n_heads={self.n_heads} not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.position == "rope" and self.resolved_head_dim % 2:
+            raise ValueError(f"position='rope' needs an even head dim, got head_dim={self.resolved_head_dim}")
+        if self.position == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"position='sinusoidal' needs an even d_model, got d_model={self.d_model}")
+        if self.rope_scaling is not None and self.position != "rope":
+            raise ValueError(f"rope_scaling is set but position={self.position!r} (not 'rope')")
+        if self.d_ff is not None and self.d_ff <= 0:
+            raise ValueError(f"d_ff={self.d_ff} must be > 0")
+        if self.sandwich_norm and self.norm_position != "pre":
+            raise ValueError(f"sandwich_norm needs norm_position='pre', got norm_position={self.norm_position!r}")
+        return self
+
+    # -- derived values
+    @property
+    def resolved_head_dim(self) -> int:
+        """H: ``head_dim`` or ``d_model // n_heads``."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def resolved_kv_heads(self) -> int:
+        """K: ``n_kv_heads`` or ``n_heads``."""
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def resolved_d_ff(self) -> int:
+        """F: ``d_ff`` or ``ffn_hidden_size(d_model, activation, ffn_multiple_of)``."""
+        if self.d_ff is not None:
+            return self.d_ff
+        return ffn_hidden_size(self.d_model, self.activation, self.ffn_multiple_of)
+
+    @property
+    def resolved_final_norm(self) -> bool:
+        """Whether a norm follows the last block: ``final_norm`` or (pre-norm only) True."""
+        return self.final_norm if self.final_norm is not None else self.norm_position == "pre"
+
+    @property
+    def gated(self) -> bool:
+        return is_gated(self.activation)
+
+    @property
+    def n_decoder_layers(self) -> int:
+        """Layers with causal self-attention (0 for an encoder)."""
+        return 0 if self.kind == "encoder" else self.n_layers
+
+    @property
+    def n_encoder_stack_layers(self) -> int:
+        """Layers with bidirectional self-attention (0 for a decoder-only model)."""
+        if self.kind == "encoder":
+            return self.n_layers
+        return self.n_encoder_layers or 0
+
+    @property
+    def rope(self) -> RopeScaling | None:
+        return None if self.rope_scaling is None else self.rope_scaling.to_ops()

@@ -1,0 +1,184 @@
+"""The Transformer in three forms, chosen by ``ModelConfig.kind``.
+
+* ``"decoder"``: causal LM. ``model(tokens) -> logits [B, T, V]``.
+* ``"encoder"``: bidirectional encoder with a per-token head over the vocabulary
+  (an MLM head). ``model(tokens) -> logits [B, T, V]``.
+* ``"encoder_decoder"``: ``model(src_tokens, tgt_tokens) -> logits [B, T, V]``
+  over the target; ``encode`` / ``decode`` expose the two halves.
+
+Token and output embeddings are one table when ``tie_embeddings``; source and
+target share the token table in the encoder-decoder (Vaswani et al. §3.4).
+Logits are float32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.stack import Stack, make_norm_for
+from jaxformer.nn.embedding import Embed, LearnedPositions, LMHead
+from jaxformer.ops.masks import MaskSpec
+from jaxformer.ops.normalization import deepnorm_constants
+from jaxformer.ops.positional import sinusoidal_positions
+
+
+def _check_tokens(name: str, tokens) -> None:
+    if jnp.ndim(tokens) != 2:
+        raise ValueError(f"{name} must be int [B, T]; got {name}.shape={jnp.shape(tokens)}")
+    if not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+        raise ValueError(f"{name} must be an integer array; got dtype {jnp.result_type(tokens)}")
+
+
+def _check_bt(name: str, x, tokens_name: str, tokens, allow_t: bool) -> None:
+    if x is None:
+        return
+    B, T = jnp.shape(tokens)
+    ok = jnp.shape(x) == (B, T) or (allow_t and jnp.shape(x) == (T,))
+    if not ok:
+        want = "[B, T] or [T]" if allow_t else "[B, T]"
+        raise ValueError(f"{name}.shape={jnp.shape(x)} must be {want} for {tokens_name}.shape={(B, T)}")
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM, encoder (MLM head) or encoder-decoder, per ``config.kind``."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None = None):
+        cfg = config
+        rngs = nnx.Rngs(0) if rngs is None else rngs
+        self.config = cfg
+        dtypes = dict(param_dtype=cfg.param_dtype, dtype=cfg.compute_dtype)
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs, **dtypes)
+        self.pos_embed = (LearnedPositions(cfg.max_seq_len, cfg.d_model, rngs=rngs, **dtypes)
+                          if cfg.position == "learned" else None)
+        self.embed_norm = make_norm_for(cfg, rngs) if cfg.embed_norm else None
+
+        n_enc, n_dec = cfg.n_encoder_stack_layers, cfg.n_decoder_layers
+        dn = deepnorm_constants(n_enc, n_dec) if cfg.norm_position == "deepnorm" else None
+        self.encoder = (Stack(cfg, n_enc, cross=False, alpha=dn and dn.encoder_alpha,
+                              beta=dn and dn.encoder_beta, rngs=rngs) if n_enc else None)
+        self.decoder = (Stack(cfg, n_dec, cross=cfg.kind == "encoder_decoder",
+                              alpha=dn and dn.decoder_alpha, beta=dn and dn.decoder_beta, rngs=rngs)
+                        if n_dec else None)
+        self.head = (None if cfg.tie_embeddings
+                     else LMHead(cfg.d_model, cfg.vocab_size, std=cfg.init_std, rngs=rngs, **dtypes))
+
+    # -- pieces
+    def embed_tokens(self, tokens, positions=None):
+        """``tokens [B, T] -> x [B, T, D]``: token embedding (+ absolute positions) (+ norm)."""
+        cfg = self.config
+        T = tokens.shape[1]
+        x = self.embed(tokens)
+        if cfg.scale_embeddings:
+            x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
+        if cfg.position in ("sinusoidal", "learned"):
+            if positions is None:
+                if cfg.position == "learned" and T > cfg.max_seq_len:
+                    raise ValueError(f"tokens.shape={tokens.shape}: T={T} exceeds max_seq_len={cfg.max_seq_len}")
+                positions = jnp.arange(T, dtype=jnp.int32)
+            pos = positions if positions.ndim == 2 else positions[None, :]
+            if cfg.position == "sinusoidal":
+                pe = sinusoidal_positions(pos, cfg.d_model).astype(x.dtype)
+            else:
+                pe = self.pos_embed(pos)
+            x = x + pe
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        return x
+
+    def logits(self, x):
+        """Final hidden states ``[B, T, D] -> logits float32 [B, T, V]`` (soft-capped if configured)."""
+        out = self.embed.attend(x) if self.head is None else self.head(x)
+        cap = self.config.logits_softcap
+        return out if cap is None else cap * jnp.tanh(out / cap)
+
+    def encode(self, tokens, *, positions=None, segment_ids=None, lengths=None):
+        """Bidirectional encoder: ``tokens [B, S] -> hidden [B, S, D]``.
+
+        ``segment_ids [B, S]`` (packed sequences) and/or ``lengths [B]`` (right padding) mask keys.
+        """
+        if self.encoder is None:
+            raise ValueError(f"config.kind={self.config.kind!r} has no encoder")
+        _check_tokens("tokens", tokens)
+        _check_bt("positions", positions, "tokens", tokens, allow_t=True)
+        _check_bt("segment_ids", segment_ids, "tokens", tokens, allow_t=False)
+        mask = MaskSpec(causal=False, q_segment_ids=segment_ids, kv_lengths=lengths)
+        x = self.embed_tokens(tokens, positions)
+        x, _ = self.encoder(x, positions=positions, mask=mask)
+        return x
+
+    def decode(self, tokens, memory=None, *, positions=None, segment_ids=None,
+               memory_segment_ids=None, memory_lengths=None, cache: Sequence | None = None):
+        """Causal decoder: ``tokens [B, T] -> logits [B, T, V]`` (``, new_caches`` with ``cache``).
+
+        ``memory [B, S, D]`` is the encoder output (encoder-decoder only), masked by
+        ``memory_segment_ids [B, S]`` (with ``segment_ids``) and/or ``memory_lengths [B]``.
+        """
+        cfg = self.config
+        if self.decoder is None:
+            raise ValueError(f"config.kind={cfg.kind!r} has no decoder")
+        _check_tokens("tokens", tokens)
+        _check_bt("positions", positions, "tokens", tokens, allow_t=True)
+        _check_bt("segment_ids", segment_ids, "tokens", tokens, allow_t=False)
+        if cache is not None:
+            if positions is None:
+                raise ValueError("positions [B, T] (absolute) are required with cache")
+            if segment_ids is not None:
+                raise ValueError("segment_ids cannot be combined with cache (the cache owns the mask)")
+        cross = cfg.kind == "encoder_decoder"
+        if cross and memory is None:
+            raise ValueError("encoder_decoder decode needs memory = encode(src_tokens)")
+        if not cross and memory is not None:
+            raise ValueError(f"memory given to a {cfg.kind!r} model")
+        context_mask = None
+        if cross:
+            if memory.ndim != 3 or memory.shape[0] != tokens.shape[0] or memory.shape[2] != cfg.d_model:
+                raise ValueError(f"memory.shape={memory.shape} must be [B, S, D] with B={tokens.shape[0]}, "
+                                 f"D={cfg.d_model}")
+            if (segment_ids is None) != (memory_segment_ids is None):
+                raise ValueError("segment_ids and memory_segment_ids must be given together")
+            context_mask = MaskSpec(q_segment_ids=segment_ids, kv_segment_ids=memory_segment_ids,
+                                    kv_lengths=memory_lengths)
+        mask = MaskSpec(causal=True, q_segment_ids=segment_ids)
+        x = self.embed_tokens(tokens, positions)
+        x, new_caches = self.decoder(x, positions=positions, mask=mask, context=memory,
+                                     context_mask=context_mask, caches=cache)
+        logits = self.logits(x)
+        return logits if cache is None else (logits, new_caches)
+
+    # -- entry point
+    def __call__(self, tokens, tgt_tokens=None, *, positions=None, segment_ids=None, lengths=None,
+                 tgt_positions=None, tgt_segment_ids=None, cache: Sequence | None = None):
+        """Logits ``float32 [B, T, V]``, or ``(logits, new_caches)`` when ``cache`` is given.
+
+        decoder:          ``model(tokens, positions=, segment_ids=, cache=)``
+        encoder:          ``model(tokens, positions=, segment_ids=, lengths=)``
+        encoder_decoder:  ``model(src_tokens, tgt_tokens, positions=, segment_ids=, lengths=,
+                          tgt_positions=, tgt_segment_ids=, cache=)`` where ``positions``,
+                          ``segment_ids``, ``lengths`` describe the source.
+
+        ``positions`` default to ``arange(T)``; packed sequences pass ``positions [B, T]``
+        and ``segment_ids [B, T]``. ``cache``: one :class:`~jaxformer.nn.KVCacheLayer`
+        per decoder layer (decoder self-attention only).
+        """
+        kind = self.config.kind
+        if kind == "encoder_decoder":
+            if tgt_tokens is None:
+                raise ValueError("encoder_decoder needs model(src_tokens, tgt_tokens)")
+            memory = self.encode(tokens, positions=positions, segment_ids=segment_ids, lengths=lengths)
+            return self.decode(tgt_tokens, memory, positions=tgt_positions, segment_ids=tgt_segment_ids,
+                               memory_segment_ids=segment_ids, memory_lengths=lengths, cache=cache)
+        if tgt_tokens is not None or tgt_positions is not None or tgt_segment_ids is not None:
+            raise ValueError(f"tgt_* arguments only apply to encoder_decoder, not kind={kind!r}")
+        if kind == "encoder":
+            if cache is not None:
+                raise ValueError("an encoder takes no cache")
+            x = self.encode(tokens, positions=positions, segment_ids=segment_ids, lengths=lengths)
+            return self.logits(x)
+        if lengths is not None:
+            raise ValueError("lengths applies to encoders; a decoder uses segment_ids or a cache")
+        return self.decode(tokens, positions=positions, segment_ids=segment_ids, cache=cache)

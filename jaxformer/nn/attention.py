@@ -1,0 +1,161 @@
+"""Multi-head attention (self and cross, MHA / GQA / MQA) and the KV-cache hook.
+
+Projections (no K/V repetition anywhere: grouped heads are handled by
+:func:`jaxformer.ops.attention.dot_product_attention`)::
+
+    q = x W_q    W_q [D, N, H]  ("embed", "heads", "head_dim")
+    k = c W_k    W_k [D, K, H]  ("embed", "kv_heads", "head_dim")
+    v = c W_v    W_v [D, K, H]  ("embed", "kv_heads", "head_dim")
+    y = o W_o    W_o [N, H, D]  ("heads", "head_dim", "embed")
+
+with ``c = x`` (self-attention) or the encoder output (cross-attention).
+Position handling inside attention: ``"rope"`` rotates q and k, ``"alibi"``
+passes the paper's slopes to the attention op, anything else does nothing here
+(sinusoidal and learned positions are added to the embeddings by the model).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxformer.nn.params import as_dtype, normal, param, zeros
+from jaxformer.ops.attention import dot_product_attention
+from jaxformer.ops.masks import MaskSpec
+from jaxformer.ops.positional import RopeScaling, alibi_slopes, apply_rope
+
+ATTENTION_POSITIONS = ("rope", "alibi", "none")
+
+
+@runtime_checkable
+class KVCacheLayer(Protocol):
+    """One self-attention layer's key/value cache, as :class:`Attention` uses it.
+
+    When ``Attention.__call__`` gets ``cache=c``, it projects the new tokens to
+    ``q [B, T, N, H]`` and ``k, v [B, T, K, H]`` (RoPE already applied at the
+    caller's absolute ``positions``), then returns, instead of attending itself::
+
+        out, new_cache = c.attend(q, k, v, scale=scale, alibi_slopes=slopes,
+                                  softcap=softcap, impl=impl)
+
+    ``attend`` must append (or write) ``k, v`` into its storage and attend ``q``
+    to every cached key including the new ones. The cache owns the mask: its
+    own lengths, causality within the new chunk and ``q_offset`` (the new
+    tokens' position in the cache); the model passes no ``MaskSpec``. ``out``
+    is ``[B, T, N, H]`` in ``q.dtype``. ``alibi_slopes`` is ``[N]`` float32 or
+    None; ``scale`` is a float (``1/sqrt(H)``); ``softcap`` a float or None;
+    ``impl`` the model's ``attention_impl`` string. The cache is treated as a
+    value: the updated one is returned, never mutated in place (a pytree is
+    the natural choice so it can cross ``jax.jit``).
+    """
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
+               alibi_slopes: jax.Array | None, softcap: float | None,
+               impl: str) -> tuple[jax.Array, KVCacheLayer]:
+        ...
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with ``n_kv_heads`` K dividing ``n_heads`` N (GQA; K=1 is MQA).
+
+    Args:
+      d_model: D, the width of ``x`` (and of the output).
+      n_heads, n_kv_heads, head_dim: N, K (default N), H (default D // N).
+      kv_dim: width of the cross-attention context (default D).
+      position: "rope" | "alibi" | "none" (what attention itself does with positions).
+      rope_base, rope_scaling, rope_interleaved: passed to ``apply_rope``.
+      softcap: attention-logit soft cap; impl: ``dot_product_attention``'s backend.
+      qk_std, v_std, o_std: init standard deviations of W_q and W_k, W_v, W_o.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None,
+                 head_dim: int | None = None, *, kv_dim: int | None = None, position: str = "none",
+                 rope_base: float = 10000.0, rope_scaling: RopeScaling | None = None,
+                 rope_interleaved: bool = False, softcap: float | None = None, impl: str = "auto",
+                 use_bias: bool = False, qk_std: float = 0.02, v_std: float = 0.02,
+                 o_std: float = 0.02, param_dtype="float32", dtype="float32", rngs: nnx.Rngs):
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if n_kv_heads <= 0 or n_heads % n_kv_heads:
+            raise ValueError(f"heads {n_heads} not divisible by kv heads {n_kv_heads}")
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"d_model {d_model} not divisible by heads {n_heads}; give head_dim")
+            head_dim = d_model // n_heads
+        if position not in ATTENTION_POSITIONS:
+            raise ValueError(f"attention position {position!r} is not one of {ATTENTION_POSITIONS}")
+        if position == "rope" and head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dim, got head_dim={head_dim}")
+        kv_dim = d_model if kv_dim is None else kv_dim
+        N, K, H = n_heads, n_kv_heads, head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = N, K, H
+        self.position, self.rope_base, self.rope_interleaved = position, rope_base, rope_interleaved
+        self.rope_scaling = rope_scaling
+        self.softcap, self.impl = softcap, impl
+        self.dtype = as_dtype(dtype)
+        self.w_q = param(rngs, normal(qk_std), (d_model, N, H), ("embed", "heads", "head_dim"), param_dtype)
+        self.w_k = param(rngs, normal(qk_std), (kv_dim, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.w_v = param(rngs, normal(v_std), (kv_dim, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.w_o = param(rngs, normal(o_std), (N, H, d_model), ("heads", "head_dim", "embed"), param_dtype)
+        if use_bias:
+            self.b_q = param(rngs, zeros, (N, H), ("heads", "head_dim"), param_dtype)
+            self.b_k = param(rngs, zeros, (K, H), ("kv_heads", "head_dim"), param_dtype)
+            self.b_v = param(rngs, zeros, (K, H), ("kv_heads", "head_dim"), param_dtype)
+            self.b_o = param(rngs, zeros, (d_model,), ("embed",), param_dtype)
+        else:
+            self.b_q = self.b_k = self.b_v = self.b_o = None
+
+    def _project(self, x, w, b, spec):
+        y = jnp.einsum(spec, x.astype(self.dtype), w[...].astype(self.dtype))
+        return y if b is None else y + b[...].astype(self.dtype)
+
+    def __call__(self, x, context=None, *, positions=None, kv_positions=None,
+                 mask: MaskSpec | None = None, cache: KVCacheLayer | None = None):
+        """Attend ``x [B, T, D]`` to itself (``context=None``) or to ``context [B, S, D_kv]``.
+
+        Args:
+          positions: int ``[T]`` or ``[B, T]`` absolute positions of ``x``'s tokens
+            (RoPE); default ``arange(T)``; required with ``cache``.
+          kv_positions: positions of the context tokens for RoPE in cross-attention
+            (default ``arange(S)``).
+          mask: a ``MaskSpec`` (ignored when ``cache`` is given: the cache owns it).
+          cache: a :class:`KVCacheLayer` (self-attention only).
+
+        Returns:
+          ``y [B, T, D]``, or ``(y, new_cache)`` when ``cache`` is given.
+        """
+        if x.ndim != 3:
+            raise ValueError(f"attention expects x [B, T, D]; got {x.shape=}")
+        if context is not None and cache is not None:
+            raise ValueError("a KV cache is only supported for self-attention (context must be None)")
+        T = x.shape[1]
+        ctx = x if context is None else context
+        q = self._project(x, self.w_q, self.b_q, "BTD,DNH->BTNH")
+        k = self._project(ctx, self.w_k, self.b_k, "BSD,DKH->BSKH")
+        v = self._project(ctx, self.w_v, self.b_v, "BSD,DKH->BSKH")
+        if self.position == "rope":
+            if positions is None:
+                if cache is not None:
+                    raise ValueError("positions [B, T] are required with a KV cache (RoPE)")
+                positions = jnp.arange(T, dtype=jnp.int32)
+            if kv_positions is None:
+                kv_positions = positions if context is None else jnp.arange(ctx.shape[1], dtype=jnp.int32)
+            rope = dict(base=self.rope_base, scaling=self.rope_scaling, interleaved=self.rope_interleaved)
+            q = apply_rope(q, positions, **rope)
+            k = apply_rope(k, kv_positions, **rope)
+        slopes = alibi_slopes(self.n_heads) if self.position == "alibi" else None
+        scale = 1.0 / math.sqrt(self.head_dim)
+        new_cache = None
+        if cache is not None:
+            o, new_cache = cache.attend(q, k, v, scale=scale, alibi_slopes=slopes,
+                                        softcap=self.softcap, impl=self.impl)
+        else:
+            o = dot_product_attention(q, k, v, mask=mask, scale=scale, alibi_slopes=slopes,
+                                      softcap=self.softcap, impl=self.impl)
+        y = jnp.einsum("BTNH,NHD->BTD", o.astype(self.dtype), self.w_o[...].astype(self.dtype))
+        if self.b_o is not None:
+            y = y + self.b_o[...].astype(self.dtype)
+        return y if cache is None else (y, new_cache)

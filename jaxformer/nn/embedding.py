@@ -1,0 +1,53 @@
+"""Token embedding (with the tied output head), untied output head, learned absolute positions."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxformer.nn.params import as_dtype, normal, param
+
+
+class Embed(nnx.Module):
+    """Token table ``E [V, D]``: ``tokens [B, T] -> E[tokens] [B, T, D]``; ``attend`` is the tied head."""
+
+    def __init__(self, vocab_size: int, d_model: int, *, std: float = 0.02, param_dtype="float32",
+                 dtype="float32", rngs: nnx.Rngs):
+        self.vocab_size = vocab_size
+        self.dtype = as_dtype(dtype)
+        self.embedding = param(rngs, normal(std), (vocab_size, d_model), ("vocab", "embed"), param_dtype)
+
+    def __call__(self, tokens):
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+
+    def attend(self, x):
+        """Tied output head: ``x [B, T, D] @ E^T -> logits float32 [B, T, V]``."""
+        return jnp.einsum("BTD,VD->BTV", x.astype(self.dtype), self.embedding[...].astype(self.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+class LMHead(nnx.Module):
+    """Untied output head ``W [D, V]``: ``x [B, T, D] -> logits float32 [B, T, V]``."""
+
+    def __init__(self, d_model: int, vocab_size: int, *, std: float = 0.02, param_dtype="float32",
+                 dtype="float32", rngs: nnx.Rngs):
+        self.dtype = as_dtype(dtype)
+        self.kernel = param(rngs, normal(std), (d_model, vocab_size), ("embed", "vocab"), param_dtype)
+
+    def __call__(self, x):
+        return jnp.einsum("BTD,DV->BTV", x.astype(self.dtype), self.kernel[...].astype(self.dtype),
+                          preferred_element_type=jnp.float32)
+
+
+class LearnedPositions(nnx.Module):
+    """Learned absolute position table ``P [max_len, D]`` (GPT-2's ``wpe``)."""
+
+    def __init__(self, max_len: int, d_model: int, *, std: float = 0.01, param_dtype="float32",
+                 dtype="float32", rngs: nnx.Rngs):
+        self.max_len = max_len
+        self.dtype = as_dtype(dtype)
+        self.embedding = param(rngs, normal(std), (max_len, d_model), (None, "embed"), param_dtype)
+
+    def __call__(self, positions):
+        """``positions`` int ``[T]`` or ``[B, T]`` -> ``[..., T, D]`` (out-of-range positions clip)."""
+        return jnp.take(self.embedding[...], positions, axis=0, mode="clip").astype(self.dtype)

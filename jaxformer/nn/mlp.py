@@ -1,0 +1,66 @@
+"""Position-wise feed-forward networks: plain ``act(x W_in) W_out`` and gated ``glu(x W_g, x W_u) W_d``."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxformer.nn.params import as_dtype, normal, param, zeros
+from jaxformer.ops.activations import activation_fn, geglu, is_gated, swiglu
+
+_GLU = {"swiglu": swiglu, "geglu": geglu}
+
+
+def dense(x, w, b, dtype):
+    """``x [..., I] @ w [I, O] (+ b [O])`` in ``dtype``."""
+    y = jnp.einsum("...i,io->...o", x.astype(dtype), w[...].astype(dtype))
+    return y if b is None else y + b[...].astype(dtype)
+
+
+class MLP(nnx.Module):
+    """``act(x W_in + b_in) W_out + b_out``; ``W_in [D, F]``, ``W_out [F, D]``."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str, *, use_bias: bool = True,
+                 in_std: float = 0.02, out_std: float = 0.02, param_dtype="float32",
+                 dtype="float32", rngs: nnx.Rngs):
+        if is_gated(activation):
+            raise ValueError(f"MLP got gated activation {activation!r}; use GatedMLP")
+        self.activation = activation
+        self.dtype = as_dtype(dtype)
+        self.w_in = param(rngs, normal(in_std), (d_model, d_ff), ("embed", "mlp"), param_dtype)
+        self.w_out = param(rngs, normal(out_std), (d_ff, d_model), ("mlp", "embed"), param_dtype)
+        self.b_in = param(rngs, zeros, (d_ff,), ("mlp",), param_dtype) if use_bias else None
+        self.b_out = param(rngs, zeros, (d_model,), ("embed",), param_dtype) if use_bias else None
+
+    def __call__(self, x):
+        h = activation_fn(self.activation)(dense(x, self.w_in, self.b_in, self.dtype))
+        return dense(h, self.w_out, self.b_out, self.dtype)
+
+
+class GatedMLP(nnx.Module):
+    """``glu(x W_gate + b_g, x W_up + b_u) W_down + b_d`` with glu = swiglu | geglu (Shazeer 2020)."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str, *, use_bias: bool = False,
+                 in_std: float = 0.02, out_std: float = 0.02, param_dtype="float32",
+                 dtype="float32", rngs: nnx.Rngs):
+        if activation not in _GLU:
+            raise ValueError(f"GatedMLP activation {activation!r} is not one of {tuple(_GLU)}")
+        self.activation = activation
+        self.dtype = as_dtype(dtype)
+        self.w_gate = param(rngs, normal(in_std), (d_model, d_ff), ("embed", "mlp"), param_dtype)
+        self.w_up = param(rngs, normal(in_std), (d_model, d_ff), ("embed", "mlp"), param_dtype)
+        self.w_down = param(rngs, normal(out_std), (d_ff, d_model), ("mlp", "embed"), param_dtype)
+        self.b_gate = param(rngs, zeros, (d_ff,), ("mlp",), param_dtype) if use_bias else None
+        self.b_up = param(rngs, zeros, (d_ff,), ("mlp",), param_dtype) if use_bias else None
+        self.b_down = param(rngs, zeros, (d_model,), ("embed",), param_dtype) if use_bias else None
+
+    def __call__(self, x):
+        gate = dense(x, self.w_gate, self.b_gate, self.dtype)
+        up = dense(x, self.w_up, self.b_up, self.dtype)
+        return dense(_GLU[self.activation](gate, up), self.w_down, self.b_down, self.dtype)
+
+
+def make_mlp(d_model: int, d_ff: int, activation: str, **kwargs):
+    """A :class:`GatedMLP` for swiglu / geglu, an :class:`MLP` otherwise."""
+    cls = GatedMLP if is_gated(activation) else MLP
+    return cls(d_model, d_ff, activation, **kwargs)

@@ -1,0 +1,85 @@
+"""Parameter creation with logical axis names, and dtype helpers.
+
+Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds one
+logical axis name per dimension, drawn from :data:`LOGICAL_AXES` (or ``None``:
+replicated). The training code maps them to mesh axes with one rules table,
+e.g. ``nnx.get_partition_spec(state)`` under ``flax.core.spmd.logical_axis_rules``.
+
+Parameters are sharded eagerly at creation only when flax's eager sharding is
+on *and* a mesh and logical-axis rules are both active; otherwise they are
+created unsharded (so models build on a laptop with no mesh).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.core import meta
+from flax.core import spmd as core_spmd
+
+LOGICAL_AXES: tuple[str, ...] = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers")
+"""The logical axis names parameters carry (``None`` in a slot means replicated).
+
+vocab: V · embed: D · heads: N · kv_heads: K · head_dim: H · mlp: F ·
+layers: the stacked-layer axis of scanned blocks.
+"""
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+
+
+def as_dtype(name_or_dtype) -> jnp.dtype:
+    """'float32' | 'bfloat16' | 'float16' or a dtype -> a jnp dtype."""
+    if isinstance(name_or_dtype, str):
+        if name_or_dtype not in DTYPES:
+            raise ValueError(f"dtype {name_or_dtype!r} is not one of {tuple(DTYPES)}")
+        return jnp.dtype(DTYPES[name_or_dtype])
+    return jnp.dtype(name_or_dtype)
+
+
+def normal(std: float) -> Initializer:
+    """Zero-mean normal initialiser with standard deviation ``std``."""
+
+    def init(key, shape, dtype):
+        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    return init
+
+
+def xavier_std(fan_in: int, fan_out: int, gain: float = 1.0) -> float:
+    """Glorot/Xavier normal standard deviation ``gain * sqrt(2 / (fan_in + fan_out))``."""
+    return gain * math.sqrt(2.0 / (fan_in + fan_out))
+
+
+def zeros(key, shape, dtype):
+    del key
+    return jnp.zeros(shape, dtype)
+
+
+def ones(key, shape, dtype):
+    del key
+    return jnp.ones(shape, dtype)
+
+
+def _eager() -> bool:
+    return bool(
+        nnx.using_eager_sharding() and meta.global_mesh_defined() and core_spmd.get_logical_axis_rules()
+    )
+
+
+def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequence[str | None],
+          dtype) -> nnx.Param:
+    """Create ``nnx.Param(init(key, shape, dtype))`` tagged with logical ``axes``."""
+    shape, axes = tuple(int(s) for s in shape), tuple(axes)
+    if len(axes) != len(shape):
+        raise ValueError(f"axes {axes} do not match shape {shape}")
+    bad = [a for a in axes if a is not None and a not in LOGICAL_AXES]
+    if bad:
+        raise ValueError(f"unknown logical axes {bad}; use {LOGICAL_AXES} or None")
+    value = init(rngs.params(), shape, as_dtype(dtype))
+    return nnx.Param(value, out_sharding=axes, eager_sharding=_eager())

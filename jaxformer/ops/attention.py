@@ -1,0 +1,151 @@
+"""Scaled dot-product attention, pure, with backend dispatch.
+
+``dot_product_attention(q [B,T,N,H], k [B,S,K,H], v [B,S,K,H]) -> [B,T,N,H]``.
+
+Order of operations on the logits (every backend follows it):
+
+1. ``s = scale * q·k`` with ``scale = 1/sqrt(H)`` by default, accumulated in fp32;
+2. ``s = softcap * tanh(s / softcap)`` when ``softcap`` is given (Gemma-2 style);
+3. ``s += bias`` and ``s -= slope_n * |q_pos - k_pos|`` for ALiBi slopes;
+4. masked entries (``MaskSpec.dense``) are dropped; a row with no allowed key
+   gives a zero output and zero gradients, never NaN.
+
+GQA/MQA: query heads are grouped ``N = K * G`` and contracted against their kv
+head directly (``BTKGH,BSKH->BKGTS``); K/V are never repeated in memory.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.ops.masks import MaskSpec
+
+Impl = Literal["auto", "xla", "blockwise", "pallas", "sparse"]
+IMPLS = ("auto", "xla", "blockwise", "pallas", "sparse")
+
+
+def check_qkv(q, k, v) -> tuple[int, int, int, int, int, int]:
+    """Validate attention operand shapes; return (B, T, S, N, K, H)."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"attention expects q [B,T,N,H] and k, v [B,S,K,H]; got {q.shape=} {k.shape=} {v.shape=}"
+        )
+    B, T, N, H = q.shape
+    Bk, S, K, Hk = k.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [B,S,K,H]; got {k.shape=} {v.shape=}")
+    if Bk != B:
+        raise ValueError(f"batch mismatch: {q.shape=} {k.shape=}")
+    if Hk != H:
+        raise ValueError(f"head dim mismatch: {q.shape=} {k.shape=}")
+    if K == 0 or N % K != 0:
+        raise ValueError(f"{q.shape=} {k.shape=}: heads {N} not divisible by kv heads {K}")
+    return B, T, S, N, K, H
+
+
+def _check_slopes(alibi_slopes, B: int, N: int):
+    if alibi_slopes is None:
+        return None
+    slopes = jnp.asarray(alibi_slopes, jnp.float32)
+    if slopes.shape == (N,):
+        slopes = slopes[None, :]
+    if slopes.shape != (1, N) and slopes.shape != (B, N):
+        raise ValueError(f"alibi_slopes.shape={jnp.shape(alibi_slopes)} must be [N]=({N},) or [B, N]=({B}, {N})")
+    return slopes
+
+
+def attention_logits_bias(mask: MaskSpec, slopes, T: int, S: int):
+    """ALiBi bias ``-slope * |q_pos - k_pos|`` as fp32 ``[B|1, N, T, S]`` (positions from the mask)."""
+    qp = mask.q_positions(T, S)  # [B|1, T]
+    dist = jnp.abs(qp[:, None, :, None] - jnp.arange(S, dtype=jnp.int32)[None, None, None, :])
+    return -slopes[:, :, None, None] * dist.astype(jnp.float32)
+
+
+def xla_attention(q, k, v, *, mask: MaskSpec | None = None, bias=None, scale=None,
+                  alibi_slopes=None, softcap=None, return_weights: bool = False):
+    """Dense attention in plain jnp: the reference every fast path is compared with."""
+    B, T, S, N, K, H = check_qkv(q, k, v)
+    G = N // K
+    scale = 1.0 / math.sqrt(H) if scale is None else scale
+    mask = MaskSpec() if mask is None else mask
+    slopes = _check_slopes(alibi_slopes, B, N)
+
+    qg = q.reshape(B, T, K, G, H)
+    s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+    s = s.reshape(B, N, T, S) * jnp.float32(scale)
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    if bias is not None:
+        bias = jnp.asarray(bias, jnp.float32)
+        if bias.ndim > 4 or any(b not in (1, n) for b, n in zip(bias.shape[::-1], (S, T, N, B))):
+            raise ValueError(f"bias.shape={bias.shape} does not broadcast to [B,N,T,S]=({B}, {N}, {T}, {S})")
+        s = s + bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+    if slopes is not None:
+        s = s + attention_logits_bias(mask, slopes, T, S)
+
+    allowed = mask.dense(T, S)[:, None, :, :]  # [B|1, 1, T, S]
+    s = jnp.where(allowed, s, -jnp.inf)
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    w = p / jnp.where(denom == 0.0, 1.0, denom)  # fully masked rows: all zeros
+
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", w.reshape(B, K, G, T, S).astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    out = out.reshape(B, T, N, H).astype(q.dtype)
+    return (out, w) if return_weights else out
+
+
+def default_impl(T: int, S: int) -> str:
+    """What ``impl="auto"`` picks: Pallas on GPU/TPU; on CPU xla for short, blockwise for long."""
+    platform = jax.default_backend()
+    if platform in ("gpu", "tpu"):
+        return "pallas"
+    return "xla" if T * S <= 2048 * 2048 else "blockwise"
+
+
+def dot_product_attention(q, k, v, *, mask: MaskSpec | None = None, bias=None,
+                          scale: float | None = None, alibi_slopes=None,
+                          softcap: float | None = None, impl: Impl = "auto",
+                          return_weights: bool = False):
+    """Multi-head / grouped-query attention. See the module docstring for the exact semantics.
+
+    Args:
+      q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` with ``N % K == 0``.
+      mask: a :class:`MaskSpec` (None: no mask).
+      bias: additive logits bias broadcastable to ``[B, N, T, S]`` (xla only).
+      scale: logits scale, default ``1/sqrt(H)``.
+      alibi_slopes: ``[N]`` or ``[B, N]``; adds ``-slope * |q_pos - k_pos|``.
+      softcap: logit soft-capping value.
+      impl: "xla" | "blockwise" | "pallas" | "sparse" | "auto".
+      return_weights: also return the attention weights ``[B, N, T, S]`` (xla only).
+    """
+    B, T, S, N, K, H = check_qkv(q, k, v)
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+    mask = MaskSpec() if mask is None else mask
+    if not isinstance(mask, MaskSpec):
+        raise ValueError(f"mask must be a MaskSpec, got {type(mask).__name__}")
+    mask.validate(B, T, S)
+    if return_weights or bias is not None:
+        if impl not in ("auto", "xla"):
+            raise ValueError(f"impl={impl!r} supports neither bias nor return_weights; use impl='xla'")
+        impl = "xla"
+    if impl == "auto":
+        impl = default_impl(T, S)
+    kwargs = dict(mask=mask, scale=scale, alibi_slopes=alibi_slopes, softcap=softcap)
+    if impl == "xla":
+        return xla_attention(q, k, v, bias=bias, return_weights=return_weights, **kwargs)
+    if impl == "blockwise":
+        from jaxformer.ops.blockwise import blockwise_attention
+        return blockwise_attention(q, k, v, **kwargs)
+    if impl == "pallas":
+        from jaxformer.ops.flash import pallas_attention
+        return pallas_attention(q, k, v, **kwargs)
+    from jaxformer.ops.sparse import sparse_attention
+    return sparse_attention(q, k, v, **kwargs)

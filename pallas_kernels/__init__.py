@@ -1,0 +1,1 @@
+"""Pallas kernels for attention. Depends on jax alone (never jaxformer, flax, optax, orbax)."""

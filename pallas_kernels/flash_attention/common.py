@@ -1,0 +1,432 @@
+"""What both flash-attention kernels (GPU and TPU) mean by a mask, a block and a bad input.
+
+Positions: keys sit at ``0 .. S-1``; query ``i`` at ``q_offset + i`` with
+``q_offset=None`` meaning ``S - T`` (bottom-right aligned). Logit order, per
+tile: ``s = scale * q·k`` (fp32) -> ``softcap * tanh(s / softcap)`` ->
+``- slope * |q_pos - k_pos|`` (ALiBi) -> mask -> softmax.
+
+Masks combine with AND: ``causal`` (``k_pos <= q_pos``), ``window=(left, right)``
+(``q_pos - left <= k_pos <= q_pos + right``, ``None`` side unbounded), segment
+ids (equal ids only), ``kv_length`` (``k_pos < kv_length``) and the true key
+length ``S`` (padding added by the wrappers is never attended).
+
+A row with no allowed key has output 0 and stores ``lse = EMPTY_ROW_LSE``
+(``+inf``), so ``exp(s - lse) == 0`` in the backward pass and its gradients are 0.
+
+Block liveness (:func:`block_live`, :func:`kv_block_range`,
+:func:`q_block_range`) is computed from the static fields only, with the same
+math as ``jaxformer.ops.masks.MaskSpec.block_map`` (this package may not
+import jaxformer; the tests compare the two).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+EMPTY_ROW_LSE = float("inf")
+MAX_HEAD_DIM = 256
+BACKENDS = ("gpu", "tpu")
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+# --------------------------------------------------------------------------- block sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes. ``*_dkv`` / ``*_dq`` are the backward kernels' tiles; None means the forward ones."""
+
+    block_q: int
+    block_k: int
+    block_q_dkv: int | None = None
+    block_k_dkv: int | None = None
+    block_q_dq: int | None = None
+    block_k_dq: int | None = None
+
+    @classmethod
+    def default(cls, backend: str) -> "BlockSizes":
+        if backend == "gpu":
+            return cls(block_q=64, block_k=64, block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64)
+        if backend == "tpu":
+            return cls(block_q=512, block_k=512, block_q_dkv=512, block_k_dkv=512, block_q_dq=512, block_k_dq=512)
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+
+    def resolved(self) -> "BlockSizes":
+        """Fill the None backward sizes from the forward ones."""
+        return BlockSizes(
+            block_q=self.block_q,
+            block_k=self.block_k,
+            block_q_dkv=self.block_q if self.block_q_dkv is None else self.block_q_dkv,
+            block_k_dkv=self.block_k if self.block_k_dkv is None else self.block_k_dkv,
+            block_q_dq=self.block_q if self.block_q_dq is None else self.block_q_dq,
+            block_k_dq=self.block_k if self.block_k_dq is None else self.block_k_dq,
+        )
+
+    def clipped(self, T: int, S: int, minimum: int = 1) -> "BlockSizes":
+        """Shrink each q (k) tile to at most ``next_pow2(T)`` (``S``), never below ``minimum``."""
+        r = self.resolved()
+        cq = max(minimum, next_pow2(T))
+        ck = max(minimum, next_pow2(S))
+        return BlockSizes(
+            block_q=min(r.block_q, cq),
+            block_k=min(r.block_k, ck),
+            block_q_dkv=min(r.block_q_dkv, cq),
+            block_k_dkv=min(r.block_k_dkv, ck),
+            block_q_dq=min(r.block_q_dq, cq),
+            block_k_dq=min(r.block_k_dq, ck),
+        )
+
+    def as_dict(self) -> dict[str, int | None]:
+        return dataclasses.asdict(self)
+
+
+def check_block_sizes(block_sizes: BlockSizes, *, pow2: bool = True, minimum: int = 1,
+                      multiple_of: int = 1, H: int | None = None, itemsize: int | None = None,
+                      max_tile_bytes: int | None = None) -> BlockSizes:
+    """Validate (and resolve) block sizes; raise ValueError naming the bad field.
+
+    ``max_tile_bytes``: with ``H`` and ``itemsize``, reject tiles whose q, k, v
+    blocks plus the fp32 ``[block_q, block_k]`` logits do not fit this budget.
+    """
+    if not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes must be a BlockSizes, got {type(block_sizes).__name__}")
+    bs = block_sizes.resolved()
+    for name, value in bs.as_dict().items():
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"BlockSizes.{name}={value!r} must be a positive int")
+        if pow2 and not _is_pow2(int(value)):
+            raise ValueError(f"BlockSizes.{name}={value} must be a power of two")
+        if value < minimum:
+            raise ValueError(f"BlockSizes.{name}={value} is below the minimum {minimum} for this backend")
+        if value % multiple_of:
+            raise ValueError(f"BlockSizes.{name}={value} must be a multiple of {multiple_of} on this backend")
+    if max_tile_bytes is not None and H is not None and itemsize is not None:
+        for bq, bk, which in ((bs.block_q, bs.block_k, "forward"),
+                              (bs.block_q_dkv, bs.block_k_dkv, "dkv"),
+                              (bs.block_q_dq, bs.block_k_dq, "dq")):
+            need = (bq + 2 * bk) * H * itemsize + bq * bk * 4
+            if need > max_tile_bytes:
+                raise ValueError(
+                    f"{which} tiles block_q={bq}, block_k={bk} with head dim H={H} need {need} bytes, "
+                    f"more than the {max_tile_bytes} bytes this backend allows; use smaller blocks"
+                )
+    return bs
+
+
+# --------------------------------------------------------------------------- static mask params
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskParams:
+    """Static (hashable) mask and logit description with every default resolved.
+
+    ``q_len``/``kv_len`` are the true lengths T and S before any padding.
+    ``window`` is None or ``(left, right)`` with None sides unbounded; ``(None, None)`` becomes None.
+    """
+
+    q_len: int
+    kv_len: int
+    causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+    q_offset: int = 0
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @classmethod
+    def make(cls, T: int, S: int, H: int, *, causal: bool = False, window=None,
+             q_offset: int | None = None, scale: float | None = None,
+             softcap: float | None = None) -> "MaskParams":
+        window = check_window(window)
+        return cls(
+            q_len=int(T),
+            kv_len=int(S),
+            causal=bool(causal),
+            window=window,
+            q_offset=int(S - T) if q_offset is None else int(q_offset),
+            scale=float(1.0 / math.sqrt(H) if scale is None else scale),
+            softcap=None if softcap is None else float(softcap),
+        )
+
+
+def check_window(window) -> tuple[int | None, int | None] | None:
+    if window is None:
+        return None
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be (left, right), got {window!r}") from None
+    for side in (left, right):
+        if side is not None and (isinstance(side, bool) or not isinstance(side, (int, np.integer)) or side < 0):
+            raise ValueError(f"window sides must be non-negative ints or None, got {window!r}")
+    if left is None and right is None:
+        return None
+    return (None if left is None else int(left), None if right is None else int(right))
+
+
+# --------------------------------------------------------------------------- tiles (pure jnp)
+
+
+def tile_allowed(params: MaskParams, q_pos, k_pos, *, q_seg=None, kv_seg=None, kv_length=None,
+                 check_kv_len: bool = True):
+    """Boolean allowed tile from absolute positions.
+
+    ``q_pos`` int32 ``[bq, 1]`` (or ``[bq, bk]``), ``k_pos`` int32 ``[1, bk]`` (or ``[bq, bk]``);
+    ``q_seg``/``kv_seg`` broadcastable the same way; ``kv_length`` a scalar. ``check_kv_len``
+    masks ``k_pos >= S`` (wrapper padding); pass False when the kv axis is not padded.
+    Returns a bool array of the broadcast shape, or None when nothing can be masked.
+    """
+    conds = []
+    if params.causal:
+        conds.append(k_pos <= q_pos)
+    if params.window is not None:
+        left, right = params.window
+        if left is not None:
+            conds.append(k_pos >= q_pos - left)
+        if right is not None:
+            conds.append(k_pos <= q_pos + right)
+    if q_seg is not None:
+        conds.append(q_seg == kv_seg)
+    if kv_length is not None:
+        conds.append(k_pos < kv_length)
+    if check_kv_len:
+        conds.append(k_pos < params.kv_len)
+    if not conds:
+        return None
+    allowed = conds[0]
+    for c in conds[1:]:
+        allowed = jnp.logical_and(allowed, c)
+    return allowed
+
+
+def alibi_tile(slope, q_pos, k_pos):
+    """ALiBi bias tile ``-slope * |q_pos - k_pos|`` in fp32 (slope a scalar)."""
+    return -jnp.asarray(slope, jnp.float32) * jnp.abs(q_pos - k_pos).astype(jnp.float32)
+
+
+def tile_logits(params: MaskParams, qk, q_pos=None, k_pos=None, slope=None):
+    """``qk`` fp32 raw ``q·k`` tile -> (logits before masking, d logits / d qk).
+
+    The derivative is ``scale`` (a Python float) without softcap, else the tile
+    ``scale * (1 - tanh(s/softcap)^2)``. ALiBi needs ``q_pos``, ``k_pos`` and ``slope``.
+    """
+    s = qk * params.scale
+    dscale: Any = params.scale
+    if params.softcap is not None:
+        t = jnp.tanh(s / params.softcap)
+        s = params.softcap * t
+        dscale = params.scale * (1.0 - t * t)
+    if slope is not None:
+        s = s + alibi_tile(slope, q_pos, k_pos)
+    return s, dscale
+
+
+def mask_logits(s, allowed):
+    return s if allowed is None else jnp.where(allowed, s, -jnp.inf)
+
+
+def safe_max(m):
+    """A running max with -inf (empty so far) replaced by 0, so ``exp(s - m)`` never sees inf - inf."""
+    return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def finalize_lse(m, l):
+    """Row log-sum-exp from running max ``m`` and sum ``l``; empty rows get ``EMPTY_ROW_LSE``."""
+    return jnp.where(l == 0.0, EMPTY_ROW_LSE, safe_max(m) + jnp.log(jnp.where(l == 0.0, 1.0, l)))
+
+
+# --------------------------------------------------------------------------- block liveness
+
+
+def block_live(T: int, S: int, bq: int, bk: int, causal: bool, window, q_offset: int | None) -> np.ndarray:
+    """Static bool ``[ceil(T/bq), ceil(S/bk)]``: False where the block is certainly fully masked."""
+    offset = S - T if q_offset is None else int(q_offset)
+    window = check_window(window)
+    nq, nk = -(-T // bq), -(-S // bk)
+    q_lo = np.arange(nq)[:, None] * bq + offset
+    q_hi = np.minimum(np.arange(nq)[:, None] * bq + bq, T) - 1 + offset
+    k_lo = np.arange(nk)[None, :] * bk
+    k_hi = np.minimum(np.arange(nk)[None, :] * bk + bk, S) - 1
+    live = np.ones((nq, nk), bool)
+    if causal:
+        live &= k_lo <= q_hi
+    if window is not None:
+        left, right = window
+        if left is not None:
+            live &= k_hi >= q_lo - left
+        if right is not None:
+            live &= k_lo <= q_hi + right
+    return live
+
+
+def _div(a, b: int):
+    """Floor division of a non-negative int (Python or traced int32) by a positive Python int."""
+    if isinstance(a, (int, np.integer)):
+        return int(a) // b
+    return jax.lax.div(a, jnp.asarray(b, a.dtype))
+
+
+def _max(a, b):
+    if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
+        return max(int(a), int(b))
+    return jnp.maximum(a, b)
+
+
+def _min(a, b):
+    if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
+        return min(int(a), int(b))
+    return jnp.minimum(a, b)
+
+
+def _where(c, a, b):
+    if isinstance(c, (bool, np.bool_)):
+        return a if c else b
+    return jnp.where(c, a, b)
+
+
+def kv_block_range(params: MaskParams, qi, bq: int, bk: int):
+    """Live kv blocks of q block ``qi`` as ``[lo, hi)`` (``lo >= hi``: none). ``qi`` int or traced int32.
+
+    Equal to the True run of ``block_live(...)[qi]`` (live blocks form one run).
+    """
+    T, S, off = params.q_len, params.kv_len, params.q_offset
+    nk = -(-S // bk)
+    lo, hi = 0, nk
+    q_lo = qi * bq + off
+    q_hi = _min(qi * bq + bq, T) - 1 + off
+    last = None
+    if params.causal:
+        last = q_hi
+    if params.window is not None:
+        left, right = params.window
+        if right is not None:
+            last = q_hi + right if last is None else _min(last, q_hi + right)
+        if left is not None:
+            first = q_lo - left
+            lo = _where(first > S - 1, nk, _div(_max(first, 0), bk))
+    if last is not None:
+        hi = _min(hi, _div(_max(last, -1) + bk, bk))
+    return lo, hi
+
+
+def kv_unmasked_range(params: MaskParams, qi, bq: int, bk: int):
+    """Kv blocks ``[lo, hi)`` that causal, window and the key length ``S`` leave wholly allowed for q block ``qi``.
+
+    Inside it a kernel may skip the static mask (segments and kv lengths still apply).
+    May be empty or stick out of :func:`kv_block_range`; clamp to it.
+    """
+    T, S, off = params.q_len, params.kv_len, params.q_offset
+    lo, hi = 0, S // bk
+    q_lo = qi * bq + off
+    q_hi = _min(qi * bq + bq, T) - 1 + off
+    last = None  # every q row sees keys <= last
+    if params.causal:
+        last = q_lo
+    if params.window is not None:
+        left, right = params.window
+        if right is not None:
+            last = q_lo + right if last is None else _min(last, q_lo + right)
+        if left is not None:
+            lo = _div(_max(q_hi - left, 0) + bk - 1, bk)
+    if last is not None:
+        hi = _min(hi, _div(_max(last + 1, 0), bk))
+    return lo, hi
+
+
+def q_block_range(params: MaskParams, kj, bq: int, bk: int):
+    """Live q blocks of kv block ``kj`` as ``[lo, hi)``; the column counterpart of :func:`kv_block_range`."""
+    T, S, off = params.q_len, params.kv_len, params.q_offset
+    nq = -(-T // bq)
+    lo, hi = 0, nq
+    k_lo = kj * bk
+    k_hi = _min(kj * bk + bk, S) - 1
+    first = None  # smallest q position that may see this block
+    if params.causal:
+        first = k_lo
+    if params.window is not None:
+        left, right = params.window
+        if right is not None:
+            first = k_lo - right if first is None else _max(first, k_lo - right)
+        if left is not None:
+            last = k_hi + left - off
+            hi = _min(hi, _div(_max(last, -1) + bq, bq))
+    if first is not None:
+        rel = first - off
+        # block qi is live iff q_hi(qi) >= first, q_hi(qi) = min(qi*bq + bq, T) - 1 + off
+        lo = _where(rel > T - 1, nq, _div(_max(rel, 0), bq))
+    return lo, hi
+
+
+# --------------------------------------------------------------------------- input validation
+
+
+def check_inputs(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, kv_lengths=None,
+                 q_offset=None, alibi_slopes=None, softcap=None, scale=None,
+                 max_head_dim: int = MAX_HEAD_DIM) -> tuple[int, int, int, int, int, int]:
+    """Validate ``q [B,T,N,H]``, ``k, v [B,S,K,H]`` and the mask operands; return (B, T, S, N, K, H)."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"flash_attention expects q [B,T,N,H], k, v [B,S,K,H]; got {q.shape=} {k.shape=} {v.shape=}")
+    B, T, N, H = q.shape
+    _, S, K, _ = k.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {k.shape=} {v.shape=}")
+    if k.shape[0] != B or k.shape[3] != H:
+        raise ValueError(f"batch or head dim mismatch: {q.shape=} {k.shape=}")
+    if K == 0 or N % K:
+        raise ValueError(f"{q.shape=} {k.shape=}: heads {N} not divisible by kv heads {K}")
+    if T == 0 or S == 0 or B == 0:
+        raise ValueError(f"empty attention operands: {q.shape=} {k.shape=}")
+    if not 1 <= H <= max_head_dim:
+        raise ValueError(f"head dim H={H} is unsupported (must be 1..{max_head_dim}); {q.shape=}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+            raise ValueError(f"{name}.dtype={x.dtype} is unsupported; use float32, bfloat16 or float16")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype=} {k.dtype=} {v.dtype=}")
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("pass both q_segment_ids [B, T] and kv_segment_ids [B, S], or neither")
+    if q_segment_ids is not None:
+        if tuple(q_segment_ids.shape) != (B, T):
+            raise ValueError(f"q_segment_ids.shape={tuple(q_segment_ids.shape)} must be (B, T)=({B}, {T})")
+        if tuple(kv_segment_ids.shape) != (B, S):
+            raise ValueError(f"kv_segment_ids.shape={tuple(kv_segment_ids.shape)} must be (B, S)=({B}, {S})")
+        for name, x in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
+            if not jnp.issubdtype(x.dtype, jnp.integer):
+                raise ValueError(f"{name}.dtype={x.dtype} must be an integer type")
+    if kv_lengths is not None:
+        if tuple(jnp.shape(kv_lengths)) != (B,):
+            raise ValueError(f"kv_lengths.shape={tuple(jnp.shape(kv_lengths))} must be (B,)=({B},)")
+        if not jnp.issubdtype(jnp.asarray(kv_lengths).dtype, jnp.integer):
+            raise ValueError(f"kv_lengths.dtype={jnp.asarray(kv_lengths).dtype} must be an integer type")
+    if q_offset is not None and (isinstance(q_offset, bool) or not isinstance(q_offset, (int, np.integer))):
+        raise ValueError(
+            f"q_offset must be a static Python int or None (bottom-right, S - T), got {type(q_offset).__name__}; "
+            "for traced offsets use jaxformer.ops.blockwise"
+        )
+    if alibi_slopes is not None and tuple(jnp.shape(alibi_slopes)) not in ((N,), (B, N)):
+        raise ValueError(f"alibi_slopes.shape={tuple(jnp.shape(alibi_slopes))} must be (N,)=({N},) or (B, N)=({B}, {N})")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap={softcap!r} must be a positive float or None")
+    if scale is not None and not isinstance(scale, (int, float, np.floating)):
+        raise ValueError(f"scale={scale!r} must be a Python float or None")
+    return B, T, S, N, K, H
+
+
+def slopes_bn(alibi_slopes, B: int, N: int):
+    """ALiBi slopes as fp32 ``[B, N]`` (from ``[N]`` or ``[B, N]``), or None."""
+    if alibi_slopes is None:
+        return None
+    s = jnp.asarray(alibi_slopes, jnp.float32)
+    return jnp.broadcast_to(s.reshape((-1, N)), (B, N))

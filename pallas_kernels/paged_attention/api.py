@@ -1,0 +1,113 @@
+"""``paged_attention``: validation, split sizing, backend dispatch and the split-K merge."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention.reference import paged_attention_reference
+
+BACKENDS = ("auto", "gpu", "tpu", "reference")
+
+
+def merge_splits(acc, m, l):
+    """Log-sum-exp merge of per-split partials ``acc [B,K,S,G,H]``, ``m, l [B,K,S,G]`` -> ``[B,K,G,H]``.
+
+    Splits that saw no key have ``m = -inf, l = 0`` and drop out; a sequence with
+    no key at all gets zeros.
+    """
+    m_max = jnp.max(m, axis=2, keepdims=True)
+    m_max = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
+    w = jnp.exp(m - m_max)  # [B, K, S, G]
+    denom = jnp.sum(w * l, axis=2)  # [B, K, G]
+    num = jnp.sum(w[..., None] * acc, axis=2)  # [B, K, G, H]
+    return num / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+
+
+def _check(q, k_pages, v_pages, block_tables, lengths, alibi_slopes):
+    if q.ndim != 3 or k_pages.ndim != 4:
+        raise ValueError(f"paged_attention expects q [B,N,H] and pages [K,P,L,H]; got {q.shape=} {k_pages.shape=}")
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages and v_pages differ: {k_pages.shape=} {v_pages.shape=}")
+    B, N, H = q.shape
+    K, _, _, Hk = k_pages.shape
+    if Hk != H:
+        raise ValueError(f"head dim mismatch: {q.shape=} {k_pages.shape=}")
+    if K == 0 or N % K:
+        raise ValueError(f"{q.shape=} {k_pages.shape=}: heads {N} not divisible by kv heads {K}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"block_tables must be [B, M] with B={B}; got {block_tables.shape=}")
+    if jnp.shape(lengths) != (B,):
+        raise ValueError(f"lengths must be [B]=({B},); got {jnp.shape(lengths)=}")
+    if not jnp.issubdtype(block_tables.dtype, jnp.integer) or not jnp.issubdtype(jnp.asarray(lengths).dtype, jnp.integer):
+        raise ValueError(f"block_tables and lengths must be integer; got {block_tables.dtype=} {jnp.asarray(lengths).dtype=}")
+    if alibi_slopes is not None and jnp.shape(alibi_slopes) not in ((N,), (B, N)):
+        raise ValueError(f"alibi_slopes.shape={jnp.shape(alibi_slopes)} must be [N]=({N},) or [B, N]=({B}, {N})")
+
+
+def default_pages_per_split(M: int, B: int, K: int, num_splits: int | None, pages_per_split: int | None) -> int:
+    """Pages per split: from ``num_splits`` or ``pages_per_split``, else enough splits to give
+    the device ~128 parallel programs (flash-decoding), at least 8 pages each."""
+    if num_splits is not None and pages_per_split is not None:
+        raise ValueError(f"give num_splits={num_splits} or pages_per_split={pages_per_split}, not both")
+    if pages_per_split is not None:
+        if pages_per_split < 1:
+            raise ValueError(f"pages_per_split={pages_per_split} must be >= 1")
+        return min(pages_per_split, M)
+    if num_splits is None:
+        num_splits = max(1, min(-(-128 // (B * K)), M // 8))
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    return -(-M // min(num_splits, M))
+
+
+def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float | None = None,
+                    alibi_slopes=None, softcap: float | None = None, num_splits: int | None = None,
+                    pages_per_split: int | None = None, backend: str = "auto", interpret: bool = False):
+    """Decode attention of one query token per sequence against a paged KV cache.
+
+    Args:
+      q: ``[B, N, H]``, the token at position ``lengths[b] - 1``.
+      k_pages, v_pages: ``[K, P, L, H]`` page pools (``N % K == 0``).
+      block_tables: ``[B, M]`` int, page ids of each sequence's logical pages.
+      lengths: ``[B]`` int, tokens in each sequence (``<= M * L``; 0 gives zeros).
+      scale: logits scale, default ``1/sqrt(H)``.
+      alibi_slopes: ``[N]`` or ``[B, N]``; adds ``-slope * (lengths[b] - 1 - pos)``.
+      softcap: logit soft-capping, applied before ALiBi.
+      num_splits / pages_per_split: split-K over pages (at most one of the two).
+      backend: "gpu" (Triton), "tpu" (Mosaic), "reference", or "auto" (the kernel of
+        the default device; the reference on CPU unless ``interpret``).
+      interpret: run the kernel in Pallas interpret mode (CPU testing).
+    Returns:
+      ``[B, N, H]`` in ``q.dtype``.
+    """
+    _check(q, k_pages, v_pages, block_tables, lengths, alibi_slopes)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap} must be > 0")
+    B, N, H = q.shape
+    K = k_pages.shape[0]
+    G = N // K
+    M = block_tables.shape[1]
+    scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+    if backend == "auto":
+        platform = jax.default_backend()
+        backend = platform if platform in ("gpu", "tpu") else ("gpu" if interpret else "reference")
+    if backend == "reference":
+        return paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, scale=scale,
+                                         alibi_slopes=alibi_slopes, softcap=softcap)
+    pps = default_pages_per_split(M, B, K, num_splits, pages_per_split)
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = jnp.broadcast_to(jnp.asarray(alibi_slopes, jnp.float32), (B, N)).reshape(B, K, G)
+    if backend == "gpu":
+        from pallas_kernels.paged_attention.gpu import paged_attention_partials_gpu as partials
+    else:
+        from pallas_kernels.paged_attention.tpu import paged_attention_partials_tpu as partials
+    acc, m, l = partials(q.reshape(B, K, G, H), k_pages, v_pages, block_tables, jnp.asarray(lengths),
+                         slopes, scale=scale, softcap=None if softcap is None else float(softcap),
+                         pages_per_split=pps, interpret=interpret)
+    return merge_splits(acc, m, l).reshape(B, N, H).astype(q.dtype)

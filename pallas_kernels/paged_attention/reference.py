@@ -1,0 +1,59 @@
+"""Paged-attention decode, plain JAX: gather the pages through the block table, then einsum.
+
+The meaning every kernel in this package must match. One query token per
+sequence, sitting at position ``lengths[b] - 1``; keys at positions
+``0 .. lengths[b] - 1`` live in page ``block_tables[b, pos // L]`` at row
+``pos % L``. Logit order: ``scale * q·k`` (fp32) -> ``softcap * tanh(s / softcap)``
+-> ``- slope * (lengths[b] - 1 - pos)`` (ALiBi) -> mask ``pos < lengths[b]`` ->
+softmax. A sequence of length 0 gives a zero output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def gather_pages(pages, block_tables):
+    """``[K, P, L, H]`` pages and ``[B, M]`` tables -> contiguous ``[B, M*L, K, H]``."""
+    K, _, L, H = pages.shape
+    B, M = block_tables.shape
+    g = pages[:, block_tables]  # [K, B, M, L, H]
+    return jnp.transpose(g, (1, 2, 3, 0, 4)).reshape(B, M * L, K, H)
+
+
+def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
+                              alibi_slopes=None, softcap=None):
+    """``q [B, N, H]`` against paged ``k_pages, v_pages [K, P, L, H]`` -> ``[B, N, H]``.
+
+    ``alibi_slopes``: ``[N]`` or ``[B, N]``.
+    """
+    B, N, H = q.shape
+    K, _, L, _ = k_pages.shape
+    M = block_tables.shape[1]
+    G = N // K
+    scale = 1.0 / math.sqrt(H) if scale is None else scale
+    k = gather_pages(k_pages, block_tables)  # [B, S, K, H]
+    v = gather_pages(v_pages, block_tables)
+    S = M * L
+    s = jnp.einsum("BKGH,BSKH->BKGS", q.reshape(B, K, G, H), k,
+                   preferred_element_type=jnp.float32) * jnp.float32(scale)
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    pos = jnp.arange(S, dtype=jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if alibi_slopes is not None:
+        slopes = jnp.broadcast_to(jnp.asarray(alibi_slopes, jnp.float32), (B, N)).reshape(B, K, G, 1)
+        dist = (lengths[:, None] - 1 - pos[None, :]).astype(jnp.float32)  # [B, S]
+        s = s - slopes * dist[:, None, None, :]
+    valid = pos[None, :] < lengths[:, None]  # [B, S]
+    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    w = p / jnp.where(denom == 0.0, 1.0, denom)
+    out = jnp.einsum("BKGS,BSKH->BKGH", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(B, N, H).astype(q.dtype)

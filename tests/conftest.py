@@ -1,0 +1,26 @@
+"""Strict JAX for every test: rank promotion raises, 8 fake CPU devices, x64 available.
+
+Device count must be fixed before any backend initialises, so this runs at import.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_enable_x64", False)
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Compilation makes each example slow: few examples, no deadline.
+settings.register_profile(
+    "jaxformer",
+    max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "12")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=True,
+)
+settings.load_profile("jaxformer")

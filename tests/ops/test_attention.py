@@ -1,0 +1,207 @@
+"""dot_product_attention (xla path) against a float64 reference and the Transformer's known properties."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jaxformer.ops import MaskSpec, dot_product_attention
+
+
+def numpy_attention(q, k, v, allowed, *, scale=None, slopes=None, softcap=None, q_pos=None):
+    """Float64 numpy reference: K/V repeated to N heads, explicit softmax, masked rows -> 0."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    k = np.repeat(k, N // K, axis=2)
+    v = np.repeat(v, N // K, axis=2)
+    scale = 1 / math.sqrt(H) if scale is None else scale
+    s = np.einsum("btnh,bsnh->bnts", q, k) * scale
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    if slopes is not None:
+        qp = np.arange(T) + (S - T) if q_pos is None else q_pos
+        s = s - np.asarray(slopes, np.float64)[None, :, None, None] * np.abs(qp[:, None] - np.arange(S)[None, :])
+    allowed = np.broadcast_to(np.asarray(allowed)[:, None], s.shape)
+    s = np.where(allowed, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    p = np.exp(s - m)
+    d = p.sum(-1, keepdims=True)
+    w = p / np.where(d == 0, 1, d)
+    return np.einsum("bnts,bsnh->btnh", w, v)
+
+
+def rand(shape, seed):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+# fp32 attention vs float64 numpy: errors are O(1e-6); 2e-5 leaves room for accumulation order.
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+@given(B=st.integers(1, 2), T=st.integers(1, 9), S=st.integers(1, 9), K=st.sampled_from([1, 2]),
+       G=st.sampled_from([1, 3]), H=st.sampled_from([4, 8]), causal=st.booleans(),
+       use_window=st.booleans(), use_seg=st.booleans(), use_len=st.booleans(),
+       use_alibi=st.booleans(), softcap=st.sampled_from([None, 5.0]), seed=st.integers(0, 1000))
+def test_forward_matches_float64(B, T, S, K, G, H, causal, use_window, use_seg, use_len, use_alibi, softcap, seed):
+    N = K * G
+    rng = np.random.default_rng(seed)
+    q, k, v = rand((B, T, N, H), seed), rand((B, S, K, H), seed + 1), rand((B, S, K, H), seed + 2)
+    mask = MaskSpec(
+        causal=causal, window=(2, 1) if use_window else None,
+        q_segment_ids=rng.integers(0, 2, (B, T)) if use_seg else None,
+        kv_segment_ids=rng.integers(0, 2, (B, S)) if use_seg else None,
+        kv_lengths=rng.integers(0, S + 1, (B,)) if use_len else None,
+    )
+    slopes = rng.uniform(0.05, 1.0, (N,)).astype(np.float32) if use_alibi else None
+    attend = jax.jit(lambda q, k, v, mask, slopes: dot_product_attention(
+        q, k, v, mask=mask, alibi_slopes=slopes, softcap=softcap, impl="xla"))
+    out = attend(q, k, v, mask, slopes)
+    want = numpy_attention(q, k, v, mask.dense(T, S), slopes=slopes, softcap=softcap)
+    np.testing.assert_allclose(out, want, **TOL)
+    assert np.isfinite(np.asarray(out)).all()
+
+
+def test_gradients_match_float64_reference():
+    """Gradients of the fp32 path vs jax.grad of a float64 naive formulation (repeat K/V, jax.nn.softmax)."""
+    B, T, S, N, K, H = 2, 6, 8, 4, 2, 8
+    q, k, v = rand((B, T, N, H), 0), rand((B, S, K, H), 1), rand((B, S, K, H), 2)
+    mask = MaskSpec(causal=True, kv_lengths=np.array([8, 5]))
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+    allowed = np.asarray(mask.dense(T, S))
+    ct = rand((B, T, N, H), 3)
+
+    def ours(q, k, v):
+        return jnp.sum(dot_product_attention(q, k, v, mask=mask, alibi_slopes=slopes, impl="xla") * ct)
+
+    with jax.enable_x64(True):
+        def naive(q, k, v):
+            kr, vr = jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2)
+            s = jnp.einsum("btnh,bsnh->bnts", q, kr) / math.sqrt(H)
+            dist = jnp.abs((jnp.arange(T) + S - T)[:, None] - jnp.arange(S)[None, :])
+            s = s - jnp.asarray(slopes, jnp.float64)[None, :, None, None] * dist[None, None]
+            w = jax.nn.softmax(jnp.where(allowed[:, None], s, -1e30), axis=-1)
+            return jnp.sum(jnp.einsum("bnts,bsnh->btnh", w, vr) * jnp.asarray(ct, jnp.float64))
+
+        want = jax.grad(naive, argnums=(0, 1, 2))(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
+    got = jax.grad(ours, argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, np.asarray(w), rtol=1e-4, atol=1e-5)  # fp32 backward vs fp64
+
+
+def test_fully_masked_rows_are_zero_with_zero_gradients():
+    B, T, S, N, H = 1, 4, 4, 2, 4
+    q, k, v = rand((B, T, N, H), 0), rand((B, S, N, H), 1), rand((B, S, N, H), 2)
+    # query 0 has segment 7, which no key has: its row is fully masked.
+    mask = MaskSpec(q_segment_ids=np.array([[7, 1, 1, 1]]), kv_segment_ids=np.array([[1, 1, 1, 1]]))
+    out = dot_product_attention(q, k, v, mask=mask, impl="xla")
+    assert np.all(np.asarray(out[:, 0]) == 0)
+    dq, dk, dv = jax.grad(lambda q, k, v: jnp.sum(dot_product_attention(q, k, v, mask=mask, impl="xla")),
+                          argnums=(0, 1, 2))(q, k, v)
+    for g in (dq, dk, dv):
+        assert np.isfinite(np.asarray(g)).all()
+    assert np.all(np.asarray(dq[:, 0]) == 0)
+
+
+def test_softmax_rows_sum_to_one():
+    q, k, v = rand((2, 5, 4, 8), 0), rand((2, 7, 4, 8), 1), rand((2, 7, 4, 8), 2)
+    _, w = dot_product_attention(q, k, v, mask=MaskSpec(causal=True), return_weights=True)
+    np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, atol=1e-6)
+
+
+def test_permutation_equivariance_without_positions():
+    """Swapping two tokens (queries and keys together) swaps the outputs: attention has no notion of order."""
+    x = rand((1, 6, 2, 8), 0)
+    perm = np.array([0, 4, 2, 3, 1, 5])
+    out = dot_product_attention(x, x, x, impl="xla")
+    out_p = dot_product_attention(x[:, perm], x[:, perm], x[:, perm], impl="xla")
+    np.testing.assert_allclose(out_p, out[:, perm], atol=1e-6)
+
+
+def test_scaling_keeps_score_variance_near_one():
+    """q, k ~ N(0, 1): q.k has variance H; the default 1/sqrt(H) scaling brings it to ~1."""
+    H = 64
+    q, k = rand((1, 256, 1, H), 0), rand((1, 512, 1, H), 1)
+    raw = jnp.einsum("BTNH,BSNH->BNTS", q, k)
+    _, w = dot_product_attention(q, k, jnp.zeros_like(k), return_weights=True)
+    # the weights the library computes are the softmax of raw/sqrt(H): recover its logits up to a row constant
+    logits = jnp.log(w)
+    logits = logits - logits.mean(-1, keepdims=True)
+    np.testing.assert_allclose(logits, (raw - raw.mean(-1, keepdims=True)) / math.sqrt(H), atol=1e-3)
+    assert 0.85 < float(jnp.var(raw / math.sqrt(H))) < 1.15
+    assert 0.85 * H < float(jnp.var(raw)) < 1.15 * H
+
+
+def test_causal_output_ignores_future_tokens():
+    q, k, v = rand((1, 8, 2, 4), 0), rand((1, 8, 2, 4), 1), rand((1, 8, 2, 4), 2)
+    t = 4
+    k2 = k.at[:, t + 1:].set(rand((1, 3, 2, 4), 9))
+    v2 = v.at[:, t + 1:].set(rand((1, 3, 2, 4), 8))
+    mask = MaskSpec(causal=True)
+    a = dot_product_attention(q, k, v, mask=mask)
+    b = dot_product_attention(q, k2, v2, mask=mask)
+    np.testing.assert_array_equal(a[:, :t + 1], b[:, :t + 1])
+    assert not np.allclose(a[:, t + 1:], b[:, t + 1:])
+
+
+def test_gqa_equals_mha_with_repeated_kv():
+    q, k, v = rand((2, 5, 6, 8), 0), rand((2, 5, 2, 8), 1), rand((2, 5, 2, 8), 2)
+    gqa = dot_product_attention(q, k, v, mask=MaskSpec(causal=True))
+    mha = dot_product_attention(q, jnp.repeat(k, 3, axis=2), jnp.repeat(v, 3, axis=2), mask=MaskSpec(causal=True))
+    np.testing.assert_allclose(gqa, mha, atol=1e-6)
+
+
+def test_matches_jax_nn_dot_product_attention():
+    """A second, external oracle: JAX's own reference implementation."""
+    q, k, v = rand((2, 7, 4, 16), 0), rand((2, 7, 2, 16), 1), rand((2, 7, 2, 16), 2)
+    ours = dot_product_attention(q, k, v, mask=MaskSpec(causal=True))
+    theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
+def test_bias_is_added_to_logits():
+    q, k, v = rand((1, 3, 2, 4), 0), rand((1, 5, 2, 4), 1), rand((1, 5, 2, 4), 2)
+    bias = np.asarray(rand((1, 2, 3, 5), 3))
+    out = dot_product_attention(q, k, v, bias=bias)
+    s = np.einsum("btnh,bsnh->bnts", np.asarray(q, np.float64), np.asarray(k, np.float64)) / 2 + bias
+    w = np.exp(s - s.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    np.testing.assert_allclose(out, np.einsum("bnts,bsnh->btnh", w, np.asarray(v, np.float64)), atol=1e-5)
+
+
+def test_jit_and_bf16():
+    q, k, v = (rand(s, i).astype(jnp.bfloat16) for i, s in enumerate([(1, 16, 4, 8), (1, 16, 2, 8), (1, 16, 2, 8)]))
+    out = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, mask=MaskSpec(causal=True)))(q, k, v)
+    assert out.dtype == jnp.bfloat16
+    want = numpy_attention(q, k, v, MaskSpec(causal=True).dense(16, 16))
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=3e-2)  # bf16 inputs/outputs: ~2^-8 relative
+
+
+@pytest.mark.parametrize("shapes, match", [
+    (((1, 4, 6, 8), (1, 4, 4, 8), (1, 4, 4, 8)), r"heads 6 not divisible by kv heads 4"),
+    (((1, 4, 4, 8), (1, 4, 2, 16), (1, 4, 2, 16)), r"head dim mismatch"),
+    (((1, 4, 4, 8), (2, 4, 2, 8), (2, 4, 2, 8)), r"batch mismatch"),
+    (((1, 4, 4, 8), (1, 4, 2, 8), (1, 5, 2, 8)), r"k and v must have the same shape"),
+    (((4, 4, 8), (1, 4, 2, 8), (1, 4, 2, 8)), r"q \[B,T,N,H\]"),
+])
+def test_bad_shapes(shapes, match):
+    q, k, v = (jnp.zeros(s) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        dot_product_attention(q, k, v)
+
+
+def test_bad_mask_and_impl():
+    q = k = v = jnp.zeros((2, 4, 2, 8))
+    with pytest.raises(ValueError, match=r"q_segment_ids.shape=\(2, 3\)"):
+        dot_product_attention(q, k, v, mask=MaskSpec(q_segment_ids=np.zeros((2, 3))))
+    with pytest.raises(ValueError, match="impl='cuda'"):
+        dot_product_attention(q, k, v, impl="cuda")
+    with pytest.raises(ValueError, match=r"alibi_slopes.shape=\(3,\)"):
+        dot_product_attention(q, k, v, alibi_slopes=np.ones(3))
+    with pytest.raises(ValueError, match=r"bias.shape=\(3, 3\)"):
+        dot_product_attention(q, k, v, bias=np.ones((3, 3)))

@@ -1,0 +1,168 @@
+"""Paged-attention decode kernels (interpret mode) vs the gather+einsum reference, and the
+reference vs jaxformer's dense xla_attention on the gathered cache."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxformer.ops.attention import xla_attention
+from jaxformer.ops.masks import MaskSpec
+from pallas_kernels.paged_attention import gather_pages, paged_attention, paged_attention_reference
+
+
+def make_case(seed, *, B=4, N=4, K=2, H=16, L=4, M=5, P=None, dtype=jnp.float32, lengths=None):
+    """Random pools, block tables over shuffled pages (no page shared), lengths 1..M*L."""
+    rng = np.random.default_rng(seed)
+    P = P or B * M + 3
+    q = jnp.asarray(rng.normal(size=(B, N, H)), dtype)
+    kp = jnp.asarray(rng.normal(size=(K, P, L, H)), dtype)
+    vp = jnp.asarray(rng.normal(size=(K, P, L, H)), dtype)
+    tables = jnp.asarray(rng.permutation(P)[: B * M].reshape(B, M), jnp.int32)
+    if lengths is None:
+        # on a page boundary, just past one, the full table, and anything
+        lengths = [L, L + 1, M * L, int(rng.integers(1, M * L + 1))][:B]
+        lengths = rng.permutation(lengths + [1] * (B - len(lengths)))
+    slopes = jnp.asarray(rng.uniform(0.05, 1.0, size=(N,)), jnp.float32)
+    return q, kp, vp, tables, jnp.asarray(lengths, jnp.int32), slopes
+
+
+# fp32 kernels vs fp32 reference: online softmax reorders the sums, 1e-5 covers it.
+TOL32 = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_kernel_matches_reference_random_tables(backend):
+    """Same shapes (one compile), several random draws of tables and lengths; GQA 2:1,
+    ALiBi and softcap on, split-K with a ragged last split (M=5, 2 pages per split)."""
+    for seed in range(3):
+        q, kp, vp, tables, lengths, slopes = make_case(seed)
+        kw = dict(alibi_slopes=slopes, softcap=3.0, scale=0.3)
+        want = paged_attention_reference(q, kp, vp, tables, lengths, **kw)
+        got = paged_attention(q, kp, vp, tables, lengths, backend=backend, interpret=True,
+                              pages_per_split=2, **kw)
+        np.testing.assert_allclose(got, want, **TOL32, err_msg=f"seed {seed} lengths {lengths}")
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_kernel_mqa_one_split_and_unused_pages_never_read(backend):
+    """MQA (K=1, G=4), a single split. Table entries past each sequence's last page point at a
+    NaN page and all pages outside the tables hold NaN: the kernel must read neither."""
+    q, kp, vp, tables, lengths, _ = make_case(7, K=1, L=8, M=3, lengths=[1, 8, 9, 24])
+    want = paged_attention_reference(q, kp, vp, tables, lengths)
+    used = np.zeros(kp.shape[1], bool)
+    t = np.asarray(tables).copy()
+    for b, n in enumerate(np.asarray(lengths)):
+        used[t[b, : -(-n // 8)]] = True
+    nan_page = int(np.flatnonzero(~used)[0])
+    for b, n in enumerate(np.asarray(lengths)):
+        t[b, -(-n // 8):] = nan_page
+    kp = kp.at[:, ~used].set(jnp.nan)
+    vp = vp.at[:, ~used].set(jnp.nan)
+    got = paged_attention(q, kp, vp, jnp.asarray(t), lengths, backend=backend, interpret=True, num_splits=1)
+    np.testing.assert_allclose(got, want, **TOL32)
+
+
+def test_tpu_kernel_under_force_tpu_interpret_mode():
+    q, kp, vp, tables, lengths, slopes = make_case(3, B=2, N=2, K=2, M=3, lengths=[5, 12])
+    want = paged_attention_reference(q, kp, vp, tables, lengths, alibi_slopes=slopes)
+    with pltpu.force_tpu_interpret_mode():
+        got = paged_attention(q, kp, vp, tables, lengths, alibi_slopes=slopes, backend="tpu", num_splits=3)
+    np.testing.assert_allclose(got, want, **TOL32)
+
+
+def test_gpu_kernel_bf16_and_zero_length():
+    """bf16 pages against the fp32 reference on the same bf16 values; length 0 gives zeros."""
+    q, kp, vp, tables, lengths, slopes = make_case(11, B=3, N=8, K=2, lengths=[0, 7, 20], dtype=jnp.bfloat16)
+    want = paged_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32), vp.astype(jnp.float32),
+                                     tables, lengths, alibi_slopes=slopes)
+    got = paged_attention(q, kp, vp, tables, lengths, alibi_slopes=slopes, backend="gpu", interpret=True)
+    assert got.dtype == jnp.bfloat16
+    # bf16 probabilities before the p@v product and a bf16 output: ~3 significant digits.
+    np.testing.assert_allclose(got.astype(jnp.float32), want, atol=2e-2, rtol=2e-2)
+    assert np.all(np.asarray(got[0]) == 0)
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    B=st.integers(1, 3),
+    K=st.sampled_from([1, 2]),
+    G=st.sampled_from([1, 3]),
+    L=st.sampled_from([1, 4, 8]),
+    M=st.integers(1, 4),
+    alibi=st.booleans(),
+    softcap=st.sampled_from([None, 2.0]),
+)
+def test_reference_matches_dense_attention_on_gathered_cache(seed, B, K, G, L, M, alibi, softcap):
+    """Independent check of the reference: the query at position length-1 under
+    MaskSpec(causal, q_offset=length-1, kv_lengths=length) in xla_attention."""
+    rng = np.random.default_rng(seed)
+    N, H, P = K * G, 8, B * M + 2
+    q = jnp.asarray(rng.normal(size=(B, N, H)), jnp.float32)
+    kp = jnp.asarray(rng.normal(size=(K, P, L, H)), jnp.float32)
+    vp = jnp.asarray(rng.normal(size=(K, P, L, H)), jnp.float32)
+    tables = jnp.asarray(rng.permutation(P)[: B * M].reshape(B, M), jnp.int32)
+    lengths = jnp.asarray(rng.integers(1, M * L + 1, size=B), jnp.int32)
+    slopes = jnp.asarray(rng.uniform(0.1, 1.0, size=(N,)), jnp.float32) if alibi else None
+    got = paged_attention_reference(q, kp, vp, tables, lengths, alibi_slopes=slopes, softcap=softcap)
+    # gather with numpy, independent of gather_pages
+    k = np.stack([np.concatenate([np.asarray(kp)[:, p] for p in row], axis=1) for row in np.asarray(tables)])
+    v = np.stack([np.concatenate([np.asarray(vp)[:, p] for p in row], axis=1) for row in np.asarray(tables)])
+    k, v = np.transpose(k, (0, 2, 1, 3)), np.transpose(v, (0, 2, 1, 3))  # [B, S, K, H]
+    mask = MaskSpec(causal=True, q_offset=lengths - 1, kv_lengths=lengths)
+    want = xla_attention(q[:, None], jnp.asarray(k), jnp.asarray(v), mask=mask, alibi_slopes=slopes,
+                         softcap=softcap)[:, 0]
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(gather_pages(kp, tables), k)
+
+
+def test_reference_against_float64_numpy():
+    q, kp, vp, tables, lengths, slopes = make_case(5, B=2, N=4, K=2, M=2, lengths=[3, 8])
+    got = paged_attention_reference(q, kp, vp, tables, lengths, alibi_slopes=slopes, softcap=2.5, scale=0.7)
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, kp, vp))
+    for b in range(2):
+        n = int(lengths[b])
+        pages = np.asarray(tables[b])
+        for h in range(4):
+            kh = h // 2
+            keys = np.concatenate([kn[kh, p] for p in pages])[:n]
+            vals = np.concatenate([vn[kh, p] for p in pages])[:n]
+            s = 0.7 * keys @ qn[b, h]
+            s = 2.5 * np.tanh(s / 2.5) - float(slopes[h]) * (n - 1 - np.arange(n))
+            w = np.exp(s - s.max())
+            np.testing.assert_allclose(got[b, h], (w / w.sum()) @ vals, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs_raise_value_error():
+    q, kp, vp, tables, lengths, slopes = make_case(0)
+    with pytest.raises(ValueError, match="not divisible by kv heads"):
+        paged_attention(q[:, :3], kp, vp, tables, lengths)
+    with pytest.raises(ValueError, match="head dim mismatch"):
+        paged_attention(q[..., :8], kp, vp, tables, lengths)
+    with pytest.raises(ValueError, match="k_pages and v_pages differ"):
+        paged_attention(q, kp, vp[:, :3], tables, lengths)
+    with pytest.raises(ValueError, match=r"block_tables must be \[B, M\]"):
+        paged_attention(q, kp, vp, tables[:2], lengths)
+    with pytest.raises(ValueError, match=r"lengths must be \[B\]"):
+        paged_attention(q, kp, vp, tables, lengths[:2])
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        paged_attention(q, kp, vp, tables, lengths, alibi_slopes=slopes[:3])
+    with pytest.raises(ValueError, match="backend"):
+        paged_attention(q, kp, vp, tables, lengths, backend="cuda")
+    with pytest.raises(ValueError, match="not both"):
+        paged_attention(q, kp, vp, tables, lengths, num_splits=2, pages_per_split=2, backend="gpu")
+    with pytest.raises(ValueError, match="integer"):
+        paged_attention(q, kp, vp, tables.astype(jnp.float32), lengths)
+
+
+def test_auto_backend_on_cpu_is_reference_and_scale_default():
+    q, kp, vp, tables, lengths, _ = make_case(2)
+    got = paged_attention(q, kp, vp, tables, lengths)
+    want = paged_attention_reference(q, kp, vp, tables, lengths, scale=1 / math.sqrt(q.shape[-1]))
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(got, want)
