@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxformer.nn.params import as_dtype, normal, param, zeros
+from jaxformer.nn.params import add_bias, as_dtype, normal, param, zeros
 from jaxformer.ops.attention import dot_product_attention
 from jaxformer.ops.masks import MaskSpec
 from jaxformer.ops.positional import RopeScaling, alibi_slopes, apply_rope
@@ -110,7 +110,7 @@ class Attention(nnx.Module):
 
     def _project(self, x, w, b, spec):
         y = jnp.einsum(spec, x.astype(self.dtype), w[...].astype(self.dtype))
-        return y if b is None else y + b[...].astype(self.dtype)
+        return add_bias(y, b, self.dtype)
 
     def __call__(self, x, context=None, *, positions=None, kv_positions=None,
                  mask: MaskSpec | None = None, cache: KVCacheLayer | None = None):
@@ -156,6 +156,5 @@ class Attention(nnx.Module):
             o = dot_product_attention(q, k, v, mask=mask, scale=scale, alibi_slopes=slopes,
                                       softcap=self.softcap, impl=self.impl)
         y = jnp.einsum("BTNH,NHD->BTD", o.astype(self.dtype), self.w_o[...].astype(self.dtype))
-        if self.b_o is not None:
-            y = y + self.b_o[...].astype(self.dtype)
+        y = add_bias(y, self.b_o, self.dtype)
         return y if cache is None else (y, new_cache)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxformer.nn.params import as_dtype, normal, param, zeros
+from jaxformer.nn.params import add_bias, as_dtype, normal, param, zeros
 from jaxformer.ops.activations import activation_fn, geglu, is_gated, swiglu
 
 _GLU = {"swiglu": swiglu, "geglu": geglu}
@@ -14,7 +14,7 @@ _GLU = {"swiglu": swiglu, "geglu": geglu}
 def dense(x, w, b, dtype):
     """``x [..., I] @ w [I, O] (+ b [O])`` in ``dtype``."""
     y = jnp.einsum("...i,io->...o", x.astype(dtype), w[...].astype(dtype))
-    return y if b is None else y + b[...].astype(dtype)
+    return add_bias(y, b, dtype)
 
 
 class MLP(nnx.Module):

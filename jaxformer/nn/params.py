@@ -66,6 +66,14 @@ def ones(key, shape, dtype):
     return jnp.ones(shape, dtype)
 
 
+def add_bias(y, b, dtype):
+    """``y [..., *b.shape] + b`` (explicit broadcasting), or ``y`` when ``b`` is None."""
+    if b is None:
+        return y
+    b = b[...].astype(dtype)
+    return y + b.reshape((1,) * (y.ndim - b.ndim) + b.shape)
+
+
 def _eager() -> bool:
     return bool(
         nnx.using_eager_sharding() and meta.global_mesh_defined() and core_spmd.get_logical_axis_rules()

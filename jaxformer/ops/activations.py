@@ -7,6 +7,7 @@ A gated FFN computes ``act(x W_gate) * (x W_up)``; :func:`activation_fn` returns
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable
 
 import jax
@@ -22,8 +23,17 @@ def relu(x):
 
 
 def gelu(x, approximate: bool = False):
-    """``x * Phi(x)`` exactly (erf), or with the tanh approximation of Hendrycks & Gimpel."""
-    return jax.nn.gelu(x, approximate=approximate)
+    """``x * Phi(x)`` exactly (erf), or with the tanh approximation of Hendrycks & Gimpel.
+
+    Written as ``0.5 x erfc(-x / sqrt 2)`` and ``x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))``
+    (= ``0.5 x (1 + tanh(...))``): same functions, no cancellation in ``1 + erf`` /
+    ``1 + tanh`` for negative ``x``, so the tail keeps full relative precision.
+    """
+    x = jnp.asarray(x)
+    if approximate:
+        u = math.sqrt(2.0 / math.pi) * (x + 0.044715 * (x * x * x))
+        return x * jax.nn.sigmoid(2.0 * u)
+    return 0.5 * x * jax.lax.erfc(-x * (1.0 / math.sqrt(2.0)))
 
 
 def silu(x):

@@ -3,7 +3,8 @@
 Every attention path (dense XLA, blockwise, Pallas flash, sparse, paged decode)
 takes its meaning from a :class:`MaskSpec`. :meth:`MaskSpec.dense` is the
 reference: a boolean ``[B or 1, T, S]`` matrix, ``True`` where query ``i`` may
-attend to key ``j``. Fast paths derive their block-level skipping from
+attend to key ``j`` (:meth:`MaskSpec.dense_heads` adds a heads axis, needed only
+for per-head random blocks). Fast paths derive their block-level skipping from
 :meth:`MaskSpec.block_map`, which is computed from the same fields, so skipping
 work never changes meaning.
 
@@ -14,20 +15,43 @@ causal mask. That is what chunked prefill and decode need; for ``T == S`` it is
 the usual lower-triangular mask. ``q_offset`` may be a Python int (static; block
 skipping can use it) or an int array ``[B]`` (per-sequence, traced).
 
-Fields, all combined with AND:
+Hard constraints, combined with AND:
 
 * ``causal``: key position <= query position.
-* ``window=(left, right)``: ``q_pos - left <= k_pos <= q_pos + right``; either
-  side may be ``None`` (unbounded). With ``causal`` only ``left`` matters.
 * ``q_segment_ids [B, T]`` / ``kv_segment_ids [B, S]``: attend only within the
   same segment (packed documents). If only ``q_segment_ids`` is given and
   ``T == S`` the same ids are used for keys.
 * ``kv_lengths [B]``: keys at positions ``>= kv_lengths[b]`` are padding.
+
+The local band and the sparse patterns that widen it (Longformer, BigBird)::
+
+    allowed = causal AND segments AND lengths AND (band OR global_q OR global_k OR random)
+
+* ``window=(left, right)``, the band: ``q_pos - left <= k_pos <= q_pos + right``;
+  either side may be ``None`` (unbounded). Without a window the band is
+  everything, so the patterns below only matter together with a window. With
+  ``causal`` only ``left`` matters.
+* ``global_tokens``: static absolute positions, ``[g]`` (every sequence) or
+  ``[B, g]`` (per sequence; ``-1`` pads rows of unequal length). Key ``p`` is
+  global when ``p`` is listed (and ``p < S``): every query may see it. The query
+  at position ``q_offset + i == p`` is global: it may see every key. Positions
+  are absolute, as everywhere here: with ``T != S`` or an offset, a chunk holds
+  a global query only if its position range covers ``p``, and a global key is
+  seen by every query once ``p < S``. ``causal`` still applies: a global query
+  of a causal mask sees every *earlier* key.
+* ``random_blocks=RandomBlocks(num_blocks, block_size, seed, num_heads)``
+  (BigBird): query block ``q_pos // block_size`` also sees ``num_blocks``
+  distinct key blocks ``k_pos // block_size`` out of ``ceil(S / block_size)``,
+  chosen by a hash of (seed, head, query block, key block): the draw does not
+  depend on ``T`` or ``q_offset``, only on ``S``. One pattern shared by all heads
+  (``num_heads=None``) or one per query head (``num_heads=N``). Needs a static
+  ``q_offset``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -39,6 +63,103 @@ def _shape(x: Any) -> tuple[int, ...] | None:
     return None if x is None else tuple(np.shape(x))
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+# --------------------------------------------------------------------------- BigBird random blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomBlocks:
+    """BigBird random attention: each query block also sees ``num_blocks`` random key blocks.
+
+    ``block_size`` cuts absolute positions into blocks; ``seed`` fixes the draw;
+    ``num_heads=None`` shares one pattern across heads, ``num_heads=N`` draws one
+    per query head (then it must equal the query's ``N``).
+    """
+
+    num_blocks: int
+    block_size: int
+    seed: int = 0
+    num_heads: int | None = None
+
+    def __post_init__(self):
+        for name, low in (("num_blocks", 0), ("block_size", 1), ("seed", 0), ("num_heads", 1)):
+            value = getattr(self, name)
+            if name == "num_heads" and value is None:
+                continue
+            if not _is_int(value) or value < low:
+                raise ValueError(f"RandomBlocks.{name}={value!r} must be an int >= {low}")
+            object.__setattr__(self, name, int(value))
+
+    @property
+    def heads(self) -> int:
+        """Number of distinct patterns: 1 when shared, else ``num_heads``."""
+        return 1 if self.num_heads is None else self.num_heads
+
+    def table(self, rb_lo: int, rb_hi: int, nkb: int) -> np.ndarray:
+        """Random key blocks of query blocks ``rb_lo .. rb_hi-1``: int ``[heads, rb_hi-rb_lo, min(num_blocks, nkb)]``."""
+        return _random_table(self, int(rb_lo), int(rb_hi), int(nkb))
+
+    def membership(self, rb_lo: int, rb_hi: int, nkb: int) -> np.ndarray:
+        """Bool ``[heads, rb_hi-rb_lo, nkb]``: True where the query block sees the key block."""
+        tbl = self.table(rb_lo, rb_hi, nkb)
+        member = np.zeros(tbl.shape[:2] + (nkb,), bool)
+        np.put_along_axis(member, tbl, True, axis=-1)
+        return member
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _u64(values) -> np.ndarray:
+    return np.atleast_1d(np.asarray(values, np.int64)).astype(np.uint64)
+
+
+@functools.lru_cache(maxsize=64)
+def _random_table(rb: RandomBlocks, rb_lo: int, rb_hi: int, nkb: int) -> np.ndarray:
+    heads = _u64(np.arange(rb.heads))[:, None, None]
+    qblocks = _u64(np.arange(rb_lo, rb_hi))[None, :, None]
+    kblocks = _u64(np.arange(nkb))[None, None, :]
+    score = _mix64(_mix64(_mix64(_mix64(_u64(rb.seed)) ^ heads) ^ qblocks) ^ kblocks)
+    r = min(rb.num_blocks, nkb)
+    tbl = np.sort(np.argsort(score, axis=-1, kind="stable")[..., :r], axis=-1).astype(np.int32)
+    tbl.setflags(write=False)
+    return tbl
+
+
+def _normalize_globals(value) -> tuple[tuple[int, ...], ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError("MaskSpec.global_tokens must be static positions (a list, tuple or numpy array), "
+                         "not a traced array")
+    arr = np.asarray(value)
+    if arr.ndim not in (1, 2) or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"MaskSpec.global_tokens must be int positions [g] or [B, g]; got shape {arr.shape} "
+                         f"dtype {arr.dtype}")
+    if arr.size == 0:
+        return None
+    arr = arr.reshape(-1, arr.shape[-1]) if arr.ndim == 2 else arr[None, :]
+    rows = [np.unique(row[row >= 0]) for row in arr]
+    width = max(len(row) for row in rows)
+    if width == 0:
+        return None
+    return tuple(tuple(int(p) for p in row) + (-1,) * (width - len(row)) for row in rows)
+
+
+# --------------------------------------------------------------------------- MaskSpec
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class MaskSpec:
@@ -47,6 +168,8 @@ class MaskSpec:
     q_segment_ids: Any = None
     kv_segment_ids: Any = None
     kv_lengths: Any = None
+    global_tokens: Any = None
+    random_blocks: RandomBlocks | None = None
     q_offset: Any = None
 
     def __post_init__(self):
@@ -59,8 +182,11 @@ class MaskSpec:
                         f"MaskSpec.window sides must be non-negative ints or None, got {self.window!r}"
                     )
             object.__setattr__(self, "window", tuple(None if s is None else int(s) for s in self.window))
+        object.__setattr__(self, "global_tokens", _normalize_globals(self.global_tokens))
+        if self.random_blocks is not None and not isinstance(self.random_blocks, RandomBlocks):
+            raise ValueError(f"MaskSpec.random_blocks must be a RandomBlocks, got {type(self.random_blocks).__name__}")
 
-    # -- pytree: arrays are children; bools, windows and int offsets are static.
+    # -- pytree: arrays are children; bools, windows, patterns and int offsets are static.
     def tree_flatten(self):
         static_offset = self.q_offset is None or isinstance(self.q_offset, (int, np.integer))
         children = (
@@ -69,12 +195,13 @@ class MaskSpec:
             self.kv_lengths,
             None if static_offset else self.q_offset,
         )
-        aux = (self.causal, self.window, self.q_offset if static_offset else None, static_offset)
+        aux = (self.causal, self.window, self.q_offset if static_offset else None, static_offset,
+               self.global_tokens, self.random_blocks)
         return children, aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        causal, window, offset, static_offset = aux
+        causal, window, offset, static_offset, global_tokens, random_blocks = aux
         qs, ks, lens, dyn_offset = children
         spec = object.__new__(cls)
         for name, value in (
@@ -83,6 +210,8 @@ class MaskSpec:
             ("q_segment_ids", qs),
             ("kv_segment_ids", ks),
             ("kv_lengths", lens),
+            ("global_tokens", global_tokens),
+            ("random_blocks", random_blocks),
             ("q_offset", offset if static_offset else dyn_offset),
         ):
             object.__setattr__(spec, name, value)
@@ -112,6 +241,26 @@ class MaskSpec:
             and self.kv_lengths is None
         )
 
+    @property
+    def has_pattern(self) -> bool:
+        """True when global tokens or random blocks are set (paths that ignore them must refuse the spec)."""
+        return self.global_tokens is not None or self.random_blocks is not None
+
+    @property
+    def num_heads(self) -> int:
+        """Heads axis of :meth:`dense_heads`: ``RandomBlocks.num_heads`` for per-head patterns, else 1."""
+        return 1 if self.random_blocks is None else self.random_blocks.heads
+
+    @property
+    def global_array(self) -> np.ndarray | None:
+        """Global positions as int32 ``[1 or B, g]`` (``-1`` pads), or None."""
+        return None if self.global_tokens is None else np.asarray(self.global_tokens, np.int32)
+
+    @property
+    def patterns_active(self) -> bool:
+        """True when global tokens or random blocks change the meaning (they need a bounded window)."""
+        return self.has_pattern and self.window is not None and self.window != (None, None)
+
     def resolved_kv_segment_ids(self, T: int, S: int):
         if self.kv_segment_ids is not None:
             return self.kv_segment_ids
@@ -125,8 +274,8 @@ class MaskSpec:
         return None
 
     # -- validation
-    def validate(self, B: int, T: int, S: int) -> None:
-        """Raise ValueError naming the shapes when the spec does not fit q [B,T,..], k [B,S,..]."""
+    def validate(self, B: int, T: int, S: int, N: int | None = None) -> None:
+        """Raise ValueError naming the shapes when the spec does not fit q [B,T,N,..], k [B,S,..]."""
         if self.q_segment_ids is not None and _shape(self.q_segment_ids) != (B, T):
             raise ValueError(
                 f"MaskSpec.q_segment_ids.shape={_shape(self.q_segment_ids)} does not match "
@@ -147,6 +296,17 @@ class MaskSpec:
             raise ValueError(
                 f"MaskSpec.q_offset.shape={_shape(self.q_offset)} must be () or (B,)=({B},)"
             )
+        if self.global_tokens is not None and len(self.global_tokens) not in (1, B):
+            raise ValueError(
+                f"MaskSpec.global_tokens.shape={self.global_array.shape} must be [g] or [B, g] with B={B}"
+            )
+        if self.random_blocks is not None:
+            if not self.has_static_offset:
+                raise ValueError("MaskSpec.random_blocks needs a static q_offset (a Python int or None), "
+                                 f"got an array of shape {_shape(self.q_offset)}")
+            heads = self.random_blocks.num_heads
+            if heads is not None and N is not None and heads != N:
+                raise ValueError(f"MaskSpec.random_blocks.num_heads={heads} does not match the query heads N={N}")
 
     # -- meaning
     def q_positions(self, T: int, S: int) -> jax.Array:
@@ -159,52 +319,143 @@ class MaskSpec:
         return off + jnp.arange(T, dtype=jnp.int32)[None, :]
 
     def dense(self, T: int, S: int) -> jax.Array:
-        """The reference meaning: bool ``[B or 1, T, S]``, True where attention is allowed."""
-        qp = self.q_positions(T, S)[:, :, None]  # [B|1, T, 1]
-        kp = jnp.arange(S, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
-        allowed = jnp.ones((1, T, S), bool)
+        """The reference meaning: bool ``[B or 1, T, S]``, True where attention is allowed.
+
+        Per-head random blocks have no single matrix: use :meth:`dense_heads`.
+        """
+        if self.num_heads != 1:
+            raise ValueError(f"MaskSpec with per-head random blocks (num_heads={self.num_heads}) has no "
+                             "head-shared dense mask; use dense_heads(T, S) -> [B|1, N, T, S]")
+        return self.dense_heads(T, S)[:, 0]
+
+    def dense_heads(self, T: int, S: int) -> jax.Array:
+        """The reference meaning with a heads axis: bool ``[B or 1, num_heads, T, S]`` (num_heads 1 or N)."""
+        qp = self.q_positions(T, S)[:, None, :, None]  # [B|1, 1, T, 1]
+        kp = jnp.arange(S, dtype=jnp.int32)[None, None, None, :]  # [1, 1, 1, S]
+        allowed = jnp.ones((1, 1, T, S), bool)
         if self.causal:
             allowed = allowed & (kp <= qp)
-        if self.window is not None:
+        if self.window is not None and self.window != (None, None):
             left, right = self.window
+            band = jnp.ones((1, 1, T, S), bool)
             if left is not None:
-                allowed = allowed & (kp >= qp - left)
+                band = band & (kp >= qp - left)
             if right is not None:
-                allowed = allowed & (kp <= qp + right)
+                band = band & (kp <= qp + right)
+            if self.global_tokens is not None and self.patterns_active:
+                g = jnp.asarray(self.global_array)[:, None, None, None, :]  # [B|1, 1, 1, 1, g]
+                band = band | jnp.any(qp[..., None] == g, axis=-1) | jnp.any(kp[..., None] == g, axis=-1)
+            if self.random_blocks is not None and self.patterns_active:
+                band = band | jnp.asarray(self._random_dense(T, S))[None]
+            allowed = allowed & band
         kv_seg = self.resolved_kv_segment_ids(T, S)
         if self.q_segment_ids is not None or kv_seg is not None:
             if self.q_segment_ids is None:
                 raise ValueError("MaskSpec: kv_segment_ids given without q_segment_ids")
             allowed = allowed & (
-                jnp.asarray(self.q_segment_ids)[:, :, None] == jnp.asarray(kv_seg)[:, None, :]
+                jnp.asarray(self.q_segment_ids)[:, None, :, None] == jnp.asarray(kv_seg)[:, None, None, :]
             )
         if self.kv_lengths is not None:
-            allowed = allowed & (kp < jnp.asarray(self.kv_lengths, jnp.int32)[:, None, None])
+            allowed = allowed & (kp < jnp.asarray(self.kv_lengths, jnp.int32)[:, None, None, None])
+        if allowed.shape[1] != self.num_heads:
+            allowed = jnp.broadcast_to(allowed, (allowed.shape[0], self.num_heads, T, S))
         return allowed
 
-    def block_map(self, T: int, S: int, block_q: int, block_k: int) -> np.ndarray | None:
-        """Static bool ``[ceil(T/bq), ceil(S/bk)]``: False where a block is certainly fully masked.
+    def _random_dense(self, T: int, S: int) -> np.ndarray:
+        """Bool ``[heads, T, S]`` of the random-block pattern alone (static offset only)."""
+        offset = self.static_offset(T, S)
+        if offset is None:
+            raise ValueError("MaskSpec.random_blocks needs a static q_offset (a Python int or None)")
+        R = self.random_blocks.block_size
+        rq = (offset + np.arange(T)) // R
+        member = self.random_blocks.membership(rq.min(), rq.max() + 1, _cdiv(S, R))
+        return member[:, rq - rq.min()][:, :, np.arange(S) // R]
 
-        Derived only from the static fields (``causal``, ``window``, an int
-        ``q_offset``); data-dependent fields (segments, lengths) never make a
-        block skippable here. Returns None when the offset is traced (no static
-        skipping possible).
+    def block_map(self, T: int, S: int, block_q: int, block_k: int, *, per_head: bool = False,
+                  global_rows: bool = True) -> np.ndarray | None:
+        """Static bool ``[ceil(T/bq), ceil(S/bk)]``: True exactly where some element of the block may be allowed.
+
+        Derived from the static fields (``causal``, ``window``, ``global_tokens``,
+        ``random_blocks``, an int ``q_offset``); data-dependent fields (segments,
+        lengths) never make a block skippable here. Per-sequence global tokens
+        count when global in any sequence. Returns None when the offset is
+        traced (no static skipping possible).
+
+        ``per_head=True`` returns ``[num_heads, nq, nk]`` (heads differ only
+        through per-head random blocks). ``global_rows=False`` leaves out the
+        rows of queries that are global in every sequence, for paths that
+        compute those rows densely on their own.
         """
         offset = self.static_offset(T, S)
-        nq, nk = -(-T // block_q), -(-S // block_k)
         if offset is None:
             return None
-        q_lo = np.arange(nq)[:, None] * block_q + offset  # first query position in block
-        q_hi = np.minimum(np.arange(nq)[:, None] * block_q + block_q, T) - 1 + offset
-        k_lo = np.arange(nk)[None, :] * block_k
-        k_hi = np.minimum(np.arange(nk)[None, :] * block_k + block_k, S) - 1
-        live = np.ones((nq, nk), bool)
-        if self.causal:
-            live &= k_lo <= q_hi
+        nq, nk = _cdiv(T, block_q), _cdiv(S, block_k)
+        qp = offset + np.arange(T, dtype=np.int64)
+        top = np.minimum(S - 1, qp) if self.causal else np.full(T, S - 1, np.int64)
+        lo, hi = np.zeros(T, np.int64), top.copy()
         if self.window is not None:
             left, right = self.window
             if left is not None:
-                live &= k_hi >= q_lo - left
+                lo = qp - left
             if right is not None:
-                live &= k_lo <= q_hi + right
-        return live
+                hi = np.minimum(top, qp + right)
+        keep = np.ones(T, bool)
+        rows, los, his = [np.arange(T)], [lo], [hi]
+        if self.global_tokens is not None and self.patterns_active:
+            g = self.global_array
+            in_any = np.isin(qp, g)
+            in_all = np.all([np.isin(qp, row) for row in g], axis=0)
+            rows.append(np.flatnonzero(in_any))
+            los.append(np.zeros(len(rows[-1]), np.int64))
+            his.append(top[rows[-1]])
+            cols = np.unique(g[(g >= 0) & (g < S)])
+            rows.append(np.repeat(np.arange(T), len(cols)))
+            los.append(np.tile(cols, T))
+            his.append(np.minimum(np.tile(cols, T), top[rows[-1]]))
+            if not global_rows:
+                keep = ~in_all
+        shared = _mark(np.concatenate(rows), np.concatenate(los), np.concatenate(his), keep,
+                       1, nq, nk, block_q, block_k)
+        live = shared
+        if self.random_blocks is not None and self.patterns_active:
+            R = self.random_blocks.block_size
+            rq = qp // R
+            tbl = self.random_blocks.table(rq.min(), rq.max() + 1, _cdiv(S, R))  # [h, nrb, r]
+            kb = tbl[:, rq - rq.min()].astype(np.int64)  # [h, T, r]
+            r = kb.shape[-1]
+            heads = tbl.shape[0]
+            rlo, rhi = kb * R, np.minimum(kb * R + R - 1, top[None, :, None])
+            trow = np.broadcast_to(np.arange(T)[None, :, None], kb.shape)
+            hid = np.broadcast_to(np.arange(heads)[:, None, None], kb.shape)
+            rand = _mark(trow.ravel(), rlo.ravel(), rhi.ravel(), keep, heads, nq, nk, block_q, block_k,
+                         head=hid.ravel()) if r else np.zeros((heads, nq, nk), bool)
+            live = shared | rand
+        if not per_head:
+            return live.any(axis=0)
+        return np.broadcast_to(live, (self.num_heads, nq, nk)).copy()
+
+
+def _mark(rows, lo, hi, keep, nheads, nq, nk, bq, bk, head=None):
+    """OR of key intervals ``[lo, hi]`` of query ``rows`` (of head ``head``) into a bool ``[nheads, nq, nk]``."""
+    hid = np.zeros_like(rows) if head is None else head
+    lo = np.maximum(lo, 0)
+    ok = (lo <= hi) & keep[rows]
+    rows, lo, hi, hid = rows[ok], lo[ok], hi[ok], hid[ok]
+    base = (hid * nq + rows // bq) * (nk + 1)
+    size = nheads * nq * (nk + 1)
+    diff = np.bincount(base + lo // bk, minlength=size) - np.bincount(base + hi // bk + 1, minlength=size)
+    return (np.cumsum(diff.reshape(nheads, nq, nk + 1), axis=-1) > 0)[..., :nk]
+
+
+def kv_block_lists(live: np.ndarray, sentinel: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per q block, the live kv block indices, ascending, padded with ``sentinel`` to a common width.
+
+    ``live`` bool ``[..., nq, nk]`` (a :meth:`MaskSpec.block_map`). Returns
+    ``(idx int32 [..., nq, w], count int32 [..., nq])`` with ``w = max(1, max count)``.
+    """
+    live = np.asarray(live, bool)
+    count = live.sum(axis=-1)
+    width = max(1, int(count.max()) if count.size else 1)
+    order = np.argsort(~live, axis=-1, kind="stable")[..., :width]
+    idx = np.where(np.arange(width) < count[..., None], order, sentinel)
+    return idx.astype(np.int32), count.astype(np.int32)

@@ -398,18 +398,18 @@ def check_inputs(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, kv_lengths
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("pass both q_segment_ids [B, T] and kv_segment_ids [B, S], or neither")
     if q_segment_ids is not None:
-        if tuple(q_segment_ids.shape) != (B, T):
-            raise ValueError(f"q_segment_ids.shape={tuple(q_segment_ids.shape)} must be (B, T)=({B}, {T})")
-        if tuple(kv_segment_ids.shape) != (B, S):
-            raise ValueError(f"kv_segment_ids.shape={tuple(kv_segment_ids.shape)} must be (B, S)=({B}, {S})")
+        if tuple(jnp.shape(q_segment_ids)) != (B, T):
+            raise ValueError(f"q_segment_ids.shape={tuple(jnp.shape(q_segment_ids))} must be (B, T)=({B}, {T})")
+        if tuple(jnp.shape(kv_segment_ids)) != (B, S):
+            raise ValueError(f"kv_segment_ids.shape={tuple(jnp.shape(kv_segment_ids))} must be (B, S)=({B}, {S})")
         for name, x in (("q_segment_ids", q_segment_ids), ("kv_segment_ids", kv_segment_ids)):
-            if not jnp.issubdtype(x.dtype, jnp.integer):
-                raise ValueError(f"{name}.dtype={x.dtype} must be an integer type")
+            if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+                raise ValueError(f"{name}.dtype={jnp.result_type(x)} must be an integer type")
     if kv_lengths is not None:
         if tuple(jnp.shape(kv_lengths)) != (B,):
             raise ValueError(f"kv_lengths.shape={tuple(jnp.shape(kv_lengths))} must be (B,)=({B},)")
-        if not jnp.issubdtype(jnp.asarray(kv_lengths).dtype, jnp.integer):
-            raise ValueError(f"kv_lengths.dtype={jnp.asarray(kv_lengths).dtype} must be an integer type")
+        if not jnp.issubdtype(jnp.result_type(kv_lengths), jnp.integer):
+            raise ValueError(f"kv_lengths.dtype={jnp.result_type(kv_lengths)} must be an integer type")
     if q_offset is not None and (isinstance(q_offset, bool) or not isinstance(q_offset, (int, np.integer))):
         raise ValueError(
             f"q_offset must be a static Python int or None (bottom-right, S - T), got {type(q_offset).__name__}; "

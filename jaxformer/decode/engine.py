@@ -1,0 +1,252 @@
+"""Continuous-batching engine over the paged KV cache.
+
+Each :meth:`Engine.step`:
+
+1. admits waiting requests, oldest first, while a batch slot and the pages for
+   their tokens are free (a computed shared prefix costs no new pages);
+2. gives every running sequence its next tokens: a prefill chunk of up to
+   ``chunk_size`` tokens, or the one token it sampled last step; a step holding
+   any prefill chunk runs at width ``chunk_size``, a pure decode step at width 1
+   (the paged-attention kernel), so two compiled shapes serve every batch;
+3. when pages run out, preempts the newest running sequence (its pages are freed
+   and it returns to the front of the queue, to be recomputed from its prompt and
+   the tokens it already generated; its sampling keys depend only on the token
+   index, so it continues exactly as before);
+4. samples per request (temperature, top-k, top-p, seed), appends, and retires
+   finished sequences at once (max tokens, a stop token, or a full context),
+   freeing their pages.
+
+A bad request (empty prompt, prompt longer than the context, out-of-vocabulary
+ids, invalid sampling parameters, more pages than the pool has) gets a
+``Result`` with ``finish_reason="error"`` and a message; the others run on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+from collections.abc import Hashable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxformer.decode.generate import check_prompt
+from jaxformer.decode.paged import BlockManager, OutOfPages, PagedKVCache, copy_pages, init_page_pools
+from jaxformer.decode.sampling import SamplingParams, request_keys, sample
+
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+@dataclasses.dataclass
+class Result:
+    """What became of one request. ``finish_reason``: "stop" | "length" | "error"."""
+
+    request_id: Hashable
+    prompt: list[int]
+    tokens: list[int]
+    finish_reason: str
+    error: str | None = None
+    num_preemptions: int = 0
+
+
+@dataclasses.dataclass
+class _Req:
+    rid: Hashable
+    prompt: list[int]
+    params: SamplingParams
+    generated: list[int] = dataclasses.field(default_factory=list)
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+@functools.partial(jax.jit, static_argnums=(0, 11, 12), donate_argnums=2)
+def engine_step(graphdef, state, pools, tokens, positions, tables, lengths, num_new, seeds, steps, sampling,
+                backend, interpret):
+    """One batched model call over paged caches; returns each row's next token and the new pools."""
+    TRACE_COUNTS[f"step_T{tokens.shape[1]}"] += 1
+    caches = [PagedKVCache(k, v, tables, lengths, num_new, backend, interpret) for k, v in pools]
+    logits, caches = nnx.merge(graphdef, state)(tokens, positions=positions, cache=caches)
+    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    temperature, top_k, top_p = sampling
+    nxt = sample(last, request_keys(seeds, steps), temperature, top_k, top_p)
+    return nxt, [(c.k_pages, c.v_pages) for c in caches]
+
+
+class Engine:
+    """Continuous batching for a decoder-only model (see the module docstring).
+
+    Args:
+      graphdef, state, config: the model (``jaxformer.model.init`` or a restored checkpoint).
+      num_pages, page_size: the page pool per layer (``P``, ``L``).
+      max_batch: sequences run together per step.
+      chunk_size: prefill tokens per sequence per step.
+      max_context: longest sequence (default ``config.max_seq_len``).
+      prefix_sharing: reuse computed pages of equal prompt prefixes.
+      backend, interpret: passed to ``paged_attention`` for decode steps.
+    """
+
+    def __init__(self, graphdef, state, config, *, num_pages: int, page_size: int = 16, max_batch: int = 8,
+                 chunk_size: int = 64, max_context: int | None = None, prefix_sharing: bool = True,
+                 backend: str = "auto", interpret: bool = False):
+        self.graphdef, self.state, self.config = graphdef, state, config
+        self.max_context = config.max_seq_len if max_context is None else max_context
+        if not 0 < self.max_context <= config.max_seq_len:
+            raise ValueError(f"max_context={max_context} must be in [1, config.max_seq_len={config.max_seq_len}]")
+        if max_batch < 1 or chunk_size < 2:
+            raise ValueError(f"max_batch={max_batch} must be >= 1 and chunk_size={chunk_size} >= 2")
+        self.max_batch, self.chunk_size = max_batch, chunk_size
+        self.backend, self.interpret = backend, interpret
+        self.manager = BlockManager(num_pages, page_size, prefix_sharing=prefix_sharing)
+        self.max_pages_per_seq = -(-self.max_context // page_size)
+        self.pools = init_page_pools(config, num_pages, page_size)
+        self.waiting: collections.deque[_Req] = collections.deque()
+        self.running: list[_Req] = []
+        self.results: dict[Hashable, Result] = {}
+        self._ids = itertools.count()
+        self.stats = collections.Counter()
+
+    # -- requests
+    def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, request_id=None) -> Hashable:
+        """Queue a request; a bad one is answered at once with an error ``Result``. Returns its id."""
+        rid = next(self._ids) if request_id is None else request_id
+        if rid in self.results or any(r.rid == rid for r in itertools.chain(self.waiting, self.running)):
+            raise ValueError(f"request id {rid!r} is already in use")
+        params = SamplingParams() if params is None else params
+        try:
+            prompt = check_prompt(list(prompt), self.config)
+            if len(prompt) > self.max_context:
+                raise ValueError(f"prompt of {len(prompt)} tokens is longer than the context "
+                                 f"max_context={self.max_context}")
+            params.validate(self.config.vocab_size)
+            longest = min(len(prompt) + params.max_new_tokens - 1, self.max_context)
+            if self.manager.pages_for(longest) > self.manager.num_pages:
+                raise ValueError(f"request needs {self.manager.pages_for(longest)} pages of "
+                                 f"{self.manager.page_size} tokens; the pool has {self.manager.num_pages}")
+        except (ValueError, TypeError) as e:
+            self.results[rid] = Result(rid, list(prompt) if isinstance(prompt, Iterable) else [], [],
+                                       "error", error=str(e))
+            return rid
+        self.waiting.append(_Req(rid, prompt, params))
+        return rid
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def run(self) -> dict[Hashable, Result]:
+        """Step until every submitted request has a result; return all results."""
+        while not self.done:
+            self.step()
+        return self.results
+
+    # -- scheduling
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting[0]
+            # keep a page of growth per running sequence, so admitting never forces a preemption at once
+            if self.manager.pages_needed_to_add(req.tokens) > self.manager.num_free - len(self.running):
+                break
+            self.manager.add(req.rid, req.tokens)
+            self.running.append(self.waiting.popleft())
+
+    def _preempt_newest(self) -> _Req:
+        req = self.running.pop()
+        self.manager.finish(req.rid)
+        req.preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(req)
+        return req
+
+    def _schedule(self) -> tuple[list[tuple[_Req, int]], list[tuple[int, int]]]:
+        """(request, tokens to compute) per running sequence, and the page copies to make first."""
+        plan, copies = [], []
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            n = min(len(req.tokens) - self.manager.num_computed(req.rid), self.chunk_size)
+            try:
+                copies += self.manager.prepare_write(req.rid, n)
+            except OutOfPages:
+                victim = self._preempt_newest()
+                if victim is req:
+                    break
+                plan = [(r, k) for r, k in plan if r is not victim]
+                continue
+            plan.append((req, n))
+            i += 1
+        return plan, copies
+
+    def _finish(self, req: _Req, reason: str) -> None:
+        self.running.remove(req)
+        self.manager.finish(req.rid)
+        self.results[req.rid] = Result(req.rid, req.prompt, list(req.generated), reason,
+                                       num_preemptions=req.preemptions)
+
+    def step(self) -> None:
+        """Admit, schedule, run one batched model call, sample and retire finished sequences."""
+        self._admit()
+        if not self.running:
+            if self.waiting:
+                raise RuntimeError("the first waiting request does not fit an empty page pool")
+            return
+        plan, copies = self._schedule()
+        if not plan:
+            return
+        if copies:
+            n = 1 << (len(copies) - 1).bit_length()
+            src = np.zeros(n, np.int32)
+            dst = np.full(n, self.manager.num_pages, np.int32)
+            src[: len(copies)], dst[: len(copies)] = zip(*copies)
+            self.pools = copy_pages(self.pools, jnp.asarray(src), jnp.asarray(dst))
+        T = self.chunk_size if any(n > 1 for _, n in plan) else 1
+        B, M = self.max_batch, self.max_pages_per_seq
+        tokens = np.zeros((B, T), np.int32)
+        tables = np.zeros((B, M), np.int32)
+        lengths = np.zeros(B, np.int32)
+        num_new = np.zeros(B, np.int32)
+        seeds, steps = np.zeros(B, np.uint32), np.zeros(B, np.int32)
+        temperature, top_k, top_p = np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32)
+        for b, (req, n) in enumerate(plan):
+            start = self.manager.num_computed(req.rid)
+            tokens[b, :n] = req.tokens[start:start + n]
+            table = self.manager.block_table(req.rid)
+            tables[b, : len(table)] = table
+            lengths[b], num_new[b] = start, n
+            seeds[b], steps[b] = req.params.seed, len(req.generated)
+            temperature[b], top_k[b], top_p[b] = req.params.temperature, req.params.top_k, req.params.top_p
+        positions = np.minimum(lengths[:, None] + np.arange(T, dtype=np.int32)[None, :], self.max_context - 1)
+        nxt, self.pools = engine_step(
+            self.graphdef, self.state, self.pools, jnp.asarray(tokens), jnp.asarray(positions),
+            jnp.asarray(tables), jnp.asarray(lengths), jnp.asarray(num_new), jnp.asarray(seeds),
+            jnp.asarray(steps), (jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p)),
+            self.backend, self.interpret)
+        nxt = np.asarray(nxt)
+        self.stats["steps"] += 1
+        self.stats["tokens_computed"] += int(num_new.sum())
+        for b, (req, n) in enumerate(plan):
+            self.manager.commit(req.rid, n)
+            if self.manager.num_computed(req.rid) < len(req.tokens):
+                continue  # more prefill to do
+            tok = int(nxt[b])
+            req.generated.append(tok)
+            self.manager.append(req.rid, [tok])
+            if tok in req.params.stop_tokens:
+                self._finish(req, "stop")
+            elif len(req.generated) >= req.params.max_new_tokens or len(req.tokens) > self.max_context:
+                self._finish(req, "length")
+
+
+def serve(graphdef, state, config, requests: Iterable[tuple[Sequence[int], SamplingParams]], **engine_kwargs
+          ) -> list[Result]:
+    """Run ``(prompt_tokens, params)`` requests through one :class:`Engine`; results in request order."""
+    engine = Engine(graphdef, state, config, **engine_kwargs)
+    ids = [engine.submit(prompt, params) for prompt, params in requests]
+    results = engine.run()
+    return [results[i] for i in ids]

@@ -1,0 +1,286 @@
+"""Paged KV cache: device page pools, a host-side block manager, and the cache hook over them.
+
+Device side, per layer: ``k_pages, v_pages [K, P, L, H]``. A sequence's token at
+position ``pos`` lives in page ``block_table[pos // L]`` at row ``pos % L``.
+
+Host side, :class:`BlockManager` owns the bookkeeping: a free list, one block
+table and token list per sequence, a refcount per page, and prefix sharing:
+a full block of ``L`` tokens is identified by the hash of its tokens chained with
+the hash of the block before it, and once its keys/values are computed
+(:meth:`BlockManager.commit`) a later sequence whose tokens start the same way
+reuses the page instead of recomputing it. A write into a page held by more than
+one table first copies it (copy-on-write). Pages go back to the free list as
+soon as no table holds them.
+
+The manager never touches device memory: :meth:`BlockManager.prepare_write`
+returns the ``(src, dst)`` page copies the caller applies (:func:`copy_pages`)
+before writing new tokens through :class:`PagedKVCache`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import hashlib
+from collections.abc import Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.ops.attention import dot_product_attention
+from jaxformer.ops.masks import MaskSpec
+from pallas_kernels.paged_attention import gather_pages, paged_attention
+
+
+class OutOfPages(RuntimeError):
+    """Not enough free pages; nothing was changed."""
+
+
+def _chain_hash(prev: bytes, block: Sequence[int]) -> bytes:
+    return hashlib.blake2b(prev + np.asarray(block, np.int64).tobytes(), digest_size=16).digest()
+
+
+@dataclasses.dataclass
+class _Seq:
+    tokens: list[int]
+    table: list[int]
+    computed: int = 0
+    hashes: list[bytes] = dataclasses.field(default_factory=list)  # of committed full blocks
+
+
+class BlockManager:
+    """Host-side page bookkeeping for the paged KV cache (see the module docstring).
+
+    Life of a sequence: :meth:`add` (pages for its tokens; a computed shared prefix is
+    reused), then per step :meth:`prepare_write` (pages for the next tokens, copy-on-write)
+    -> device write -> :meth:`commit`; :meth:`append` adds sampled tokens; :meth:`fork`
+    shares every page with a new sequence; :meth:`finish` releases its pages.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, *, prefix_sharing: bool = True):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages={num_pages} and page_size={page_size} must be >= 1")
+        self.num_pages, self.page_size, self.prefix_sharing = num_pages, page_size, prefix_sharing
+        self._free: collections.deque[int] = collections.deque(range(num_pages))
+        self._ref = np.zeros(num_pages, np.int64)
+        self._seqs: dict[Hashable, _Seq] = {}
+        self._cached: dict[bytes, int] = {}  # hash of a committed full block -> page
+        self._page_hash: dict[int, bytes] = {}
+
+    # -- queries
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def free_pages(self) -> list[int]:
+        return list(self._free)
+
+    def refcount(self, page: int) -> int:
+        return int(self._ref[page])
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._seqs
+
+    def seq_ids(self) -> list:
+        return list(self._seqs)
+
+    def block_table(self, seq_id) -> list[int]:
+        return list(self._seqs[seq_id].table)
+
+    def tokens(self, seq_id) -> list[int]:
+        return list(self._seqs[seq_id].tokens)
+
+    def num_computed(self, seq_id) -> int:
+        return self._seqs[seq_id].computed
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    # -- prefix sharing
+    def _shared_prefix(self, tokens: Sequence[int]) -> list[int]:
+        """Pages of committed blocks equal to ``tokens``' leading full blocks, leaving >= 1 token to compute."""
+        if not self.prefix_sharing:
+            return []
+        L, pages, h = self.page_size, [], b""
+        for i in range((len(tokens) - 1) // L):
+            h = _chain_hash(h, tokens[i * L:(i + 1) * L])
+            page = self._cached.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def pages_needed_to_add(self, tokens: Sequence[int]) -> int:
+        return self.pages_for(len(tokens)) - len(self._shared_prefix(tokens))
+
+    # -- page primitives
+    def _take(self) -> int:
+        page = self._free.popleft()
+        self._ref[page] = 1
+        return page
+
+    def _release(self, page: int) -> None:
+        if self._ref[page] <= 0:
+            raise AssertionError(f"page {page} released with refcount {self._ref[page]}")
+        self._ref[page] -= 1
+        if self._ref[page] == 0:
+            h = self._page_hash.pop(page, None)
+            if h is not None and self._cached.get(h) == page:
+                del self._cached[h]
+            self._free.append(page)
+
+    # -- sequence operations
+    def add(self, seq_id, tokens: Sequence[int]) -> int:
+        """Register a sequence with pages for all its tokens; return how many are already computed."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError(f"sequence {seq_id!r}: no tokens")
+        shared = self._shared_prefix(tokens)
+        need = self.pages_for(len(tokens)) - len(shared)
+        if need > self.num_free:
+            raise OutOfPages(f"sequence {seq_id!r} needs {need} pages, {self.num_free} free")
+        for page in shared:
+            self._ref[page] += 1
+        table = shared + [self._take() for _ in range(need)]
+        seq = _Seq(tokens, table, computed=len(shared) * self.page_size)
+        seq.hashes = [self._page_hash[p] for p in shared]
+        self._seqs[seq_id] = seq
+        return seq.computed
+
+    def append(self, seq_id, tokens: Sequence[int]) -> None:
+        """Add tokens to a sequence (pages come at :meth:`prepare_write`)."""
+        self._seqs[seq_id].tokens.extend(int(t) for t in tokens)
+
+    def prepare_write(self, seq_id, n: int) -> list[tuple[int, int]]:
+        """Make the pages for the next ``n`` uncomputed tokens exist and be private to this sequence.
+
+        Returns the ``(src, dst)`` page copies to apply on the device first. Raises
+        :class:`OutOfPages` (changing nothing) when the free list is too short.
+        """
+        seq = self._seqs[seq_id]
+        start, stop = seq.computed, seq.computed + n
+        if n < 1 or stop > len(seq.tokens):
+            raise ValueError(f"sequence {seq_id!r}: cannot write {n} tokens at {start} "
+                             f"(it has {len(seq.tokens)} tokens)")
+        L = self.page_size
+        first, last = start // L, (stop - 1) // L
+        grow = max(0, last + 1 - len(seq.table))
+        cow = [i for i in range(first, min(last + 1, len(seq.table))) if self._ref[seq.table[i]] > 1]
+        if grow + len(cow) > self.num_free:
+            raise OutOfPages(f"sequence {seq_id!r} needs {grow + len(cow)} pages, {self.num_free} free")
+        copies = []
+        for i in cow:
+            old, new = seq.table[i], self._take()
+            copies.append((old, new))
+            seq.table[i] = new
+            self._release(old)
+        seq.table.extend(self._take() for _ in range(grow))
+        return copies
+
+    def commit(self, seq_id, n: int) -> None:
+        """Mark ``n`` more tokens as written; make newly completed full blocks shareable."""
+        seq = self._seqs[seq_id]
+        if seq.computed + n > len(seq.tokens) or self.pages_for(seq.computed + n) > len(seq.table):
+            raise ValueError(f"sequence {seq_id!r}: commit of {n} tokens past its tokens or pages")
+        seq.computed += n
+        L = self.page_size
+        while len(seq.hashes) < seq.computed // L:
+            i = len(seq.hashes)
+            h = _chain_hash(seq.hashes[-1] if seq.hashes else b"", seq.tokens[i * L:(i + 1) * L])
+            seq.hashes.append(h)
+            page = seq.table[i]
+            if self.prefix_sharing and h not in self._cached and page not in self._page_hash:
+                self._cached[h] = page
+                self._page_hash[page] = h
+
+    def fork(self, parent_id, child_id) -> None:
+        """A new sequence sharing every page and token of ``parent_id`` (copy-on-write later)."""
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} already exists")
+        p = self._seqs[parent_id]
+        for page in p.table:
+            self._ref[page] += 1
+        self._seqs[child_id] = _Seq(list(p.tokens), list(p.table), p.computed, list(p.hashes))
+
+    def finish(self, seq_id) -> None:
+        """Drop a sequence; its pages return to the free list when no other table holds them."""
+        seq = self._seqs.pop(seq_id)
+        for page in reversed(seq.table):
+            self._release(page)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """One layer's paged cache for one model call, implementing the model's cache hook.
+
+    ``k_pages, v_pages [K, P, L, H]``; ``block_tables int32 [B, M]``; ``lengths [B]``
+    tokens already cached; ``num_new [B]`` how many of the chunk's ``T`` tokens are real
+    (the rest is padding and is not written). Decode (``T == 1``) attends through the
+    paged-attention kernel; longer chunks gather the table's pages and use
+    ``dot_product_attention`` with ``MaskSpec(causal, q_offset=lengths, kv_lengths=lengths+num_new)``.
+    """
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+    block_tables: jax.Array
+    lengths: jax.Array
+    num_new: jax.Array
+    backend: str = dataclasses.field(default="auto", metadata=dict(static=True))
+    interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[2]
+
+    def write(self, k, v) -> PagedKVCache:
+        """Scatter the chunk's real tokens ``k, v [B, T, K, H]`` into their pages."""
+        B, T = k.shape[:2]
+        P, L = self.k_pages.shape[1], self.page_size
+        M = self.block_tables.shape[1]
+        pos = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+        page = jnp.take_along_axis(self.block_tables, jnp.minimum(pos // L, M - 1), axis=1)
+        page = jnp.where(jnp.arange(T)[None, :] < self.num_new[:, None], page, P)  # P: dropped
+        row = pos % L
+
+        def put(pages, x):
+            return pages.at[:, page, row].set(jnp.transpose(x, (2, 0, 1, 3)).astype(pages.dtype), mode="drop")
+
+        return dataclasses.replace(self, k_pages=put(self.k_pages, k), v_pages=put(self.v_pages, v))
+
+    def attend(self, q, k, v, *, scale, alibi_slopes=None, softcap=None, impl="auto"):
+        B, T = q.shape[:2]
+        if k.shape[:2] != (B, T) or k.shape[2] != self.k_pages.shape[0] or k.shape[3] != self.k_pages.shape[3]:
+            raise ValueError(f"new {k.shape=} does not fit {q.shape=} and pages {self.k_pages.shape=}")
+        new = self.write(k, v)
+        total = self.lengths + self.num_new
+        if T == 1:
+            out = paged_attention(q[:, 0], new.k_pages, new.v_pages, self.block_tables, total, scale=scale,
+                                  alibi_slopes=alibi_slopes, softcap=softcap, backend=self.backend,
+                                  interpret=self.interpret)[:, None]
+        else:
+            kc = gather_pages(new.k_pages, self.block_tables)
+            vc = gather_pages(new.v_pages, self.block_tables)
+            mask = MaskSpec(causal=True, q_offset=self.lengths, kv_lengths=total)
+            out = dot_product_attention(q, kc, vc, mask=mask, scale=scale, alibi_slopes=alibi_slopes,
+                                        softcap=softcap, impl=impl)
+        return out, dataclasses.replace(new, lengths=total)
+
+
+def init_page_pools(config, num_pages: int, page_size: int, dtype=None) -> list[tuple[jax.Array, jax.Array]]:
+    """Zeroed ``(k_pages, v_pages)`` ``[K, P, L, H]`` for every decoder layer of a ``ModelConfig``."""
+    if config.kind != "decoder":
+        raise ValueError(f"paged decoding needs a decoder-only model; got config.kind={config.kind!r}")
+    dtype = jnp.dtype(config.compute_dtype if dtype is None else dtype)
+    shape = (config.resolved_kv_heads, num_pages, page_size, config.resolved_head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.n_decoder_layers)]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def copy_pages(pools, src, dst):
+    """Copy page ``src[i]`` to ``dst[i]`` in every layer's pools (``dst >= P`` entries are skipped)."""
+    return [tuple(p.at[:, dst].set(p[:, src], mode="drop") for p in kv) for kv in pools]

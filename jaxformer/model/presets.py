@@ -1,0 +1,101 @@
+"""Named ModelConfigs: the published architectures and tiny variants of each for tests.
+
+``get(name, **overrides)`` returns a preset with fields replaced (and re-validated);
+``names()`` lists them. Published parameter counts (tests check the formula and the
+built model against them): gpt2_small 124,439,808; llama_7b 6,738,415,616;
+llama3_1b 1,235,814,400; bloom_560m 559,214,592.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jaxformer.model.config import ModelConfig
+
+
+def vaswani_base() -> ModelConfig:
+    """"Attention Is All You Need" base model: 6+6 layers, post-LN, sinusoidal, ReLU FFN 4d."""
+    return ModelConfig(
+        kind="encoder_decoder", vocab_size=37000, d_model=512, n_layers=6, n_encoder_layers=6,
+        n_heads=8, activation="relu", norm="layernorm", norm_position="post", norm_eps=1e-6,
+        position="sinusoidal", max_seq_len=512, scale_embeddings=True, tie_embeddings=True,
+        use_bias=True,
+    )
+
+
+def gpt2_small() -> ModelConfig:
+    """GPT-2 small (124M): pre-LN, learned positions 1024, gelu_tanh, tied head, biases."""
+    return ModelConfig(
+        kind="decoder", vocab_size=50257, d_model=768, n_layers=12, n_heads=12,
+        activation="gelu_tanh", norm="layernorm", norm_position="pre", norm_eps=1e-5,
+        position="learned", max_seq_len=1024, tie_embeddings=True, use_bias=True,
+    )
+
+
+def llama_7b() -> ModelConfig:
+    """LLaMA-7B: RMSNorm, RoPE, SwiGLU (8d/3 -> 11008), untied, no biases, MHA (32 kv heads)."""
+    return ModelConfig(
+        kind="decoder", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
+        activation="swiglu", ffn_multiple_of=256, norm="rmsnorm", norm_position="pre",
+        norm_eps=1e-6, position="rope", rope_base=10000.0, max_seq_len=2048,
+        tie_embeddings=False, use_bias=False,
+    )
+
+
+def llama3_1b() -> ModelConfig:
+    """Llama 3.2 1B: GQA (32 heads, 8 kv heads), RoPE base 5e5 with llama3 scaling, tied."""
+    return ModelConfig(
+        kind="decoder", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+        d_ff=8192, activation="swiglu", norm="rmsnorm", norm_position="pre", norm_eps=1e-5,
+        position="rope", rope_base=500000.0, max_seq_len=131072,
+        rope_scaling=dict(kind="llama3", factor=32.0, original_max_position=8192,
+                          low_freq_factor=1.0, high_freq_factor=4.0),
+        tie_embeddings=True, use_bias=False,
+    )
+
+
+def bloom_560m() -> ModelConfig:
+    """BLOOM-560m: ALiBi, LayerNorm (also after the embedding), gelu_tanh, tied, biases."""
+    return ModelConfig(
+        kind="decoder", vocab_size=250880, d_model=1024, n_layers=24, n_heads=16,
+        activation="gelu_tanh", norm="layernorm", norm_position="pre", norm_eps=1e-5,
+        embed_norm=True, position="alibi", max_seq_len=2048, tie_embeddings=True, use_bias=True,
+    )
+
+
+_TINY = dict(vocab_size=256, d_model=64, n_heads=4, max_seq_len=128)
+
+
+def vaswani_tiny() -> ModelConfig:
+    return get("vaswani_base", n_layers=2, n_encoder_layers=2, **_TINY)
+
+
+def gpt2_tiny() -> ModelConfig:
+    return get("gpt2_small", n_layers=2, **_TINY)
+
+
+def llama_tiny() -> ModelConfig:
+    """Tiny LLaMA-style decoder with GQA (4 heads, 2 kv heads)."""
+    return get("llama_7b", n_layers=2, n_kv_heads=2, ffn_multiple_of=16, **_TINY)
+
+
+def bloom_tiny() -> ModelConfig:
+    return get("bloom_560m", n_layers=2, **_TINY)
+
+
+PRESETS: dict[str, Callable[[], ModelConfig]] = {
+    f.__name__: f for f in (vaswani_base, gpt2_small, llama_7b, llama3_1b, bloom_560m,
+                            vaswani_tiny, gpt2_tiny, llama_tiny, bloom_tiny)
+}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(PRESETS)
+
+
+def get(name: str, **overrides) -> ModelConfig:
+    """Preset ``name`` with ``overrides`` applied; unknown names or fields raise ValueError."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {names()}")
+    base = PRESETS[name]()
+    return ModelConfig(**{**base.model_dump(exclude_unset=True), **overrides})

@@ -1,0 +1,104 @@
+"""Checkpoints: an orbax CheckpointManager (async, keep the last K) under ``RUN_DIR/checkpoints``.
+
+Each step directory holds ``state`` (params, optimiser state, step, RNG; sharded
+arrays), ``data`` (the grain iterator state, one JSON file per process) and
+``meta`` (the step, the resolved config and a fingerprint of the parameters).
+Restoring tries the newest step first; a checkpoint that fails to load, or whose
+parameters do not match the fingerprint, is renamed ``<step>.corrupt`` with a
+warning and the previous one is tried, so a bad checkpoint never becomes a
+crash loop or silent garbage. Restoring onto a different mesh works because the
+target shardings come from the current mesh.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import grain
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+def fingerprint(params) -> list[float]:
+    """Per-leaf sum of |x| (float64 on the host): a cheap integrity check for restored params."""
+    sums = jax.tree.leaves(jax.tree.map(lambda x: jnp.sum(jnp.abs(x.astype(jnp.float32))), params))
+    return [float(s) for s in jax.device_get(sums)]
+
+
+def _matches(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-6) for x, y in zip(a, b))
+
+
+class Checkpointer:
+    """Save and restore train state + data-iterator state + metadata for one run directory."""
+
+    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True,
+                 read_only: bool = False):
+        self.directory = Path(directory).absolute()
+        self._keep, self._async, self._read_only = keep, async_save, read_only
+        self._open()
+
+    def _open(self):
+        options = ocp.CheckpointManagerOptions(max_to_keep=self._keep, create=not self._read_only,
+                                               read_only=self._read_only,
+                                               enable_async_checkpointing=self._async)
+        self._mgr = ocp.CheckpointManager(self.directory, options=options,
+                                          item_names=("state", "data", "meta"))
+
+    def steps(self) -> list[int]:
+        self._mgr.reload()
+        return sorted(self._mgr.all_steps())
+
+    def save(self, step: int, state, data_iter, meta: dict) -> None:
+        """Start saving ``step`` (async: returns once the arrays are copied off the devices)."""
+        meta = {**meta, "step": int(step), "fingerprint": fingerprint(state["params"]), "time": time.time()}
+        self._mgr.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=grain.checkpoint.CheckpointSave(data_iter),
+            meta=ocp.args.JsonSave(meta),
+        ), force=True)
+
+    def wait(self) -> None:
+        self._mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mgr.wait_until_finished()
+        self._mgr.close()
+
+    def restore_latest(self, abstract_state, state_shardings, data_iter=None):
+        """``(state, meta)`` from the newest readable checkpoint, or ``None`` when there is none.
+
+        ``data_iter`` (if given) is set to the saved iterator state.
+        """
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                              abstract_state, state_shardings)
+        for step in reversed(self.steps()):
+            try:
+                items = dict(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+                if data_iter is not None:
+                    items["data"] = grain.checkpoint.CheckpointRestore(data_iter)
+                out = self._mgr.restore(step, args=ocp.args.Composite(**items))
+                state, meta = out["state"], out["meta"]
+                if not _matches(fingerprint(state["params"]), meta.get("fingerprint", [])):
+                    raise ValueError("parameters do not match the saved fingerprint")
+                return state, meta
+            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is set aside
+                bad = self.directory / str(step)
+                aside = bad.with_name(f"{step}.corrupt")
+                action = "skipped" if self._read_only else f"moved to {aside.name}"
+                warnings.warn(f"checkpoint step {step} in {self.directory} is unreadable "
+                              f"({type(e).__name__}: {str(e)[:200]}); {action}, "
+                              f"trying the previous one", RuntimeWarning, stacklevel=2)
+                if self._read_only:
+                    continue
+                if jax.process_index() == 0 and bad.exists():
+                    if aside.exists():
+                        shutil.rmtree(aside)
+                    bad.rename(aside)
+                self._mgr.close()
+                self._open()
+        return None

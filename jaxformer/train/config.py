@@ -1,0 +1,313 @@
+"""The experiment schema: one YAML file validated into frozen pydantic models.
+
+::
+
+    seed: 0
+    steps: 2000
+    batch_size: 32          # global, in sequences
+    seq_len: 256
+    model: {preset: llama_tiny, n_layers: 4}     # or every ModelConfig field
+    data: {source: stdlib}
+    optimizer: {lr: 3.0e-3, weight_decay: 0.1}
+    schedule: {kind: cosine, warmup_steps: 100}
+    mesh: {data: -1}
+    checkpoint: {every: 500, keep: 3}
+    logging: {every: 10}
+    eval: {every: 500, max_tokens: 65536}
+
+Unknown keys and wrong types fail before anything runs with
+``FILE: dotted.key: message`` (:class:`ConfigError`). ``key.sub=value``
+overrides (values parsed as YAML) are applied to the raw mapping before
+validation. :func:`dump` writes the resolved config (the model with every
+field, no preset) that a run directory keeps.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from jaxformer.model import ModelConfig, presets
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not validate; the message names file and dotted key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class DataConfig(_Section):
+    """Where tokens come from and how they are cut into training sequences."""
+
+    source: Literal["stdlib", "text", "bin"] = "stdlib"
+    path: str | None = Field(None, description="text: a file or directory; bin: a .bin token file")
+    glob: str = Field("**/*", description="text directories: which files to read")
+    tokenizer: Literal["bytes", "bpe"] = "bytes"
+    bpe_vocab_size: int = Field(1024, gt=260, description="tokenizer='bpe': trained on the train split")
+    bin_dtype: Literal["uint16", "uint32"] = "uint16"
+    bin_vocab_size: int | None = Field(None, gt=0, description="source='bin': token ids are < this")
+    bin_eos_id: int | None = Field(None, ge=0, description="source='bin': document separator, if any")
+    val_fraction: float = Field(0.02, ge=0.0, lt=1.0)
+    shuffle: bool = True
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.source in ("text", "bin") and not self.path:
+            raise ValueError(f"source={self.source!r} needs data.path")
+        if self.source == "stdlib" and self.path:
+            raise ValueError("source='stdlib' takes no path (the corpus is the interpreter's stdlib)")
+        if self.source == "bin":
+            if self.tokenizer != "bytes":
+                raise ValueError("source='bin' is pre-tokenized; leave tokenizer at 'bytes'")
+            if self.bin_vocab_size is None:
+                raise ValueError("source='bin' needs data.bin_vocab_size")
+        return self
+
+
+class OptimizerConfig(_Section):
+    """AdamW, gradient clipping, accumulation and which parameters get weight decay."""
+
+    lr: float = Field(1e-3, ge=0.0)
+    b1: float = Field(0.9, ge=0.0, lt=1.0)
+    b2: float = Field(0.95, ge=0.0, lt=1.0)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.1, ge=0.0)
+    decay_norms: bool = False
+    decay_biases: bool = False
+    decay_embeddings: bool = False
+    clip_norm: float | None = Field(1.0, gt=0.0)
+    grad_accum: int = Field(1, ge=1, description="micro-batches per step (batch_size must divide)")
+    z_loss: float = Field(0.0, ge=0.0)
+
+
+class ScheduleConfig(_Section):
+    """Linear warmup from 0 to ``optimizer.lr``, then ``kind`` down to ``min_lr_ratio * lr``."""
+
+    kind: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    decay_steps: int | None = Field(None, gt=0, description="None: the run's total steps")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+
+
+class MeshConfig(_Section):
+    """Device mesh ``(data, fsdp, tensor)``; one size may be -1 (all remaining devices)."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    distributed: bool = Field(False, description="call jax.distributed.initialize() first")
+    coordinator_address: str | None = None
+    num_processes: int | None = Field(None, gt=0)
+    process_id: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self):
+        sizes = (self.data, self.fsdp, self.tensor)
+        if sum(s == -1 for s in sizes) > 1:
+            raise ValueError(f"at most one mesh axis may be -1, got (data, fsdp, tensor)={sizes}")
+        if any(s == 0 or s < -1 for s in sizes):
+            raise ValueError(f"mesh sizes must be positive or -1, got (data, fsdp, tensor)={sizes}")
+        return self
+
+    def shape(self, n_devices: int) -> tuple[int, int, int]:
+        """The concrete ``(data, fsdp, tensor)`` sizes for ``n_devices`` devices."""
+        sizes = [self.data, self.fsdp, self.tensor]
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            if n_devices % known:
+                raise ValueError(f"mesh (data, fsdp, tensor)={tuple(sizes)}: {n_devices} devices "
+                                 f"not divisible by {known}")
+            sizes[sizes.index(-1)] = n_devices // known
+        elif known > n_devices:
+            raise ValueError(f"mesh (data, fsdp, tensor)={tuple(sizes)} needs {known} devices, "
+                             f"only {n_devices} present")
+        return tuple(sizes)
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(500, gt=0, description="save every N steps (and always at the end)")
+    keep: int = Field(3, gt=0, description="keep the last K checkpoints")
+    async_save: bool = True
+
+
+class LoggingConfig(_Section):
+    every: int = Field(10, gt=0, description="write a metrics row every N steps")
+    progress: bool = True
+    tensorboard: bool = True
+
+
+class SampleConfig(_Section):
+    prompt: str = "def "
+    max_new_tokens: int = Field(200, ge=0)
+    temperature: float = Field(0.8, ge=0.0)
+    top_k: int | None = Field(None, gt=0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+
+
+class EvalConfig(_Section):
+    every: int | None = Field(None, gt=0, description="evaluate every N steps (None: only at the end)")
+    at_end: bool = True
+    max_tokens: int | None = Field(65536, gt=0, description="validation tokens per evaluation (None: all)")
+    final_max_tokens: int | None = Field(None, gt=0, description="the final evaluation (None: max_tokens)")
+    batch_size: int | None = Field(None, gt=0, description="None: the training batch size")
+    compare_compressors: bool = Field(False, description="report gzip -9 / xz -9e bits per byte too")
+    sample: SampleConfig | None = None
+
+
+class ExperimentConfig(_Section):
+    """A whole experiment. ``model`` may be ``{preset: NAME, **overrides}`` or full fields."""
+
+    seed: int = 0
+    steps: int = Field(1000, gt=0)
+    batch_size: int = Field(32, gt=0)
+    seq_len: int = Field(256, gt=1)
+    model: ModelConfig
+    data: DataConfig = DataConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    mesh: MeshConfig = MeshConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _resolve_preset(cls, v: Any) -> Any:
+        if isinstance(v, dict) and "preset" in v:
+            v = dict(v)
+            name = v.pop("preset")
+            if name not in presets.names():
+                raise ValueError(f"unknown preset {name!r}; known: {', '.join(presets.names())}")
+            v = {**presets.get(name).model_dump(), **v}
+        return v
+
+    @model_validator(mode="after")
+    def _check(self):
+        m = self.model
+        if m.kind != "decoder":
+            raise ValueError(f"training supports model.kind='decoder' (a causal LM), got {m.kind!r}")
+        if self.seq_len > m.max_seq_len:
+            raise ValueError(f"seq_len={self.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        accum = self.optimizer.grad_accum
+        if self.batch_size % accum:
+            raise ValueError(f"batch_size={self.batch_size} not divisible by optimizer.grad_accum={accum}")
+        return self
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def format_errors(err: ValidationError, source: str) -> str:
+    """``source: dotted.key: message`` per error, one per line."""
+    lines = []
+    for e in err.errors(include_url=False):
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        key = _dotted(tuple(e["loc"]))
+        lines.append(f"{source}: {key}: {msg}" if key else f"{source}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"optimizer.lr=3e-4"`` -> ``(["optimizer", "lr"], 3e-4)``; the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key.sub=value")
+    key, _, raw = text.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not YAML: {e}") from None
+    return parts, value
+
+
+def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    """A copy of ``raw`` with each ``key.sub=value`` set (creating sections as needed)."""
+    out = _deepcopy(raw)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        for p in parts[:-1]:
+            child = node.get(p)
+            if child is None:
+                child = node[p] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {p!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deepcopy(x):
+    if isinstance(x, dict):
+        return {k: _deepcopy(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_deepcopy(v) for v in x]
+    return x
+
+
+def from_dict(raw: Any, source: str = "<config>", overrides=()) -> ExperimentConfig:
+    """Validate a raw mapping (plus overrides); errors name ``source`` and the dotted key."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw = apply_overrides(raw, list(overrides))
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(format_errors(e, source)) from None
+
+
+def load(path: str | Path, overrides=()) -> ExperimentConfig:
+    """Read and validate a YAML experiment file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    return from_dict(raw, str(path), overrides)
+
+
+def to_dict(cfg: ExperimentConfig) -> dict:
+    """The resolved config as plain data (the model with every field)."""
+    return cfg.model_dump(mode="json")
+
+
+def dump(cfg: ExperimentConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def diff(a: ExperimentConfig, b: ExperimentConfig) -> list[str]:
+    """Dotted keys whose values differ between two configs."""
+    out: list[str] = []
+
+    def walk(x, y, prefix):
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y)):
+                walk(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else k)
+        elif x != y:
+            out.append(prefix)
+
+    walk(to_dict(a), to_dict(b), "")
+    return out

@@ -1,0 +1,128 @@
+"""The train state, its sharded initialisation, and the jitted train and eval steps.
+
+The state is a plain dict pytree ``{"params", "opt_state", "step", "rng"}``;
+``params`` is ``nnx.to_pure_dict`` of the model state (fp32 master weights;
+the model computes in ``compute_dtype``). The step sums gradients over
+``grad_accum`` micro-batches with a ``lax.scan``, normalises by the number of
+scored tokens in the whole batch, and applies the optimiser once. It is jitted
+with explicit in/out shardings and the state donated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxformer.model import ModelConfig, abstract_init, apply, init
+from jaxformer.ops.losses import cross_entropy
+from jaxformer.train import sharding as shd
+from jaxformer.train.config import ExperimentConfig
+from jaxformer.train.optim import make_optimizer
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "mask")
+
+
+@dataclass
+class Trainer:
+    """Everything compiled for one experiment on one mesh."""
+
+    cfg: ExperimentConfig
+    mesh: jax.sharding.Mesh
+    graphdef: Any
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+    state_shardings: dict
+    abstract_state: dict
+    init_fn: Any
+    train_step: Any
+    eval_step: Any
+
+    def init_state(self):
+        return self.init_fn(jax.random.key(self.cfg.seed))
+
+
+def _model_loss(graphdef, params, batch, z_loss: float):
+    logits = apply(graphdef, params, batch["inputs"], positions=batch["positions"],
+                   segment_ids=batch["segment_ids"])
+    loss, m = cross_entropy(logits, batch["targets"], mask=batch["mask"], z_loss=z_loss)
+    n = m["n_tokens"].astype(jnp.float32)
+    return loss * n, (m["ce"] * n, n)
+
+
+def make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh, total_steps: int | None = None) -> Trainer:
+    """Build the optimiser, shardings and jitted functions for ``cfg`` on ``mesh``."""
+    total_steps = cfg.steps if total_steps is None else total_steps
+    mcfg: ModelConfig = cfg.model
+    shards = shd.batch_shards(mesh)
+    if cfg.batch_size % shards:
+        raise ValueError(f"batch_size={cfg.batch_size} not divisible by data*fsdp={shards} "
+                         f"on mesh {dict(mesh.shape)}")
+    accum = cfg.optimizer.grad_accum
+    if (cfg.batch_size // accum) % shards:
+        raise ValueError(f"micro-batch {cfg.batch_size}//{accum} not divisible by data*fsdp={shards}")
+
+    graphdef, abstract_model = abstract_init(mcfg)
+    abstract_params = nnx.to_pure_dict(abstract_model)
+    optimizer, schedule = make_optimizer(cfg.optimizer, cfg.schedule, total_steps, abstract_params)
+
+    p_sh = shd.param_shardings(abstract_params, shd.logical_axes(abstract_model), mesh)
+    repl = shd.replicated(mesh)
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+    o_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, p_sh,
+                                 transform_non_params=lambda _: repl)
+    state_sh = {"params": p_sh, "opt_state": o_sh, "step": repl, "rng": repl}
+
+    def build(key):
+        key, init_key = jax.random.split(key)
+        params = nnx.to_pure_dict(init(mcfg, init_key)[1])
+        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
+                "rng": jax.random.key_data(key)}
+
+    abstract_state = jax.eval_shape(build, jax.random.key(0))
+    init_fn = jax.jit(build, out_shardings=state_sh)
+    z_loss = cfg.optimizer.z_loss
+
+    def step(state, batch):
+        params = state["params"]
+        grad_fn = jax.grad(lambda p, b: _model_loss(graphdef, p, b, z_loss), has_aux=True)
+        if accum == 1:
+            grads, (ce_sum, n) = grad_fn(params, batch)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+
+            def body(carry, mb):
+                g, c, k = carry
+                gi, (ci, ki) = grad_fn(params, mb)
+                return (jax.tree.map(jnp.add, g, gi), c + ci, k + ki), None
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            zero = jnp.zeros((), jnp.float32)
+            (grads, ce_sum, n), _ = jax.lax.scan(body, (zeros, zero, zero), micro)
+        denom = jnp.maximum(n, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        metrics = {"loss": ce_sum / denom, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+                   "param_norm": optax.tree.norm(new_params), "n_tokens": n}
+        new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1,
+                     "rng": state["rng"]}
+        return new_state, metrics
+
+    b_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
+    train_step = jax.jit(step, in_shardings=(state_sh, b_sh), out_shardings=(state_sh, repl),
+                         donate_argnums=0)
+
+    def evaluate(params, batch):
+        """Summed nats and scored-token count of one batch (no z-loss)."""
+        _, (ce_sum, n) = _model_loss(graphdef, params, batch, 0.0)
+        return ce_sum, n
+
+    eval_step = jax.jit(evaluate, in_shardings=(p_sh, b_sh), out_shardings=repl)
+    return Trainer(cfg, mesh, graphdef, optimizer, schedule, state_sh, abstract_state, init_fn,
+                   train_step, eval_step)

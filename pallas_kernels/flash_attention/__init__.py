@@ -1,0 +1,11 @@
+"""Blockwise FlashAttention (forward + backward) in Pallas for GPU (Triton) and TPU (Mosaic).
+
+``flash_attention`` is the differentiable entry point; ``reference`` is the
+plain-einsum oracle with the same arguments; ``BlockSizes`` sets the tiles.
+"""
+
+from pallas_kernels.flash_attention.api import flash_attention
+from pallas_kernels.flash_attention.common import BlockSizes
+from pallas_kernels.flash_attention.reference import reference
+
+__all__ = ["flash_attention", "reference", "BlockSizes"]

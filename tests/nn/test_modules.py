@@ -1,0 +1,322 @@
+"""jaxformer.nn modules against independent references (numpy float64 forward, jnp float32 gradients)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxformer.nn import (
+    LOGICAL_AXES, Attention, Block, Embed, GatedMLP, LayerNorm, LearnedPositions, LMHead, MLP,
+    Residual, RMSNorm, make_mlp, param,
+)
+from jaxformer.ops.masks import MaskSpec
+
+# fp32 module vs float64 reference on O(1) values: a few ulps of accumulated rounding.
+RTOL, ATOL = 1e-4, 2e-5
+
+
+def build(factory, seed, std=0.3):
+    """``factory()``'s structure with every Param drawn from N(0, std^2) by numpy: nothing is
+    trivially zero or uniform, and no XLA compilation is spent on initialisation."""
+    graphdef, state = nnx.split(nnx.eval_shape(factory))
+    rng = np.random.default_rng(seed)
+    leaves, tree = jax.tree.flatten(state)
+    return nnx.merge(graphdef, jax.tree.unflatten(
+        tree, [jnp.asarray(std * rng.standard_normal(l.shape), l.dtype) for l in leaves]))
+
+
+def run(module, *args, **kwargs):
+    """``module(*args, **kwargs)`` under one jax.jit (eager dispatch compiles every op separately)."""
+    graphdef, state = nnx.split(module)
+    return jax.jit(lambda st, a, kw: nnx.merge(graphdef, st)(*a, **kw))(state, args, kwargs)
+
+
+def params_np(module):
+    return {".".join(map(str, p)): np.asarray(v[...], np.float64)
+            for p, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+
+
+# ---------------------------------------------------------------- references (xp = np or jnp)
+def ref_rope(xp, x, pos, base=10000.0):
+    """Rotate pairs (x_i, x_{i+H/2}) by angle pos * base^(-2i/H) (RoFormer, half-split pairing)."""
+    H = x.shape[-1]
+    theta = base ** (-np.arange(0, H, 2) / H)
+    ang = pos[:, None] * theta[None, :]  # [T, H/2]
+    cos, sin = xp.cos(ang)[None, :, None, :], xp.sin(ang)[None, :, None, :]
+    a, b = x[..., : H // 2], x[..., H // 2:]
+    return xp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+def ref_attention(xp, p, x, ctx=None, *, position="none", causal=False):
+    """Plain multi-head attention with K/V heads repeated G times (fine for a reference)."""
+    ctx = x if ctx is None else ctx
+    q = xp.einsum("btd,dnh->btnh", x, p["w_q"])
+    k = xp.einsum("bsd,dkh->bskh", ctx, p["w_k"])
+    v = xp.einsum("bsd,dkh->bskh", ctx, p["w_v"])
+    if "b_q" in p:
+        q, k, v = q + p["b_q"][None, None], k + p["b_k"][None, None], v + p["b_v"][None, None]
+    N, H, K = q.shape[2], q.shape[3], k.shape[2]
+    T, S = x.shape[1], ctx.shape[1]
+    if position == "rope":
+        q, k = ref_rope(xp, q, np.arange(T, dtype=np.float64)), ref_rope(xp, k, np.arange(S, dtype=np.float64))
+    k, v = xp.repeat(k, N // K, axis=2), xp.repeat(v, N // K, axis=2)
+    s = xp.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(H)
+    if position == "alibi":  # slopes 2^(-8i/N), i = 1..N (N a power of two)
+        slopes = 2.0 ** (-8.0 * np.arange(1, N + 1) / N)
+        s = s - slopes[None, :, None, None] * np.abs(np.arange(T)[:, None] - np.arange(S)[None, :])
+    if causal:
+        s = xp.where(np.tril(np.ones((T, S), bool), S - T), s, -np.inf)
+    w = xp.exp(s - s.max(-1, keepdims=True))
+    w = w / w.sum(-1, keepdims=True)
+    y = xp.einsum("btnh,nhd->btd", xp.einsum("bnts,bsnh->btnh", w, v), p["w_o"])
+    return y + p["b_o"][None, None] if "b_o" in p else y
+
+
+@pytest.mark.parametrize("position,N,K,causal,bias", [
+    ("none", 4, 4, False, True),
+    ("rope", 4, 2, True, False),
+    ("alibi", 4, 1, True, False),
+    ("rope", 8, 2, False, True),
+])
+def test_attention_matches_reference_forward_and_grad(position, N, K, causal, bias):
+    D, H, B, T = 16, 4, 2, 5
+    m = build(lambda: Attention(D, N, K, H, position=position, use_bias=bias, impl="xla", rngs=nnx.Rngs(0)), 1)
+    x = jax.random.normal(jax.random.key(2), (B, T, D))
+    mask = MaskSpec(causal=causal)
+    p = params_np(m)
+    want = ref_attention(np, p, np.asarray(x, np.float64), position=position, causal=causal)
+    got = run(m, x, mask=mask)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=ATOL)
+
+    ct = jax.random.normal(jax.random.key(3), (B, T, D))
+    graphdef, state = nnx.split(m)
+    g_mod = jax.jit(jax.grad(lambda st, xx: jnp.sum(nnx.merge(graphdef, st)(xx, mask=mask) * ct), (0, 1)))(
+        state, x)
+    pj = {k: jnp.asarray(v, jnp.float32) for k, v in p.items()}
+    g_ref = jax.jit(jax.grad(
+        lambda pp, xx: jnp.sum(ref_attention(jnp, pp, xx, position=position, causal=causal) * ct), (0, 1)))(pj, x)
+    # fp32 both sides, different summation orders: relative 1e-4 of O(1) gradients.
+    np.testing.assert_allclose(g_mod[1], g_ref[1], rtol=1e-4, atol=1e-4)
+    for path, v in nnx.to_flat_state(g_mod[0]):
+        np.testing.assert_allclose(v[...], g_ref[0][".".join(map(str, path))], rtol=1e-4, atol=1e-4)
+
+
+def test_cross_attention_matches_reference():
+    D, Dkv, N, K, H, B, T, S = 16, 12, 4, 2, 4, 2, 3, 7
+    m = build(lambda: Attention(D, N, K, H, kv_dim=Dkv, impl="xla", rngs=nnx.Rngs(0)), 4)
+    x = jax.random.normal(jax.random.key(5), (B, T, D))
+    ctx = jax.random.normal(jax.random.key(6), (B, S, Dkv))
+    want = ref_attention(np, params_np(m), np.asarray(x, np.float64), np.asarray(ctx, np.float64))
+    np.testing.assert_allclose(np.asarray(run(m, x, ctx)), want, rtol=RTOL, atol=ATOL)
+
+
+def test_gqa_with_k_equal_n_is_mha_and_gqa_equals_mha_with_repeated_kv_weights():
+    """A GQA layer equals an MHA layer whose W_k, W_v repeat each kv head for its G query heads."""
+    D, N, K, H = 16, 4, 2, 4
+    x = jax.random.normal(jax.random.key(7), (2, 6, D))
+    gqa = build(lambda: Attention(D, N, K, H, position="rope", impl="xla", rngs=nnx.Rngs(0)), 8)
+    mha = build(lambda: Attention(D, N, N, H, position="rope", impl="xla", rngs=nnx.Rngs(1)), 0)
+    mha.w_q[...] = gqa.w_q[...]
+    mha.w_o[...] = gqa.w_o[...]
+    mha.w_k[...] = jnp.repeat(gqa.w_k[...], N // K, axis=1)
+    mha.w_v[...] = jnp.repeat(gqa.w_v[...], N // K, axis=1)
+    mask = MaskSpec(causal=True)
+    y_mha = run(mha, x, mask=mask)
+    np.testing.assert_allclose(run(gqa, x, mask=mask), y_mha, rtol=1e-5, atol=1e-6)
+    # K == N is plain MHA: it matches the float64 reference (which has no grouping at all).
+    want = ref_attention(np, params_np(mha), np.asarray(x, np.float64), position="rope", causal=True)
+    np.testing.assert_allclose(y_mha, want, rtol=RTOL, atol=ATOL)
+
+
+def test_attention_bad_input():
+    with pytest.raises(ValueError, match="heads 6 not divisible by kv heads 4"):
+        Attention(24, 6, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="d_model 10 not divisible by heads 4"):
+        Attention(10, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="even head dim.*head_dim=3"):
+        Attention(12, 4, position="rope", rngs=nnx.Rngs(0))
+    m = nnx.eval_shape(lambda: Attention(8, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"x \[B, T, D\].*\(3, 8\)"):
+        m(jnp.ones((3, 8)))
+
+
+# ---------------------------------------------------------------- MLP, norms, embeddings
+def _np_act(name, x):
+    erf = np.vectorize(math.erf)
+    return {
+        "relu": lambda: np.maximum(x, 0.0),
+        "gelu": lambda: 0.5 * x * (1.0 + erf(x / math.sqrt(2.0))),
+        "gelu_tanh": lambda: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3))),
+        "silu": lambda: x / (1.0 + np.exp(-x)),
+    }[name]()
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu"])
+def test_mlp_matches_reference(activation):
+    D, F = 8, 12
+    m = build(lambda: make_mlp(D, F, activation, use_bias=True, rngs=nnx.Rngs(0)), 9, std=0.5)
+    x = jax.random.normal(jax.random.key(10), (2, 3, D))
+    p, xn = params_np(m), np.asarray(x, np.float64)
+    if activation in ("swiglu", "geglu"):
+        assert isinstance(m, GatedMLP)
+        gate, up = xn @ p["w_gate"] + p["b_gate"], xn @ p["w_up"] + p["b_up"]
+        h = _np_act("silu" if activation == "swiglu" else "gelu", gate) * up
+        want = h @ p["w_down"] + p["b_down"]
+    else:
+        assert isinstance(m, MLP)
+        want = _np_act(activation, xn @ p["w_in"] + p["b_in"]) @ p["w_out"] + p["b_out"]
+    np.testing.assert_allclose(np.asarray(run(m, x)), want, rtol=RTOL, atol=ATOL)
+
+
+def test_norms_match_reference():
+    D = 16
+    x = 3.0 + 2.0 * jax.random.normal(jax.random.key(11), (2, 5, D))
+    xn = np.asarray(x, np.float64)
+    for use_bias in (True, False):
+        ln = build(lambda: LayerNorm(D, eps=1e-5, use_bias=use_bias, rngs=nnx.Rngs(0)), 12)
+        p = params_np(ln)
+        want = (xn - xn.mean(-1, keepdims=True)) / np.sqrt(xn.var(-1, keepdims=True) + 1e-5) * p["scale"]
+        want = want + p["bias"] if use_bias else want
+        np.testing.assert_allclose(np.asarray(run(ln, x)), want, rtol=RTOL, atol=ATOL)
+    rms = build(lambda: RMSNorm(D, eps=1e-6, rngs=nnx.Rngs(0)), 13)
+    want = xn / np.sqrt((xn ** 2).mean(-1, keepdims=True) + 1e-6) * params_np(rms)["scale"]
+    np.testing.assert_allclose(np.asarray(run(rms, x)), want, rtol=RTOL, atol=ATOL)
+    # bf16 input: statistics in fp32, output dtype preserved.
+    assert rms(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+def test_embeddings():
+    V, D, P = 11, 6, 9
+    emb = build(lambda: Embed(V, D, rngs=nnx.Rngs(0)), 14)
+    tokens = jnp.array([[0, 3, 10], [5, 5, 1]])
+    table = np.asarray(emb.embedding[...])
+    np.testing.assert_array_equal(emb(tokens), table[np.asarray(tokens)])
+    x = jax.random.normal(jax.random.key(15), (2, 3, D))
+    np.testing.assert_allclose(emb.attend(x), np.asarray(x, np.float64) @ table.T.astype(np.float64),
+                               rtol=RTOL, atol=ATOL)
+    head = build(lambda: LMHead(D, V, rngs=nnx.Rngs(0)), 16)
+    np.testing.assert_allclose(head(x), np.asarray(x, np.float64) @ params_np(head)["kernel"],
+                               rtol=RTOL, atol=ATOL)
+    pos = build(lambda: LearnedPositions(P, D, rngs=nnx.Rngs(0)), 17)
+    np.testing.assert_array_equal(pos(jnp.array([[2, 0, 8]])), np.asarray(pos.embedding[...])[[[2, 0, 8]]])
+
+
+# ---------------------------------------------------------------- residual block
+def _branch(D, seed):
+    w = 0.5 * jax.random.normal(jax.random.key(seed), (D, D))
+    return lambda h: jnp.tanh(h @ w), np.asarray(w, np.float64)
+
+
+def _np_ln(x, eps=1e-5):
+    return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps)
+
+
+@pytest.mark.parametrize("position,sandwich,alpha", [("pre", False, 1.0), ("pre", True, 1.0),
+                                                     ("post", False, 1.0), ("deepnorm", False, 2.2)])
+def test_residual_formulas(position, sandwich, alpha):
+    D = 8
+    f, w = _branch(D, 18)
+    res = Residual(LayerNorm(D, rngs=nnx.Rngs(0)), norm_position=position, alpha=alpha,
+                   branch_norm=LayerNorm(D, rngs=nnx.Rngs(1)) if sandwich else None)
+    x = jax.random.normal(jax.random.key(19), (2, 3, D))
+    xn = np.asarray(x, np.float64)
+    if position == "pre":
+        h = np.tanh(_np_ln(xn) @ w)
+        want = xn + (_np_ln(h) if sandwich else h)
+    else:  # post: LN(x + f(x)); deepnorm: LN(alpha x + f(x))
+        want = _np_ln(alpha * xn + np.tanh(xn @ w))
+    np.testing.assert_allclose(np.asarray(res(x, f)), want, rtol=RTOL, atol=ATOL)
+
+
+def test_residual_rejects_alpha_without_deepnorm():
+    with pytest.raises(ValueError, match="alpha=2.0.*'pre'"):
+        Residual(RMSNorm(4, rngs=nnx.Rngs(0)), norm_position="pre", alpha=2.0)
+
+
+def _tiny_block(D=8, cross=False, seed=0):
+    r = nnx.Rngs(seed)
+    kw = dict(impl="xla", use_bias=True, rngs=r)
+    return Block(
+        Attention(D, 2, 1, position="rope", **kw), Residual(RMSNorm(D, rngs=r)),
+        make_mlp(D, 16, "swiglu", rngs=r), Residual(RMSNorm(D, rngs=r)),
+        cross_attn=Attention(D, 2, **kw) if cross else None,
+        cross_residual=Residual(RMSNorm(D, rngs=r)) if cross else None,
+    )
+
+
+def test_pre_norm_block_jacobian_contains_identity():
+    """J(block) - I = J(x -> block(x) - x); with both output projections zeroed J = I exactly."""
+    D, T = 8, 3
+    blk = build(lambda: _tiny_block(D), 20)
+    x = jax.random.normal(jax.random.key(21), (1, T, D))
+    mask = MaskSpec(causal=True)
+
+    def flat(fn):
+        return lambda v: fn(v.reshape(1, T, D))[0].reshape(-1)
+
+    graphdef, state = nnx.split(blk)
+
+    @jax.jit
+    def jacobians(st, v):
+        b = nnx.merge(graphdef, st)
+        return (jax.jacfwd(flat(lambda u: b(u, mask=mask)))(v),
+                jax.jacfwd(flat(lambda u: (b(u, mask=mask)[0] - u, None)))(v))
+
+    J, J_branch = jacobians(state, x.reshape(-1))
+    eye = np.eye(T * D)
+    np.testing.assert_allclose(J - eye, J_branch, rtol=1e-5, atol=1e-5)
+    assert np.abs(J - eye).max() > 1e-2  # the branches are not trivially zero
+
+    blk.self_attn.w_o[...] = jnp.zeros_like(blk.self_attn.w_o[...])
+    blk.self_attn.b_o[...] = jnp.zeros_like(blk.self_attn.b_o[...])
+    blk.mlp.w_down[...] = jnp.zeros_like(blk.mlp.w_down[...])
+    J0, _ = jacobians(nnx.state(blk), x.reshape(-1))
+    np.testing.assert_array_equal(J0, eye)
+
+
+def test_block_cross_attention_arguments():
+    blk = nnx.eval_shape(lambda: _tiny_block(8, cross=True))
+    x = jax.ShapeDtypeStruct((1, 3, 8), jnp.float32)
+    ctx = jax.ShapeDtypeStruct((1, 5, 8), jnp.float32)
+    with pytest.raises(ValueError, match="cross-attention: pass context"):
+        nnx.eval_shape(lambda b, x: b(x), blk, x)
+    y, cache = nnx.eval_shape(lambda b, x, c: b(x, context=c), blk, x, ctx)
+    assert y.shape == (1, 3, 8) and cache is None
+    with pytest.raises(ValueError, match="without cross-attention"):
+        nnx.eval_shape(lambda b, x, c: b(x, context=c), nnx.eval_shape(lambda: _tiny_block(8)), x, ctx)
+
+
+# ---------------------------------------------------------------- logical axes
+def test_logical_axes_on_every_param():
+    assert LOGICAL_AXES == ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "layers")
+    def make():
+        r = nnx.Rngs(0)
+        return [_tiny_block(8, cross=True), Embed(5, 8, rngs=r), LMHead(8, 5, rngs=r),
+                LearnedPositions(4, 8, rngs=r), LayerNorm(8, rngs=r), make_mlp(8, 16, "gelu", rngs=r)]
+
+    mods = nnx.eval_shape(make)
+    seen = {}
+    for mod in mods:
+        for path, v in nnx.to_flat_state(nnx.state(mod, nnx.Param)):
+            axes = v.get_metadata()["out_sharding"]
+            assert len(axes) == len(v.shape), (path, axes)
+            assert all(a is None or a in LOGICAL_AXES for a in axes), (path, axes)
+            seen[path[-1]] = tuple(axes)
+    assert seen["w_q"] == ("embed", "heads", "head_dim")
+    assert seen["w_k"] == seen["w_v"] == ("embed", "kv_heads", "head_dim")
+    assert seen["w_o"] == ("heads", "head_dim", "embed")
+    assert seen["w_gate"] == seen["w_up"] == seen["w_in"] == ("embed", "mlp")
+    assert seen["w_down"] == seen["w_out"] == ("mlp", "embed")
+    assert seen["kernel"] == ("embed", "vocab")
+    assert seen["scale"] == ("embed",)
+
+
+def test_param_rejects_unknown_axis_and_rank_mismatch():
+    init = lambda k, s, d: jnp.zeros(s, d)  # noqa: E731
+    with pytest.raises(ValueError, match="unknown logical axes.*'model'"):
+        param(nnx.Rngs(0), init, (2, 3), ("embed", "model"), "float32")
+    with pytest.raises(ValueError, match=r"axes \('embed',\) do not match shape \(2, 3\)"):
+        param(nnx.Rngs(0), init, (2, 3), ("embed",), "float32")

@@ -1,0 +1,276 @@
+"""The Mosaic (TPU) FlashAttention kernels, run on CPU in TPU interpret mode.
+
+Every kernel result (forward, dq, dk, dv) is compared with the dense reference
+``jaxformer.ops.attention.xla_attention`` under ``MaskSpec.dense()`` in fp32.
+Interpret mode is slow (~seconds per compiled config), so shapes are tiny,
+blocks are 8/16, and features are combined per case.
+"""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxformer.ops.attention import xla_attention
+from jaxformer.ops.masks import MaskSpec
+from pallas_kernels.flash_attention.common import BlockSizes
+from pallas_kernels.flash_attention.tpu import flash_attention_tpu
+
+# fp32: kernel and reference differ only in summation order.
+TOL_F32 = dict(atol=2e-5, rtol=2e-5)
+# bf16 / fp16: the output is rounded to the input dtype (bf16 eps 2^-8, fp16 2^-11) and the
+# bf16 kernel also rounds p and dS to bf16 before its matmuls; values here are O(1).
+TOL = {jnp.float32: TOL_F32, jnp.bfloat16: dict(atol=4e-2, rtol=4e-2), jnp.float16: dict(atol=4e-3, rtol=4e-3)}
+
+
+def _inputs(key, B, T, S, N, K, H, dtype):
+    kq, kk, kv, kc = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (B, T, N, H), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (B, S, K, H), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (B, S, K, H), jnp.float32).astype(dtype)
+    ct = jax.random.normal(kc, (B, T, N, H), jnp.float32)
+    return q, k, v, ct
+
+
+def _kernel_and_ref(q, k, v, ct, *, block_sizes, **kw):
+    """(out, dq, dk, dv) of the kernel (in interpret mode) and of the fp32 dense reference."""
+    mask_kw = {n: kw.get(n) for n in ("causal", "window", "q_segment_ids", "kv_segment_ids",
+                                      "kv_lengths", "q_offset")}
+    mask_kw["causal"] = bool(mask_kw["causal"])
+    spec = MaskSpec(**mask_kw)
+    logit_kw = {n: kw.get(n) for n in ("alibi_slopes", "softcap", "scale")}
+
+    def ref(q, k, v):
+        return xla_attention(q, k, v, mask=spec, **logit_kw)
+
+    def ker(q, k, v):
+        return flash_attention_tpu(q, k, v, block_sizes=block_sizes, **kw).astype(jnp.float32)
+
+    def out_and_grads(f, *args):
+        out, vjp = jax.vjp(f, *args)
+        return (out, *vjp(ct))
+
+    with pltpu.force_tpu_interpret_mode():
+        got = _fast_compile(lambda *a: out_and_grads(ker, *a), q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = jax.jit(lambda *a: out_and_grads(ref, *a))(*f32)
+    return got, want
+
+
+def _fast_compile(f, *args):
+    """jit + run with XLA's backend optimisations off: the interpreted kernels compile ~30% faster."""
+    return jax.jit(f).lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
+
+
+def _assert_close(got, want, tol):
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        g = np.asarray(g, np.float32)
+        assert np.isfinite(g).all(), name
+        np.testing.assert_allclose(g, np.asarray(w), err_msg=name, **tol)
+
+
+def _segments(B, L, n_segs, seed):
+    """Sorted (packed-document) ids ``[B, L]`` in ``0..n_segs-1``."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(np.sort(rng.integers(0, n_segs, (B, L)), axis=1), jnp.int32)
+
+
+# --------------------------------------------------------------------------- parity
+
+
+CASES = {
+    # name: (B, T, S, N, K, H, dtype, block sizes, kwargs builder); tiny grids keep interpret mode fast.
+    "causal_gqa_segments_lens_alibi_softcap": (
+        2, 13, 19, 4, 2, 16, jnp.float32, BlockSizes(8, 8),
+        lambda B, T, S, N: dict(causal=True, q_segment_ids=_segments(B, T, 2, 0),
+                                kv_segment_ids=_segments(B, S, 2, 1), kv_lengths=jnp.array([19, 11]),
+                                alibi_slopes=jnp.linspace(0.05, 0.4, N), softcap=3.0)),
+    "window_mqa_offset_mixed_blocks": (
+        1, 13, 30, 2, 1, 8, jnp.float32,
+        BlockSizes(8, 8, block_q_dkv=16, block_k_dkv=8, block_q_dq=8, block_k_dq=16),
+        lambda B, T, S, N: dict(window=(5, 3), q_offset=7, scale=0.3)),
+    "bf16_causal_bottom_right_window_alibi": (
+        1, 12, 21, 2, 1, 16, jnp.bfloat16, BlockSizes(8, 8),
+        lambda B, T, S, N: dict(causal=True, window=(9, None), alibi_slopes=jnp.full((B, N), 0.2))),
+    "fp16_lens_softcap": (
+        1, 9, 17, 1, 1, 8, jnp.float16, BlockSizes(16, 16),
+        lambda B, T, S, N: dict(kv_lengths=jnp.array([13]), softcap=2.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_dense_reference(name):
+    B, T, S, N, K, H, dtype, bs, make_kw = CASES[name]
+    q, k, v, ct = _inputs(jax.random.key(len(name)), B, T, S, N, K, H, dtype)
+    got, want = _kernel_and_ref(q, k, v, ct, block_sizes=bs, **make_kw(B, T, S, N))
+    assert got[0].shape == (B, T, N, H)
+    _assert_close(got, want, TOL[dtype])
+
+
+def test_fully_masked_rows_give_zero_output_and_zero_grads():
+    B, T, S, N, K, H = 2, 16, 16, 1, 1, 8
+    q, k, v, ct = _inputs(jax.random.key(7), B, T, S, N, K, H, jnp.float32)
+    # batch 0: query segment 5 has no keys (rows 12..15); batch 1: every key is padding.
+    q_seg = jnp.array([[0] * 6 + [1] * 6 + [5] * 4, [0] * 16], jnp.int32)
+    kv_seg = jnp.array([[0] * 8 + [1] * 8, [0] * 16], jnp.int32)
+    kw = dict(causal=True, q_segment_ids=q_seg, kv_segment_ids=kv_seg, kv_lengths=jnp.array([16, 0]),
+              softcap=4.0)
+    got, want = _kernel_and_ref(q, k, v, ct, block_sizes=BlockSizes(8, 8), **kw)
+    out, dq, dk, dv = (np.asarray(x) for x in got)
+    for x in (out, dq):
+        assert (x[0, 12:] == 0).all() and (x[1] == 0).all()
+    assert (dk[1] == 0).all() and (dv[1] == 0).all()
+    _assert_close(got, want, TOL_F32)
+
+
+@settings(max_examples=3)
+@given(data=st.data())
+def test_hypothesis_shapes_and_masks(data):
+    _check_drawn(data)
+
+
+@pytest.mark.slow
+@settings(max_examples=30)
+@given(data=st.data())
+def test_hypothesis_shapes_and_masks_many(data):
+    _check_drawn(data)
+
+
+def _check_drawn(data):
+    T = data.draw(st.sampled_from([1, 7, 16, 23]), "T")
+    S = data.draw(st.sampled_from([1, 5, 16, 31]), "S")
+    N, K = data.draw(st.sampled_from([(1, 1), (2, 1)]), "heads")
+    B, H = 2, 8
+    kw = dict(causal=data.draw(st.booleans(), "causal"))
+    kw["window"] = data.draw(st.sampled_from([None, (3, None), (None, 2), (4, 6)]), "window")
+    kw["q_offset"] = data.draw(st.sampled_from([None, 0, 3, -2]), "q_offset")
+    if data.draw(st.booleans(), "segments"):
+        kw["q_segment_ids"] = _segments(B, T, 3, T)
+        kw["kv_segment_ids"] = _segments(B, S, 3, S + 1)
+    if data.draw(st.booleans(), "kv_lengths"):
+        kw["kv_lengths"] = jnp.array([S, max(0, S - 4)])
+    if data.draw(st.booleans(), "alibi"):
+        kw["alibi_slopes"] = jnp.linspace(0.1, 0.5, N)
+    kw["softcap"] = data.draw(st.sampled_from([None, 2.5]), "softcap")
+    bq, bk = data.draw(st.sampled_from([(8, 8), (16, 8), (8, 16)]), "blocks")
+    q, k, v, ct = _inputs(jax.random.key(T * 100 + S), B, T, S, N, K, H, jnp.float32)
+    got, want = _kernel_and_ref(q, k, v, ct, block_sizes=BlockSizes(bq, bk), **kw)
+    _assert_close(got, want, TOL_F32)
+
+
+# --------------------------------------------------------------------------- block skipping
+
+
+def _ideal_fetches(rows):
+    """DMA count of a pipeline that visits exactly ``rows`` (block indices per grid row, in order)
+    and re-fetches only when the block index changes."""
+    seq = [j for row in rows for j in row]
+    return sum(1 for a, b in zip([None] + seq, seq) if a != b)
+
+
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window=(8, 3))], ids=["causal", "window"])
+def test_dead_blocks_are_never_fetched(monkeypatch, mask):
+    """Record every block the TPU interpreter copies into VMEM and every grid point it runs:
+    no dead block is ever fetched, each live one at most once per grid row and kernel, and the
+    walked grid axis is as long as the longest live run. Dead blocks come from
+    ``MaskSpec.block_map``, independent of the kernel's own range math."""
+    fetched = collections.defaultdict(list)  # (grid rank, input name) -> [(grid point, block index)]
+    real_get = ipc.get
+
+    def recording_get(*args, input_name=None, **kwargs):
+        if input_name is not None:
+            block, point = tuple(int(x) for x in args[6]), tuple(int(x) for x in args[7])
+            fetched[(len(point), input_name)].append((point, block))
+        return real_get(*args, input_name=input_name, **kwargs)
+
+    points = collections.Counter()  # grid rank -> grid points run
+
+    def record_point(token, point, core):
+        points[len(point)] += 1
+        return token
+
+    monkeypatch.setattr(ipc, "get", recording_get)
+    B, T, S, N, K, H, bq, bk = 1, 32, 40, 1, 1, 8, 8, 8  # shapes no other test uses: a fresh trace
+    spec = MaskSpec(**mask)
+    live = spec.block_map(T, S, bq, bk)
+    nq, nk = live.shape
+    assert not live.all()
+    q, k, v, ct = _inputs(jax.random.key(3), B, T, S, N, K, H, jnp.float32)
+
+    def out_and_grads(q, k, v):
+        out, vjp = jax.vjp(lambda *a: flash_attention_tpu(*a, block_sizes=BlockSizes(bq, bk), **mask), q, k, v)
+        return (out, *vjp(ct))
+
+    with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(grid_point_recorder=record_point)):
+        got = _fast_compile(out_and_grads, q, k, v)
+    want = jax.jit(jax.grad(lambda *a: jnp.vdot(xla_attention(*a, mask=spec), ct), argnums=(0, 1, 2)))(q, k, v)
+    _assert_close(got[1:], want, TOL_F32)
+
+    kv_rows = collections.defaultdict(collections.Counter)  # q block -> k blocks copied (forward + dq)
+    for point, block in fetched[(4, "refs[1]")]:  # k; grid (b, n, q block, step)
+        kv_rows[point[2]][block[2]] += 1
+    q_cols = collections.defaultdict(collections.Counter)  # kv block -> q blocks copied (dk/dv)
+    for point, block in fetched[(5, "refs[0]")]:  # q; grid (b, h, kv block, g, step)
+        q_cols[point[2]][block[2]] += 1
+    for rows, lv, kernels in ((kv_rows, live, 2), (q_cols, live.T, 1)):
+        for r, copies in rows.items():
+            want_blocks = set(np.flatnonzero(lv[r]))
+            assert set(copies) <= want_blocks, (r, copies, want_blocks)
+            assert max(copies.values()) <= kernels
+            # the row's first live block may already sit in VMEM from the previous row
+            assert sum(copies.values()) >= kernels * (len(want_blocks) - 1)
+    longest_row, longest_col = live.sum(1).max(), live.sum(0).max()
+    assert points[4] == 2 * nq * longest_row  # forward + dq
+    assert points[5] == nk * longest_col
+
+
+# --------------------------------------------------------------------------- Mosaic lowering
+
+
+@pytest.mark.parametrize("features", ["all", "none"])
+def test_lowers_to_mosaic_for_tpu(features):
+    """Export forward+backward for the TPU platform: runs the real Mosaic lowering (block-shape
+    rules, supported ops) on CPU, with TPU-sized tiles."""
+    B, T, S, N, K, H = 1, 200, 384, 4, 2, 128
+    q = jnp.zeros((B, T, N, H), jnp.bfloat16)
+    k = jnp.zeros((B, S, K, H), jnp.bfloat16)
+    kw = dict(block_sizes=BlockSizes(128, 128, block_q_dkv=128, block_k_dkv=256))
+    if features == "all":
+        kw.update(causal=True, window=(100, None), q_segment_ids=jnp.zeros((B, T), jnp.int32),
+                  kv_segment_ids=jnp.zeros((B, S), jnp.int32), kv_lengths=jnp.array([300]),
+                  alibi_slopes=jnp.ones((N,)), softcap=5.0)
+
+    def fwd_bwd(q, k, v):
+        return jax.grad(lambda *a: jnp.sum(flash_attention_tpu(*a, **kw).astype(jnp.float32)),
+                        argnums=(0, 1, 2))(q, k, v)
+
+    exported = jax.export.export(jax.jit(fwd_bwd), platforms=["tpu"])(q, k, k)
+    assert exported.mlir_module().count("tpu_custom_call") == 3
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("kwargs, shapes, match", [
+    ({}, ((1, 8, 3, 8), (1, 8, 2, 8)), r"heads 3 not divisible by kv heads 2"),
+    ({"block_sizes": BlockSizes(12, 8)}, None, r"block_q=12"),
+    ({"block_sizes": BlockSizes(8, 4)}, None, r"block_k=4"),
+    ({"block_sizes": BlockSizes(4096, 4096)}, None, r"block_q=4096, block_k=4096"),
+    ({"q_segment_ids": jnp.zeros((1, 5), jnp.int32), "kv_segment_ids": jnp.zeros((1, 8), jnp.int32)},
+     None, r"q_segment_ids.shape=\(1, 5\) must be \(B, T\)=\(1, 8\)"),
+    ({"kv_lengths": jnp.zeros((2,), jnp.int32)}, None, r"kv_lengths.shape=\(2,\)"),
+    ({"alibi_slopes": jnp.ones((3,))}, None, r"alibi_slopes.shape=\(3,\)"),
+    ({"window": (2, -1)}, None, r"window"),
+    ({}, ((1, 8, 2, 300), (1, 8, 2, 300)), r"head dim H=300"),
+])
+def test_bad_input_raises_value_error(kwargs, shapes, match):
+    qs, ks = shapes or ((1, 8, 2, 8), (1, 8, 2, 8))
+    q, k = jnp.zeros(qs, jnp.float32), jnp.zeros(ks, jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        flash_attention_tpu(q, k, k, **kwargs)

@@ -1,0 +1,109 @@
+"""Experiment schema: presets + overrides, error messages naming file and dotted key, CLI overrides."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from jaxformer.model import ModelConfig, presets
+from jaxformer.train import config as C
+
+
+def _write(tmp_path, text: str):
+    p = tmp_path / "x.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_preset_plus_overrides_resolves_to_model_config(tmp_path):
+    p = _write(tmp_path, "model: {preset: llama_tiny, n_layers: 4}\nseq_len: 64\n")
+    cfg = C.load(p)
+    want = presets.get("llama_tiny", n_layers=4)
+    assert isinstance(cfg.model, ModelConfig)
+    assert cfg.model == want
+    assert cfg.model.n_layers == 4 and cfg.model.n_kv_heads == want.n_kv_heads
+
+
+def test_full_model_fields_without_preset(tmp_path):
+    p = _write(tmp_path, "model: {d_model: 64, n_heads: 2, n_layers: 1, max_seq_len: 64}\nseq_len: 64\n")
+    assert C.load(p).model.d_model == 64
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("model: {preset: llama_tiny}\nseq_len: 64\noptimizer: {lr: fast}\n",
+     "x.yaml: optimizer.lr: Input should be a valid number"),
+    ("model: {preset: llama_tiny}\nseq_len: 64\noptimizer: {lrr: 0.1}\n", "x.yaml: optimizer.lrr: unknown key"),
+    ("model: {preset: llama_tiny, n_layerz: 3}\nseq_len: 64\n", "x.yaml: model.n_layerz: unknown key"),
+    ("model: {preset: llama_tiny, n_layers: many}\nseq_len: 64\n",
+     "x.yaml: model.n_layers: Input should be a valid integer"),
+    ("model: {preset: nope}\n", "x.yaml: model: unknown preset 'nope'"),
+    ("model: {preset: llama_tiny}\nseq_len: 64\ncheckpoint: {every: 0}\n",
+     "x.yaml: checkpoint.every: Input should be greater than 0"),
+    ("model: {preset: llama_tiny}\nseq_len: 64\nstepz: 3\n", "x.yaml: stepz: unknown key"),
+    ("model: {preset: llama_tiny}\nseq_len: 4096\n", "x.yaml: seq_len=4096 exceeds model.max_seq_len=128"),
+])
+def test_errors_name_file_and_dotted_key(tmp_path, text, expected):
+    p = _write(tmp_path, text)
+    with pytest.raises(C.ConfigError) as e:
+        C.load(p)
+    assert str(e.value).startswith(str(p.parent) + "/") and expected in str(e.value), str(e.value)
+
+
+def test_every_error_is_reported(tmp_path):
+    p = _write(tmp_path, "model: {preset: llama_tiny}\nseq_len: 64\noptimizer: {lr: x, b1: 2}\ndata: {zz: 1}\n")
+    with pytest.raises(C.ConfigError) as e:
+        C.load(p)
+    msg = str(e.value)
+    assert "optimizer.lr" in msg and "optimizer.b1" in msg and "data.zz: unknown key" in msg
+
+
+def test_not_yaml_and_missing_file(tmp_path):
+    with pytest.raises(C.ConfigError, match="not valid YAML"):
+        C.load(_write(tmp_path, "model: [unclosed\n"))
+    with pytest.raises(C.ConfigError, match="cannot read"):
+        C.load(tmp_path / "missing.yaml")
+
+
+def test_overrides_are_yaml_parsed_and_validated(tmp_path):
+    p = _write(tmp_path, "model: {preset: llama_tiny}\nseq_len: 64\n")
+    cfg = C.load(p, ["optimizer.lr=3e-4", "model.n_layers=3", "mesh.data=2", "eval.sample={prompt: 'x'}",
+                     "schedule.kind=linear"])
+    assert cfg.optimizer.lr == pytest.approx(3e-4)
+    assert cfg.model.n_layers == 3 and cfg.mesh.data == 2 and cfg.eval.sample.prompt == "x"
+    assert cfg.schedule.kind == "linear"
+    with pytest.raises(C.ConfigError, match=r"x.yaml: optimizer.lr: Input should be a valid number"):
+        C.load(p, ["optimizer.lr=abc"])
+    with pytest.raises(C.ConfigError, match="expected key.sub=value"):
+        C.load(p, ["optimizer.lr"])
+
+
+def test_dump_round_trips_without_preset(tmp_path):
+    cfg = C.load(_write(tmp_path, "model: {preset: gpt2_tiny, d_model: 96, n_heads: 3}\nseq_len: 64\n"))
+    out = tmp_path / "resolved.yaml"
+    C.dump(cfg, out)
+    raw = yaml.safe_load(out.read_text())
+    assert "preset" not in raw["model"] and raw["model"]["d_model"] == 96
+    assert C.load(out) == cfg
+    assert C.diff(cfg, C.load(out, ["steps=7", "model.n_layers=1"])) == ["model.n_layers", "steps"]
+
+
+def test_mesh_shape():
+    assert C.MeshConfig(data=-1).shape(8) == (8, 1, 1)
+    assert C.MeshConfig(data=2, fsdp=-1, tensor=2).shape(8) == (2, 2, 2)
+    assert C.MeshConfig(data=1).shape(8) == (1, 1, 1)
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        C.MeshConfig(data=4, fsdp=4).shape(8)
+    with pytest.raises(ValueError, match="not divisible"):
+        C.MeshConfig(data=-1, fsdp=3).shape(8)
+    with pytest.raises(C.ConfigError, match="at most one mesh axis may be -1"):
+        C.from_dict({"model": {"preset": "llama_tiny"}, "seq_len": 8, "mesh": {"data": -1, "fsdp": -1}}, "m")
+
+
+def test_cross_field_checks():
+    base = {"model": {"preset": "llama_tiny"}, "seq_len": 8}
+    with pytest.raises(C.ConfigError, match="not divisible by optimizer.grad_accum=3"):
+        C.from_dict({**base, "batch_size": 8, "optimizer": {"grad_accum": 3}}, "m")
+    with pytest.raises(C.ConfigError, match="data: source='text' needs data.path"):
+        C.from_dict({**base, "data": {"source": "text"}}, "m")
+    with pytest.raises(C.ConfigError, match="model.kind='decoder'"):
+        C.from_dict({"model": {"preset": "vaswani_tiny"}, "seq_len": 8}, "m")

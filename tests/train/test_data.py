@@ -1,0 +1,193 @@
+"""Data: the stdlib corpus split, packing with segment ids, eval windows, exact iterator-state restore."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxformer.train import config as C
+from jaxformer.train import data as D
+from tests.train.helpers import make_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = make_corpus(tmp_path_factory.mktemp("corpus"), n_files=60)
+    return D.build_corpus(C.DataConfig(source="text", path=str(root), val_fraction=0.2))
+
+
+def test_stdlib_listing_is_sorted_relative_and_excludes_site_packages():
+    root, rels = D.stdlib_files()
+    assert root == Path(sysconfig.get_paths()["stdlib"])
+    assert rels == sorted(rels) and len(rels) > 100
+    assert all(r.endswith(".py") and not r.startswith("/") for r in rels)
+    assert not any("site-packages" in r.split("/") for r in rels)
+    assert "os.py" in rels and "json/__init__.py" in rels
+
+
+def test_validation_split_is_a_stable_hash_of_the_path():
+    _, rels = D.stdlib_files()
+    val = [r for r in rels if D.is_validation(r, 0.02)]
+    assert 0.005 < len(val) / len(rels) < 0.05
+    # independent reimplementation of the rule: sha256 prefix as a fraction of 2**32
+    import hashlib
+    again = [r for r in rels if int(hashlib.sha256(r.encode()).hexdigest()[:8], 16) / 2**32 < 0.02]
+    assert val == again
+
+
+def test_byte_tokenizer_round_trip():
+    tok = D.ByteTokenizer()
+    text = "déf f(x):\n\treturn x  # ünïcode\n"
+    ids = tok.encode(text)
+    assert ids.max() < 256 and tok.decode(ids) == text
+    assert tok.decode(np.concatenate([[tok.bos_id], ids, [tok.eos_id]])) == text
+    assert tok.token_bytes.sum() == 256 and tok.vocab_size == 259
+
+
+def test_documents_are_wrapped_and_split(corpus):
+    tok = corpus.tokenizer
+    assert all(d[0] == tok.bos_id and d[-1] == tok.eos_id for d in corpus.train_docs)
+    n_files = len(corpus.train_docs) + corpus.n_val_docs
+    assert n_files == 60 and corpus.n_val_docs > 0
+    assert np.sum(corpus.val_stream == tok.bos_id) == corpus.n_val_docs
+
+
+def _check_rows(batch, corpus_docs, pad_id, T):
+    inputs, targets, seg, pos, mask = (batch[k] for k in ("inputs", "targets", "segment_ids", "positions", "mask"))
+    assert inputs.shape == targets.shape == seg.shape == pos.shape == mask.shape and inputs.shape[1] == T
+    joined = [bytes(d.astype(np.uint16).tobytes()) for d in corpus_docs]
+    for b in range(inputs.shape[0]):
+        for s in np.unique(seg[b]):
+            if s == 0:
+                assert np.all(inputs[b][seg[b] == 0] == pad_id)
+                continue
+            idx = np.flatnonzero(seg[b] == s)
+            assert np.all(np.diff(idx) == 1), "a segment is contiguous"
+            np.testing.assert_array_equal(pos[b][idx], np.arange(len(idx)))
+            piece = inputs[b][idx]
+            # every segment is a contiguous piece of one document
+            needle = piece.astype(np.uint16).tobytes()
+            assert any(needle in d for d in joined)
+            # targets are next tokens inside the segment; only the segment's last target is unscored
+            assert np.all(mask[b][idx[:-1]])
+            np.testing.assert_array_equal(targets[b][idx[:-1]], inputs[b][idx[1:]])
+
+
+def test_packing_segments_positions_and_mask(corpus):
+    T = 32
+    it = D.TrainIterator(corpus, seq_len=T, batch_size=4, seed=0)
+    for _ in range(5):
+        b = next(it)
+        _check_rows(b, corpus.train_docs, corpus.tokenizer.pad_id, T)
+    assert b["mask"].dtype == np.bool_ and b["inputs"].dtype == np.int32
+
+
+def test_stream_is_deterministic_and_seed_dependent(corpus):
+    a = [next(it)["inputs"] for it in [D.TrainIterator(corpus, seq_len=32, batch_size=4, seed=1)] for _ in range(6)]
+    b = [next(it)["inputs"] for it in [D.TrainIterator(corpus, seq_len=32, batch_size=4, seed=1)] for _ in range(6)]
+    c = [next(it)["inputs"] for it in [D.TrainIterator(corpus, seq_len=32, batch_size=4, seed=2)] for _ in range(6)]
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+
+
+def test_iterator_state_restores_the_exact_stream(corpus):
+    """Save the state (JSON, as orbax stores it) at every step; each restore replays the rest exactly."""
+    n = 25  # several epochs of this corpus at batch 4 x 32 tokens
+    it = D.TrainIterator(corpus, seq_len=32, batch_size=4, seed=0)
+    states, ref = [], []
+    for _ in range(n):
+        states.append(json.loads(it.get_state().decode()))
+        ref.append(next(it))
+    for k in range(n):
+        again = D.TrainIterator(corpus, seq_len=32, batch_size=4, seed=0)
+        again.set_state(json.dumps(states[k]).encode())
+        for j in range(k, min(k + 4, n)):
+            got = next(again)
+            for key in ref[j]:
+                np.testing.assert_array_equal(got[key], ref[j][key], err_msg=f"restore at {k}, step {j}, {key}")
+
+
+def test_process_shards_are_disjoint_halves(corpus):
+    p0 = D.TrainIterator(corpus, seq_len=32, batch_size=4, seed=0, shuffle=False, process_index=0, process_count=2)
+    p1 = D.TrainIterator(corpus, seq_len=32, batch_size=4, seed=0, shuffle=False, process_index=1, process_count=2)
+    assert next(p0)["inputs"].shape == (2, 32)
+    assert not np.array_equal(next(p0)["inputs"], next(p1)["inputs"])
+
+
+def test_eval_windows_score_every_token_once(corpus):
+    tok = corpus.tokenizer
+    T = 16
+    ev = D.eval_windows(corpus.val_stream, seq_len=T, tokenizer=tok)
+    scored = ev.target_ids()
+    stream = corpus.val_stream
+    # every token except each document's BOS is a target exactly once, in stream order
+    np.testing.assert_array_equal(scored, stream[1:][stream[1:] != tok.bos_id])
+    # bytes scored == the validation text (specials carry no bytes)
+    assert tok.decode_bytes(scored) == tok.decode_bytes(stream)
+    sub = D.eval_windows(corpus.val_stream, seq_len=T, tokenizer=tok, max_tokens=64)
+    assert sub.rows.shape == (4, T + 1)
+    b = next(sub.batches(3))
+    assert b["inputs"].shape == (3, T)
+
+
+def test_split_segments_and_positions_against_a_loop():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 6, size=(3, 20))
+    seg = np.sort(rng.integers(0, 4, size=(3, 20)), axis=1)
+    got = D.split_segments(seg, tokens, eos_id=5)
+    pos = D.positions_from_segments(got)
+    for b in range(3):
+        cur, want, p, wpos = 0, [], 0, []
+        for i in range(20):
+            new = i == 0 or seg[b, i] != seg[b, i - 1] or tokens[b, i - 1] == 5
+            cur = cur + 1 if new else cur
+            p = 0 if new else p + 1
+            want.append(0 if seg[b, i] == 0 else cur)
+            wpos.append(p)
+        np.testing.assert_array_equal(got[b], want)
+        nz = got[b] > 0
+        np.testing.assert_array_equal(pos[b][nz], np.asarray(wpos)[nz])
+
+
+def test_bin_source_memmap(tmp_path):
+    ids = (np.arange(5000) % 97).astype(np.uint16)
+    ids[::50] = 999  # document separators
+    path = tmp_path / "tokens.bin"
+    ids.tofile(path)
+    cfg = C.DataConfig(source="bin", path=str(path), bin_vocab_size=1000, bin_eos_id=999, val_fraction=0.1)
+    corpus = D.build_corpus(cfg)
+    assert len(corpus.val_stream) == 500 and corpus.n_train_tokens == 4500
+    it = D.TrainIterator(corpus, seq_len=32, batch_size=2, seed=0)
+    b = next(it)
+    for r in range(2):
+        # a new segment starts right after each EOS
+        after_eos = np.flatnonzero(b["inputs"][r][:-1] == 999) + 1
+        for i in after_eos:
+            assert b["segment_ids"][r][i] != b["segment_ids"][r][i - 1] and not b["mask"][r][i - 1]
+
+
+def test_bpe_tokenizer_when_installed(tmp_path):
+    pytest.importorskip("tokenizers")
+    root = make_corpus(tmp_path / "c", n_files=30)
+    cfg = C.DataConfig(source="text", path=str(root), tokenizer="bpe", bpe_vocab_size=300, val_fraction=0.2)
+    corpus = D.build_corpus(cfg, tokenizer_path=tmp_path / "tok.json")
+    tok = corpus.tokenizer
+    assert tok.vocab_size <= 300 and (tmp_path / "tok.json").exists()
+    text = "def f3_1(x):\n    return x * 1 + 3\n"
+    ids = tok.encode(text)
+    assert len(ids) < len(text.encode()) and tok.decode(ids) == text
+    assert tok.token_bytes[ids].sum() == len(text.encode())
+    again = D.build_corpus(cfg, tokenizer_path=tmp_path / "tok.json")
+    np.testing.assert_array_equal(again.val_stream, corpus.val_stream)
+
+
+def test_bad_paths(tmp_path):
+    with pytest.raises(ValueError, match="neither a file nor a directory"):
+        D.build_corpus(C.DataConfig(source="text", path=str(tmp_path / "nope")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no files match"):
+        D.build_corpus(C.DataConfig(source="text", path=str(tmp_path / "empty")))
