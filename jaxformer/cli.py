@@ -104,12 +104,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    from jaxformer.train.checkpoint import IncompatibleCheckpointError
     from jaxformer.train.config import ConfigError
     from jaxformer.train.loop import NonFiniteError
 
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, NonFiniteError, FileNotFoundError) as e:
+    except (ConfigError, NonFiniteError, IncompatibleCheckpointError, FileNotFoundError) as e:
         print(f"jaxformer {args.command}: error: {e}", file=sys.stderr)
         return 2
 

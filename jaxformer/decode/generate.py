@@ -93,7 +93,7 @@ def generate(graphdef, state, config, prompt_tokens: Sequence[Sequence[int]], *,
               for t, k, p, s in zip(_per_request(temperature, B, "temperature"), _per_request(top_k, B, "top_k"),
                                     _per_request(top_p, B, "top_p"), _per_request(seed, B, "seed"))]
     lens = np.array([len(p) for p in prompts], np.int32)
-    T = int(min(-(-lens.max() // 8) * 8, config.max_seq_len))
+    T = int(min(-(-lens.max() // 16) * 16, config.max_seq_len))
     S = int(min(T + max_new_tokens, config.max_seq_len))
     tokens = np.zeros((B, T), np.int32)
     for b, p in enumerate(prompts):
@@ -104,7 +104,7 @@ def generate(graphdef, state, config, prompt_tokens: Sequence[Sequence[int]], *,
         top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
         top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
     )
-    budget = np.minimum(max_new_tokens, config.max_seq_len - lens)  # tokens each may generate
+    budget = np.minimum(max_new_tokens, config.max_seq_len - lens + 1)  # the last token is never fed back
     caches = init_caches(config, B, S)
     nxt, caches = prefill_step(graphdef, state, caches, jnp.asarray(tokens), jnp.asarray(lens), **sampling)
     stop = set(params[0].stop_tokens)

@@ -7,8 +7,8 @@ Order of operations on the logits (every backend follows it):
 1. ``s = scale * q·k`` with ``scale = 1/sqrt(H)`` by default, accumulated in fp32;
 2. ``s = softcap * tanh(s / softcap)`` when ``softcap`` is given (Gemma-2 style);
 3. ``s += bias`` and ``s -= slope_n * |q_pos - k_pos|`` for ALiBi slopes;
-4. masked entries (``MaskSpec.dense``) are dropped; a row with no allowed key
-   gives a zero output and zero gradients, never NaN.
+4. masked entries (``MaskSpec.dense_heads``) are dropped; a row with no allowed
+   key gives a zero output and zero gradients, never NaN.
 
 GQA/MQA: query heads are grouped ``N = K * G`` and contracted against their kv
 head directly (``BTKGH,BSKH->BKGTS``); K/V are never repeated in memory.
@@ -47,7 +47,8 @@ def check_qkv(q, k, v) -> tuple[int, int, int, int, int, int]:
     return B, T, S, N, K, H
 
 
-def _check_slopes(alibi_slopes, B: int, N: int):
+def check_slopes(alibi_slopes, B: int, N: int):
+    """ALiBi slopes as fp32 ``[1 or B, N]`` (from ``[N]`` or ``[B, N]``), or None; ValueError naming the shape."""
     if alibi_slopes is None:
         return None
     slopes = jnp.asarray(alibi_slopes, jnp.float32)
@@ -56,6 +57,14 @@ def _check_slopes(alibi_slopes, B: int, N: int):
     if slopes.shape != (1, N) and slopes.shape != (B, N):
         raise ValueError(f"alibi_slopes.shape={jnp.shape(alibi_slopes)} must be [N]=({N},) or [B, N]=({B}, {N})")
     return slopes
+
+
+_check_slopes = check_slopes
+
+
+def check_mask_heads(mask: MaskSpec, N: int) -> None:
+    if mask.num_heads not in (1, N):
+        raise ValueError(f"MaskSpec.random_blocks.num_heads={mask.num_heads} does not match the query heads N={N}")
 
 
 def attention_logits_bias(mask: MaskSpec, slopes, T: int, S: int):
@@ -72,7 +81,8 @@ def xla_attention(q, k, v, *, mask: MaskSpec | None = None, bias=None, scale=Non
     G = N // K
     scale = 1.0 / math.sqrt(H) if scale is None else scale
     mask = MaskSpec() if mask is None else mask
-    slopes = _check_slopes(alibi_slopes, B, N)
+    slopes = check_slopes(alibi_slopes, B, N)
+    check_mask_heads(mask, N)
 
     qg = q.reshape(B, T, K, G, H)
     s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
@@ -87,7 +97,7 @@ def xla_attention(q, k, v, *, mask: MaskSpec | None = None, bias=None, scale=Non
     if slopes is not None:
         s = s + attention_logits_bias(mask, slopes, T, S)
 
-    allowed = mask.dense(T, S)[:, None, :, :]  # [B|1, 1, T, S]
+    allowed = mask.dense_heads(T, S)  # [B|1, N|1, T, S]
     s = jnp.where(allowed, s, -jnp.inf)
     m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -101,12 +111,24 @@ def xla_attention(q, k, v, *, mask: MaskSpec | None = None, bias=None, scale=Non
     return (out, w) if return_weights else out
 
 
-def default_impl(T: int, S: int) -> str:
-    """What ``impl="auto"`` picks: Pallas on GPU/TPU; on CPU xla for short, blockwise for long."""
+def default_impl(T: int, S: int, mask: MaskSpec | None = None) -> str:
+    """What ``impl="auto"`` picks: Pallas on GPU/TPU; on CPU xla for short, blockwise for long.
+
+    Masks with global tokens or random blocks: xla for short, sparse for long, on every platform.
+    """
+    if mask is not None and mask.has_pattern:
+        return "xla" if T * S <= 2048 * 2048 else "sparse"
     platform = jax.default_backend()
     if platform in ("gpu", "tpu"):
         return "pallas"
     return "xla" if T * S <= 2048 * 2048 else "blockwise"
+
+
+def _refuse_patterns(module, impl: str, mask: MaskSpec) -> None:
+    """Paths that ignore global tokens / random blocks set ``SUPPORTS_MASK_PATTERNS = True`` once they don't."""
+    if mask.has_pattern and not getattr(module, "SUPPORTS_MASK_PATTERNS", False):
+        raise ValueError(f"impl={impl!r} does not handle MaskSpec.global_tokens / random_blocks; "
+                         "use impl='sparse' or impl='xla'")
 
 
 def dot_product_attention(q, k, v, *, mask: MaskSpec | None = None, bias=None,
@@ -131,21 +153,23 @@ def dot_product_attention(q, k, v, *, mask: MaskSpec | None = None, bias=None,
     mask = MaskSpec() if mask is None else mask
     if not isinstance(mask, MaskSpec):
         raise ValueError(f"mask must be a MaskSpec, got {type(mask).__name__}")
-    mask.validate(B, T, S)
+    mask.validate(B, T, S, N)
     if return_weights or bias is not None:
         if impl not in ("auto", "xla"):
             raise ValueError(f"impl={impl!r} supports neither bias nor return_weights; use impl='xla'")
         impl = "xla"
     if impl == "auto":
-        impl = default_impl(T, S)
+        impl = default_impl(T, S, mask)
     kwargs = dict(mask=mask, scale=scale, alibi_slopes=alibi_slopes, softcap=softcap)
     if impl == "xla":
         return xla_attention(q, k, v, bias=bias, return_weights=return_weights, **kwargs)
     if impl == "blockwise":
-        from jaxformer.ops.blockwise import blockwise_attention
-        return blockwise_attention(q, k, v, **kwargs)
+        from jaxformer.ops import blockwise
+        _refuse_patterns(blockwise, impl, mask)
+        return blockwise.blockwise_attention(q, k, v, **kwargs)
     if impl == "pallas":
-        from jaxformer.ops.flash import pallas_attention
-        return pallas_attention(q, k, v, **kwargs)
+        from jaxformer.ops import flash
+        _refuse_patterns(flash, impl, mask)
+        return flash.pallas_attention(q, k, v, **kwargs)
     from jaxformer.ops.sparse import sparse_attention
     return sparse_attention(q, k, v, **kwargs)

@@ -29,6 +29,16 @@ def fingerprint(params) -> list[float]:
     return [float(s) for s in jax.device_get(sums)]
 
 
+def signature(tree) -> list[str]:
+    """``path:shape:dtype`` of every leaf: what a checkpoint must share with the state it restores into."""
+    return [f"{jax.tree_util.keystr(p)}:{tuple(x.shape)}:{x.dtype}"
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+class IncompatibleCheckpointError(ValueError):
+    """A readable checkpoint whose arrays do not fit the current config (model or optimiser changed)."""
+
+
 def _matches(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-6) for x, y in zip(a, b))
 
@@ -55,7 +65,8 @@ class Checkpointer:
 
     def save(self, step: int, state, data_iter, meta: dict) -> None:
         """Start saving ``step`` (async: returns once the arrays are copied off the devices)."""
-        meta = {**meta, "step": int(step), "fingerprint": fingerprint(state["params"]), "time": time.time()}
+        meta = {**meta, "step": int(step), "fingerprint": fingerprint(state["params"]),
+                "signature": signature(state), "time": time.time()}
         self._mgr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=grain.checkpoint.CheckpointSave(data_iter),
@@ -76,7 +87,18 @@ class Checkpointer:
         """
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                               abstract_state, state_shardings)
+        want = signature(abstract_state)
         for step in reversed(self.steps()):
+            try:
+                saved = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+                have = saved.get("signature")
+            except Exception:  # noqa: BLE001 - unreadable meta: handled as corrupt below
+                have = None
+            if have is not None and have != want:
+                diff = sorted(set(have) ^ set(want))[:6]
+                raise IncompatibleCheckpointError(
+                    f"checkpoint step {step} in {self.directory} does not fit this config (did the model or "
+                    f"optimizer change?); differing arrays: {diff}. Use a new --run-dir.")
             try:
                 items = dict(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
                 if data_iter is not None:

@@ -30,6 +30,10 @@ from jaxformer.train.step import Trainer, make_trainer
 LN2 = math.log(2.0)
 
 
+_TRAJECTORY = ("seed", "batch_size", "seq_len", "model", "data", "optimizer", "schedule")
+"""Config sections whose change alters the training trajectory (a resume warns about them)."""
+
+
 class NonFiniteError(RuntimeError):
     """The loss (or gradient / parameter norm) became NaN or inf."""
 
@@ -101,7 +105,7 @@ def train(cfg: C.ExperimentConfig, run_dir: str | Path, *,
     run_dir.mkdir(parents=True, exist_ok=True)
     saved = run_dir / "config.yaml"
     if saved.exists():
-        changed = C.diff(C.load(saved), cfg)
+        changed = [k for k in C.diff(C.load(saved), cfg) if k.split(".")[0] in _TRAJECTORY]
         if changed:
             warnings.warn(f"{run_dir}: config differs from the saved run in {', '.join(changed)}; "
                           f"continuing with the new values", RuntimeWarning, stacklevel=2)

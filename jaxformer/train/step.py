@@ -10,6 +10,7 @@ with explicit in/out shardings and the state donated.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,8 +55,10 @@ def _model_loss(graphdef, params, batch, z_loss: float):
     return loss * n, (m["ce"] * n, n)
 
 
+@functools.lru_cache(maxsize=4)
 def make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh, total_steps: int | None = None) -> Trainer:
-    """Build the optimiser, shardings and jitted functions for ``cfg`` on ``mesh``."""
+    """Build the optimiser, shardings and jitted functions for ``cfg`` on ``mesh`` (cached: same
+    config and mesh in one process reuse the compiled steps)."""
     total_steps = cfg.steps if total_steps is None else total_steps
     mcfg: ModelConfig = cfg.model
     shards = shd.batch_shards(mesh)

@@ -207,7 +207,7 @@ def tile_allowed(params: MaskParams, q_pos, k_pos, *, q_seg=None, kv_seg=None, k
         return None
     allowed = conds[0]
     for c in conds[1:]:
-        allowed = jnp.logical_and(allowed, c)
+        allowed = allowed & c
     return allowed
 
 

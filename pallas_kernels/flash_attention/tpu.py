@@ -64,19 +64,24 @@ class _Static:
 # --------------------------------------------------------------------------- live ranges
 
 
-def _kv_range(st: _Static, bq: int, bk: int, b, qi, lens_ref):
-    """Live kv blocks ``[lo, hi)`` of q block ``qi`` in batch ``b`` (traced ints)."""
+def _kv_len(st: _Static, lens_ref, b):
+    """``kv_lengths[b]`` read from SMEM, or None when there are no kv lengths."""
+    return lens_ref[b] if st.has_lens else None
+
+
+def _kv_range(st: _Static, bq: int, bk: int, qi, kv_len):
+    """Live kv blocks ``[lo, hi)`` of q block ``qi`` (traced ints)."""
     lo, hi = common.kv_block_range(st.params, qi, bq, bk)
-    if st.has_lens:
-        hi = jnp.minimum(hi, jax.lax.div(lens_ref[b] + (bk - 1), bk))
+    if kv_len is not None:
+        hi = jnp.minimum(hi, jax.lax.div(kv_len + (bk - 1), bk))
     return lo, hi
 
 
-def _q_range(st: _Static, bq: int, bk: int, b, kj, lens_ref):
-    """Live q blocks ``[lo, hi)`` of kv block ``kj`` in batch ``b``."""
+def _q_range(st: _Static, bq: int, bk: int, kj, kv_len):
+    """Live q blocks ``[lo, hi)`` of kv block ``kj``."""
     lo, hi = common.q_block_range(st.params, kj, bq, bk)
-    if st.has_lens:
-        hi = jnp.where(kj * bk < lens_ref[b], hi, 0)
+    if kv_len is not None:
+        hi = jnp.where(kj * bk < kv_len, hi, 0)
     return lo, hi
 
 
@@ -96,40 +101,27 @@ def _num_steps(st: _Static, bq: int, bk: int, *, over_kv: bool) -> int:
     return max(1, max(hi - lo for lo, hi in runs))
 
 
-def kv_fetch_schedule(st: _Static, bq: int, bk: int, b: int = 0, kv_len=None):
-    """The forward kernel's kv block index per (q block, step) as a nested list, for tests."""
-    lens = jnp.full((b + 1,), st.params.kv_len if kv_len is None else kv_len, jnp.int32)
-    steps = _num_steps(st, bq, bk, over_kv=True)
-    nk = st.s_pad // bk
-    out = []
-    for i in range(st.t_pad // bq):
-        lo, hi = _kv_range(st, bq, bk, b, jnp.int32(i), lens)
-        out.append([int(_clamp(lo, jnp.int32(j), hi, nk)) for j in range(steps)])
-    return out
-
-
 # --------------------------------------------------------------------------- tile math
 
 
-def _tile_logits(st: _Static, q, k, b, n, qi, kj, bq, bk, lens_ref, slopes_ref, qseg_ref, kvseg_ref):
-    """Masked fp32 logits ``[bq, bk]`` and d logits / d (q·k) of one tile."""
+def _tile_logits(st: _Static, q, k, qi, kj, bq: int, bk: int, kv_len, slope, qseg_ref, kvseg_ref):
+    """Masked fp32 logits ``[bq, bk]`` of one tile and d logits / d (q·k)."""
     qk = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     q_pos = st.params.q_offset + qi * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     k_pos = kj * bk + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    slope = slopes_ref[b, n] if st.has_alibi else None
     s, dscale = common.tile_logits(st.params, qk, q_pos, k_pos, slope)
     allowed = common.tile_allowed(
         st.params, q_pos, k_pos,
         q_seg=qseg_ref[...] if st.has_seg else None,
         kv_seg=kvseg_ref[...] if st.has_seg else None,
-        kv_length=lens_ref[b] if st.has_lens else None,
+        kv_length=kv_len,
         check_kv_len=st.s_pad != st.params.kv_len,
     )
     return common.mask_logits(s, allowed), dscale
 
 
 def _split(refs, st: _Static, n_tensors: int):
-    """``refs`` after the prefetch refs -> (tensors, qseg, kvseg, rest)."""
+    """Kernel refs after the prefetch refs -> (tensors, qseg, kvseg, outputs and scratch)."""
     tensors, refs = refs[:n_tensors], refs[n_tensors:]
     if st.has_seg:
         (qseg, kvseg), refs = refs[:2], refs[2:]
@@ -138,14 +130,53 @@ def _split(refs, st: _Static, n_tensors: int):
     return tensors, qseg, kvseg, refs
 
 
+def _seg_inputs(st: _Static, qseg, kvseg, bq: int, bk: int, q_map, kv_map):
+    """Segment-id operands and specs: q ``[B, Tp, 1]``; kv ``[B, Sp/bk, 1, bk]`` (legal for any bk).
+
+    Their blocks follow ``q_map`` / ``kv_map`` (``(b, head, block, 0)``), minus the head.
+    """
+    if not st.has_seg:
+        return [], []
+
+    def qseg_map(*idx):
+        b, _, i, _ = q_map(*idx)
+        return b, i, 0
+
+    def kvseg_map(*idx):
+        b, _, j, _ = kv_map(*idx)
+        return b, j, 0, 0
+
+    kv4 = kvseg.reshape(kvseg.shape[0], st.s_pad // bk, 1, bk)
+    specs = [pl.BlockSpec((None, bq, 1), qseg_map), pl.BlockSpec((None, None, 1, bk), kvseg_map)]
+    return [qseg, kv4], specs
+
+
+def _row_walk(st: _Static, bq: int, bk: int, H: int):
+    """Specs of the kernels gridded ``(b, n, q block, kv step)``: q-side blocks fixed, kv-side walked."""
+    nk = st.s_pad // bk
+
+    def q_map(b, n, i, j, lens_ref, slopes_ref):
+        return b, n, i, 0
+
+    def kv_map(b, n, i, j, lens_ref, slopes_ref):
+        lo, hi = _kv_range(st, bq, bk, i, _kv_len(st, lens_ref, b))
+        return b, jax.lax.div(n, st.G), _clamp(lo, j, hi, nk), 0
+
+    return (pl.BlockSpec((None, None, bq, H), q_map), pl.BlockSpec((None, None, bk, H), kv_map),
+            pl.BlockSpec((None, None, bq, 1), q_map), q_map, kv_map)
+
+
+_ROW_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
+
+
 # --------------------------------------------------------------------------- forward
 
 
 def _fwd_kernel(st: _Static, bq: int, bk: int, steps: int, lens_ref, slopes_ref, *refs):
-    (q_ref, k_ref, v_ref), qseg_ref, kvseg_ref, rest = _split(refs, st, 3)
-    o_ref, lse_ref, m_sc, l_sc, acc_sc = rest
+    (q_ref, k_ref, v_ref), qseg_ref, kvseg_ref, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _split(refs, st, 3)
     b, n, qi, j = (pl.program_id(a) for a in range(4))
-    lo, hi = _kv_range(st, bq, bk, b, qi, lens_ref)
+    kv_len = _kv_len(st, lens_ref, b)
+    lo, hi = _kv_range(st, bq, bk, qi, kv_len)
     kj = lo + j
 
     @pl.when(j == 0)
@@ -157,8 +188,8 @@ def _fwd_kernel(st: _Static, bq: int, bk: int, steps: int, lens_ref, slopes_ref,
     @pl.when(kj < hi)
     def _step():
         v = v_ref[...]
-        s, _ = _tile_logits(st, q_ref[...], k_ref[...], b, n, qi, kj, bq, bk,
-                            lens_ref, slopes_ref, qseg_ref, kvseg_ref)
+        slope = slopes_ref[b, n] if st.has_alibi else None
+        s, _ = _tile_logits(st, q_ref[...], k_ref[...], qi, kj, bq, bk, kv_len, slope, qseg_ref, kvseg_ref)
         m_prev = m_sc[...]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = common.safe_max(m_new)
@@ -177,59 +208,26 @@ def _fwd_kernel(st: _Static, bq: int, bk: int, steps: int, lens_ref, slopes_ref,
         lse_ref[...] = common.finalize_lse(m_sc[...], l)
 
 
-def _seg_inputs(st: _Static, qseg, kvseg, bq: int, bk: int, q_block, kv_block):
-    """Segment-id operands and specs: q ``[B, Tp, 1]``; kv ``[B, Sp/bk, 1, bk]`` (legal for any bk)."""
-    if not st.has_seg:
-        return [], []
-    B = qseg.shape[0]
-    kv4 = kvseg.reshape(B, st.s_pad // bk, 1, bk)
-    specs = [pl.BlockSpec((None, bq, 1), q_block), pl.BlockSpec((None, None, 1, bk), kv_block)]
-    return [qseg, kv4], specs
-
-
 def _forward(st: _Static, q, k, v, qseg, kvseg, lens, slopes):
     """q ``[B,N,Tp,H]``, k, v ``[B,K,Sp,H]`` -> (o ``[B,N,Tp,H]``, lse ``[B,N,Tp,1]`` fp32)."""
     B, N, Tp, H = q.shape
     bq, bk = st.blocks.block_q, st.blocks.block_k
     steps = _num_steps(st, bq, bk, over_kv=True)
-    nk = st.s_pad // bk
-    G = st.G
-
-    def q_map(b, n, i, j, lens_ref, slopes_ref):
-        return b, n, i, 0
-
-    def kv_map(b, n, i, j, lens_ref, slopes_ref):
-        lo, hi = _kv_range(st, bq, bk, b, i, lens_ref)
-        return b, jax.lax.div(n, G), _clamp(lo, j, hi, nk), 0
-
-    def qseg_map(b, n, i, j, lens_ref, slopes_ref):
-        return b, i, 0
-
-    def kvseg_map(b, n, i, j, lens_ref, slopes_ref):
-        lo, hi = _kv_range(st, bq, bk, b, i, lens_ref)
-        return b, _clamp(lo, j, hi, nk), 0, 0
-
-    seg_args, seg_specs = _seg_inputs(st, qseg, kvseg, bq, bk, qseg_map, kvseg_map)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(B, N, Tp // bq, steps),
-        in_specs=[pl.BlockSpec((None, None, bq, H), q_map),
-                  pl.BlockSpec((None, None, bk, H), kv_map),
-                  pl.BlockSpec((None, None, bk, H), kv_map),
-                  *seg_specs],
-        out_specs=[pl.BlockSpec((None, None, bq, H), q_map),
-                   pl.BlockSpec((None, None, bq, 1), q_map)],
-        scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32),
-                        pltpu.VMEM((bq, 1), jnp.float32),
-                        pltpu.VMEM((bq, H), jnp.float32)],
-    )
+    q_spec, kv_spec, row_spec, q_map, kv_map = _row_walk(st, bq, bk, H)
+    seg_args, seg_specs = _seg_inputs(st, qseg, kvseg, bq, bk, q_map, kv_map)
     return st.call(
         functools.partial(_fwd_kernel, st, bq, bk, steps),
         out_shape=[jax.ShapeDtypeStruct((B, N, Tp, H), q.dtype),
                    jax.ShapeDtypeStruct((B, N, Tp, 1), jnp.float32)],
-        grid_spec=grid_spec,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(B, N, Tp // bq, steps),
+            in_specs=[q_spec, kv_spec, kv_spec, *seg_specs],
+            out_specs=[q_spec, row_spec],
+            scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
+                            pltpu.VMEM((bq, H), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=_ROW_SEMANTICS),
         name="flash_fwd_tpu",
     )(lens, slopes, q, k, v, *seg_args)
 
@@ -238,10 +236,11 @@ def _forward(st: _Static, q, k, v, qseg, kvseg, lens, slopes):
 
 
 def _dq_kernel(st: _Static, bq: int, bk: int, steps: int, lens_ref, slopes_ref, *refs):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qseg_ref, kvseg_ref, rest = _split(refs, st, 6)
-    dq_ref, dq_sc = rest
+    tensors, qseg_ref, kvseg_ref, (dq_ref, dq_sc) = _split(refs, st, 6)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = tensors
     b, n, qi, j = (pl.program_id(a) for a in range(4))
-    lo, hi = _kv_range(st, bq, bk, b, qi, lens_ref)
+    kv_len = _kv_len(st, lens_ref, b)
+    lo, hi = _kv_range(st, bq, bk, qi, kv_len)
     kj = lo + j
 
     @pl.when(j == 0)
@@ -251,8 +250,8 @@ def _dq_kernel(st: _Static, bq: int, bk: int, steps: int, lens_ref, slopes_ref, 
     @pl.when(kj < hi)
     def _step():
         k, v, do = k_ref[...], v_ref[...], do_ref[...]
-        s, dscale = _tile_logits(st, q_ref[...], k, b, n, qi, kj, bq, bk,
-                                 lens_ref, slopes_ref, qseg_ref, kvseg_ref)
+        slope = slopes_ref[b, n] if st.has_alibi else None
+        s, dscale = _tile_logits(st, q_ref[...], k, qi, kj, bq, bk, kv_len, slope, qseg_ref, kvseg_ref)
         p = jnp.exp(s - lse_ref[...])
         dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         ds = p * (dp - delta_ref[...]) * dscale
@@ -268,40 +267,19 @@ def _backward_dq(st: _Static, q, k, v, do, lse, delta, qseg, kvseg, lens, slopes
     B, N, Tp, H = q.shape
     bq, bk = st.blocks.block_q_dq, st.blocks.block_k_dq
     steps = _num_steps(st, bq, bk, over_kv=True)
-    nk = st.s_pad // bk
-    G = st.G
-
-    def q_map(b, n, i, j, lens_ref, slopes_ref):
-        return b, n, i, 0
-
-    def kv_map(b, n, i, j, lens_ref, slopes_ref):
-        lo, hi = _kv_range(st, bq, bk, b, i, lens_ref)
-        return b, jax.lax.div(n, G), _clamp(lo, j, hi, nk), 0
-
-    def qseg_map(b, n, i, j, lens_ref, slopes_ref):
-        return b, i, 0
-
-    def kvseg_map(b, n, i, j, lens_ref, slopes_ref):
-        lo, hi = _kv_range(st, bq, bk, b, i, lens_ref)
-        return b, _clamp(lo, j, hi, nk), 0, 0
-
-    seg_args, seg_specs = _seg_inputs(st, qseg, kvseg, bq, bk, qseg_map, kvseg_map)
-    q_spec = pl.BlockSpec((None, None, bq, H), q_map)
-    kv_spec = pl.BlockSpec((None, None, bk, H), kv_map)
-    row_spec = pl.BlockSpec((None, None, bq, 1), q_map)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(B, N, Tp // bq, steps),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *seg_specs],
-        out_specs=q_spec,
-        scratch_shapes=[pltpu.VMEM((bq, H), jnp.float32)],
-    )
+    q_spec, kv_spec, row_spec, q_map, kv_map = _row_walk(st, bq, bk, H)
+    seg_args, seg_specs = _seg_inputs(st, qseg, kvseg, bq, bk, q_map, kv_map)
     return st.call(
         functools.partial(_dq_kernel, st, bq, bk, steps),
         out_shape=jax.ShapeDtypeStruct((B, N, Tp, H), q.dtype),
-        grid_spec=grid_spec,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(B, N, Tp // bq, steps),
+            in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *seg_specs],
+            out_specs=q_spec,
+            scratch_shapes=[pltpu.VMEM((bq, H), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=_ROW_SEMANTICS),
         name="flash_dq_tpu",
     )(lens, slopes, q, k, v, do, lse, delta, *seg_args)
 
@@ -310,10 +288,11 @@ def _backward_dq(st: _Static, q, k, v, do, lse, delta, qseg, kvseg, lens, slopes
 
 
 def _dkv_kernel(st: _Static, bq: int, bk: int, steps: int, lens_ref, slopes_ref, *refs):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qseg_ref, kvseg_ref, rest = _split(refs, st, 6)
-    dk_ref, dv_ref, dk_sc, dv_sc = rest
+    tensors, qseg_ref, kvseg_ref, (dk_ref, dv_ref, dk_sc, dv_sc) = _split(refs, st, 6)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = tensors
     b, h, kj, g, i = (pl.program_id(a) for a in range(5))
-    lo, hi = _q_range(st, bq, bk, b, kj, lens_ref)
+    kv_len = _kv_len(st, lens_ref, b)
+    lo, hi = _q_range(st, bq, bk, kj, kv_len)
     qi = lo + i
 
     @pl.when((g == 0) & (i == 0))
@@ -324,8 +303,8 @@ def _dkv_kernel(st: _Static, bq: int, bk: int, steps: int, lens_ref, slopes_ref,
     @pl.when(qi < hi)
     def _step():
         q, v, do = q_ref[...], v_ref[...], do_ref[...]
-        s, dscale = _tile_logits(st, q, k_ref[...], b, h * st.G + g, qi, kj, bq, bk,
-                                 lens_ref, slopes_ref, qseg_ref, kvseg_ref)
+        slope = slopes_ref[b, h * st.G + g] if st.has_alibi else None
+        s, dscale = _tile_logits(st, q, k_ref[...], qi, kj, bq, bk, kv_len, slope, qseg_ref, kvseg_ref)
         p = jnp.exp(s - lse_ref[...])
         dv_sc[...] += jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
                                           preferred_element_type=jnp.float32)
@@ -345,38 +324,29 @@ def _backward_dkv(st: _Static, q, k, v, do, lse, delta, qseg, kvseg, lens, slope
     K, Sp = k.shape[1], k.shape[2]
     bq, bk = st.blocks.block_q_dkv, st.blocks.block_k_dkv
     steps = _num_steps(st, bq, bk, over_kv=False)
-    nq = Tp // bq
-    G = st.G
+    nq, G = Tp // bq, st.G
 
     def q_map(b, h, j, g, i, lens_ref, slopes_ref):
-        lo, hi = _q_range(st, bq, bk, b, j, lens_ref)
+        lo, hi = _q_range(st, bq, bk, j, _kv_len(st, lens_ref, b))
         return b, h * G + g, _clamp(lo, i, hi, nq), 0
 
     def kv_map(b, h, j, g, i, lens_ref, slopes_ref):
         return b, h, j, 0
 
-    def qseg_map(b, h, j, g, i, lens_ref, slopes_ref):
-        lo, hi = _q_range(st, bq, bk, b, j, lens_ref)
-        return b, _clamp(lo, i, hi, nq), 0
-
-    def kvseg_map(b, h, j, g, i, lens_ref, slopes_ref):
-        return b, j, 0, 0
-
-    seg_args, seg_specs = _seg_inputs(st, qseg, kvseg, bq, bk, qseg_map, kvseg_map)
+    seg_args, seg_specs = _seg_inputs(st, qseg, kvseg, bq, bk, q_map, kv_map)
     q_spec = pl.BlockSpec((None, None, bq, H), q_map)
     kv_spec = pl.BlockSpec((None, None, bk, H), kv_map)
     row_spec = pl.BlockSpec((None, None, bq, 1), q_map)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(B, K, Sp // bk, G, steps),
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *seg_specs],
-        out_specs=[kv_spec, kv_spec],
-        scratch_shapes=[pltpu.VMEM((bk, H), jnp.float32), pltpu.VMEM((bk, H), jnp.float32)],
-    )
     return st.call(
         functools.partial(_dkv_kernel, st, bq, bk, steps),
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        grid_spec=grid_spec,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(B, K, Sp // bk, G, steps),
+            in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *seg_specs],
+            out_specs=[kv_spec, kv_spec],
+            scratch_shapes=[pltpu.VMEM((bk, H), jnp.float32), pltpu.VMEM((bk, H), jnp.float32)],
+        ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
         name="flash_dkv_tpu",
@@ -452,10 +422,10 @@ def flash_attention_tpu(q, k, v, *, causal: bool = False, window=None, q_segment
                  has_lens=kv_lengths is not None, has_alibi=alibi_slopes is not None,
                  t_pad=t_pad, s_pad=s_pad, interpret=bool(interpret))
 
-    def to_kernel(x, length, padded):
+    def to_kernel(x, padded):
         return _pad_axis(jnp.swapaxes(x.astype(dtype), 1, 2), 2, padded)
 
-    qt, kt, vt = to_kernel(q, T, t_pad), to_kernel(k, S, s_pad), to_kernel(v, S, s_pad)
+    qt, kt, vt = to_kernel(q, t_pad), to_kernel(k, s_pad), to_kernel(v, s_pad)
     qseg = kvseg = None
     if st.has_seg:
         qseg = _pad_axis(jnp.asarray(q_segment_ids, jnp.int32), 1, t_pad)[:, :, None]

@@ -87,7 +87,7 @@ def _segments(B, L, n_segs, seed):
 CASES = {
     # name: (B, T, S, N, K, H, dtype, block sizes, kwargs builder); tiny grids keep interpret mode fast.
     "causal_gqa_segments_lens_alibi_softcap": (
-        2, 13, 19, 4, 2, 16, jnp.float32, BlockSizes(8, 8),
+        2, 13, 19, 4, 2, 16, jnp.float32, BlockSizes(16, 8),
         lambda B, T, S, N: dict(causal=True, q_segment_ids=_segments(B, T, 2, 0),
                                 kv_segment_ids=_segments(B, S, 2, 1), kv_lengths=jnp.array([19, 11]),
                                 alibi_slopes=jnp.linspace(0.05, 0.4, N), softcap=3.0)),
@@ -143,10 +143,10 @@ def test_hypothesis_shapes_and_masks_many(data):
 
 
 def _check_drawn(data):
-    T = data.draw(st.sampled_from([1, 7, 16, 23]), "T")
-    S = data.draw(st.sampled_from([1, 5, 16, 31]), "S")
+    T = data.draw(st.sampled_from([1, 7, 16, 21]), "T")
+    S = data.draw(st.sampled_from([1, 5, 16, 29]), "S")
     N, K = data.draw(st.sampled_from([(1, 1), (2, 1)]), "heads")
-    B, H = 2, 8
+    B, H = 1, 8
     kw = dict(causal=data.draw(st.booleans(), "causal"))
     kw["window"] = data.draw(st.sampled_from([None, (3, None), (None, 2), (4, 6)]), "window")
     kw["q_offset"] = data.draw(st.sampled_from([None, 0, 3, -2]), "q_offset")
@@ -154,7 +154,7 @@ def _check_drawn(data):
         kw["q_segment_ids"] = _segments(B, T, 3, T)
         kw["kv_segment_ids"] = _segments(B, S, 3, S + 1)
     if data.draw(st.booleans(), "kv_lengths"):
-        kw["kv_lengths"] = jnp.array([S, max(0, S - 4)])
+        kw["kv_lengths"] = jnp.array([data.draw(st.integers(0, S + 2), "kv_length")])
     if data.draw(st.booleans(), "alibi"):
         kw["alibi_slopes"] = jnp.linspace(0.1, 0.5, N)
     kw["softcap"] = data.draw(st.sampled_from([None, 2.5]), "softcap")
@@ -174,8 +174,7 @@ def _ideal_fetches(rows):
     return sum(1 for a, b in zip([None] + seq, seq) if a != b)
 
 
-@pytest.mark.parametrize("mask", [dict(causal=True), dict(window=(8, 3))], ids=["causal", "window"])
-def test_dead_blocks_are_never_fetched(monkeypatch, mask):
+def test_dead_blocks_are_never_fetched(monkeypatch):
     """Record every block the TPU interpreter copies into VMEM and every grid point it runs:
     no dead block is ever fetched, each live one at most once per grid row and kernel, and the
     walked grid axis is as long as the longest live run. Dead blocks come from
@@ -197,10 +196,11 @@ def test_dead_blocks_are_never_fetched(monkeypatch, mask):
 
     monkeypatch.setattr(ipc, "get", recording_get)
     B, T, S, N, K, H, bq, bk = 1, 32, 40, 1, 1, 8, 8, 8  # shapes no other test uses: a fresh trace
+    mask = dict(causal=True, window=(12, None))  # dead blocks above the diagonal and left of the band
     spec = MaskSpec(**mask)
     live = spec.block_map(T, S, bq, bk)
     nq, nk = live.shape
-    assert not live.all()
+    assert (~live[:, 0]).any() and (~live[:, -1]).any() and live.sum(1).max() < nk
     q, k, v, ct = _inputs(jax.random.key(3), B, T, S, N, K, H, jnp.float32)
 
     def out_and_grads(q, k, v):

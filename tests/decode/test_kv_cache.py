@@ -1,0 +1,116 @@
+"""Contiguous KV cache and ``generate``: cached logits equal a full causal forward, greedy
+generation equals recomputing the whole sequence each token, and decoding never retraces."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer.decode import generate as gen
+from jaxformer.decode.kv_cache import KVCache, init_caches, set_lengths
+from jaxformer.model import apply, init, presets
+from jaxformer.ops.attention import xla_attention
+from jaxformer.ops.masks import MaskSpec
+
+
+def test_attend_writes_at_each_length_and_matches_dense_attention():
+    rng = np.random.default_rng(0)
+    B, S, K, G, H, T = 2, 12, 2, 2, 8, 3
+    cache = KVCache.zeros(B, S, K, H)
+    k_hist = jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.float32)
+    v_hist = jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.float32)
+    lengths = jnp.asarray([2, 7])
+    cache = KVCache(k_hist, v_hist, lengths)
+    q = jnp.asarray(rng.normal(size=(B, T, K * G, H)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, T, K, H)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, T, K, H)), jnp.float32)
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625])
+    attend = jax.jit(lambda c, q, k, v: c.attend(q, k, v, scale=0.4, alibi_slopes=slopes, softcap=4.0))
+    out, new = attend(cache, q, k, v)
+    dense = jax.jit(lambda q, k, v: xla_attention(q, k, v, scale=0.4, alibi_slopes=slopes, softcap=4.0,
+                                                  mask=MaskSpec(causal=True)))
+    np.testing.assert_array_equal(new.lengths, lengths + T)
+    for b, n in enumerate([2, 7]):
+        kk = np.concatenate([np.asarray(k_hist[b, :n]), np.asarray(k[b])])
+        vv = np.concatenate([np.asarray(v_hist[b, :n]), np.asarray(v[b])])
+        np.testing.assert_array_equal(new.k[b, : n + T], kk)
+        # independent: dense attention of the T queries over exactly the n+T keys, bottom-right causal
+        want = dense(q[b:b + 1], jnp.asarray(kk)[None], jnp.asarray(vv)[None])
+        np.testing.assert_allclose(out[b], want[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["llama_tiny", "bloom_tiny"])
+def test_teacher_forced_cached_logits_equal_full_forward(preset, llama):
+    """Prefill 5 tokens then feed 4 one at a time: logits at every position equal apply() on all 9."""
+    if preset == "llama_tiny":
+        cfg, graphdef, state = llama
+    else:  # ALiBi
+        cfg = presets.get(preset, init_std=0.3, max_seq_len=16)
+        graphdef, state = init(cfg, jax.random.key(1))
+    toks = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 9)), jnp.int32)
+    full = jax.jit(apply, static_argnums=0)(graphdef, state, toks)
+    step = jax.jit(lambda s, c, t, p: apply(graphdef, s, t, positions=p, cache=c))
+    caches = init_caches(cfg, 2, 16)
+    logits, caches = step(state, caches, toks[:, :5], jnp.broadcast_to(jnp.arange(5), (2, 5)))
+    got = [logits]
+    for i in range(5, 9):
+        logits, caches = step(state, caches, toks[:, i:i + 1], jnp.full((2, 1), i))
+        got.append(logits)
+    # fp32, same math in another order (cached keys, bottom-right mask): 1e-4 on logits of O(10)
+    np.testing.assert_allclose(jnp.concatenate(got, axis=1), full, atol=1e-4, rtol=1e-4)
+
+
+def test_generate_greedy_equals_full_recompute_and_never_retraces(llama):
+    cfg, graphdef, state = llama
+    prompts = [[5, 6, 7], [9] * 11, [1, 2, 3, 4, 5, 6, 7, 8]]
+    before = dict(gen.TRACE_COUNTS)
+    out = gen.generate(graphdef, state, cfg, prompts, max_new_tokens=6)
+    traced = {k: v - before.get(k, 0) for k, v in gen.TRACE_COUNTS.items()}
+    assert traced == {"prefill": 1, "decode": 1}, traced  # 5 decode steps, one trace
+    # new prompts of the same padded shape: no new trace at all
+    gen.generate(graphdef, state, cfg, [[1], [2] * 9, [3] * 12], max_new_tokens=6)
+    assert gen.TRACE_COUNTS["decode"] == before.get("decode", 0) + 1
+    # causal model: right padding to a fixed width leaves the logits at len(seq)-1 unchanged
+    full = jax.jit(lambda t: apply(graphdef, state, t))
+    for p, o in zip(prompts, out):
+        seq = list(p)
+        for _ in range(6):
+            padded = jnp.asarray([seq + [0] * (24 - len(seq))])
+            seq.append(int(jnp.argmax(full(padded)[0, len(seq) - 1])))
+        assert o == seq[len(p):]
+
+
+def test_generate_stop_tokens_context_limit_and_per_request_sampling(llama):
+    cfg, graphdef, state = llama
+    greedy = gen.generate(graphdef, state, cfg, [[3, 4, 5]], max_new_tokens=8)[0]
+    stop = greedy[3]
+    out = gen.generate(graphdef, state, cfg, [[3, 4, 5]], max_new_tokens=8, stop_tokens=[stop])[0]
+    assert out == greedy[: greedy.index(stop) + 1]
+    # 38 prompt tokens in a 40-token context: 3 new tokens at most (the last is never fed back)
+    assert len(gen.generate(graphdef, state, cfg, [[1] * 38], max_new_tokens=8)[0]) == 3
+    # same seed: same sample alone or in a batch beside a greedy request
+    alone = gen.generate(graphdef, state, cfg, [[7, 8]], max_new_tokens=8, temperature=1.5, seed=3)[0]
+    both = gen.generate(graphdef, state, cfg, [[3, 4, 5], [7, 8]], max_new_tokens=8, temperature=[0.0, 1.5],
+                        seed=[0, 3])
+    assert both == [greedy, alone]
+
+
+def test_generate_bad_inputs(llama):
+    cfg, graphdef, state = llama
+    with pytest.raises(ValueError, match="empty prompt"):
+        gen.generate(graphdef, state, cfg, [[1], []])
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        gen.generate(graphdef, state, cfg, [[1] * 41])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        gen.generate(graphdef, state, cfg, [[1, 256]])
+    with pytest.raises(ValueError, match="top_p"):
+        gen.generate(graphdef, state, cfg, [[1]], top_p=0.0)
+    with pytest.raises(ValueError, match="temperature has 1 values for 2 prompts"):
+        gen.generate(graphdef, state, cfg, [[1], [2]], temperature=[1.0])
+    with pytest.raises(ValueError, match="decoder-only"):
+        init_caches(presets.get("vaswani_tiny"), 1, 8)
+
+
+def test_set_lengths_replaces_every_layer():
+    caches = set_lengths(init_caches(presets.get("llama_tiny"), 2, 8), [3, 4])
+    assert len(caches) == 2 and all(list(c.lengths) == [3, 4] for c in caches)

@@ -1,0 +1,228 @@
+"""The Transformer: presets run, the properties it is known for, the KV-cache hook, scan/remat, dtypes."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxformer.model import ModelConfig, Transformer, apply, count_params, init, presets
+from jaxformer.nn import KVCacheLayer
+from jaxformer.ops.attention import dot_product_attention
+from jaxformer.ops.masks import MaskSpec
+
+from .conftest import TINY, B, T, key, random_model, tokens
+
+# Same fp32 math on differently shaped / ordered work: logits are O(0.1-1), allow 1e-5 absolute.
+ATOL = 1e-5
+
+
+def call(japply, gd, st, cfg, toks, **kw):
+    """Forward for any kind (encoder_decoder gets the same tokens as source and target)."""
+    return japply(gd, st, toks, toks, **kw) if cfg.kind == "encoder_decoder" else japply(gd, st, toks, **kw)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_preset_initialises_and_runs_under_jit(name, tiny_models, japply):
+    cfg, gd, st = tiny_models[name]
+    assert sum(x.size for x in jax.tree.leaves(st)) == count_params(cfg)
+    logits = call(japply, gd, st, cfg, tokens(0))
+    assert logits.shape == (B, T, cfg.vocab_size) and logits.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(logits)))
+    assert float(jnp.std(logits)) > 1e-4  # not a constant output
+
+
+@pytest.mark.parametrize("name", ["gpt2_tiny", "llama_tiny", "bloom_tiny", "vaswani_tiny"])
+def test_causal_output_at_t_ignores_later_tokens(name, tiny_models, japply):
+    cfg, gd, st = tiny_models[name]
+    t = 4
+    base = tokens(1)[0]
+    changed = base.at[t + 1:].set((base[t + 1:] + 7) % cfg.vocab_size)
+    toks = jnp.stack([base, changed])
+    if cfg.kind == "encoder_decoder":  # same source, target suffix changed
+        logits = japply(gd, st, jnp.stack([base, base]), toks)
+    else:
+        logits = japply(gd, st, toks)
+    np.testing.assert_allclose(logits[0, :t + 1], logits[1, :t + 1], rtol=0, atol=ATOL)
+    assert float(jnp.abs(logits[0, t + 1:] - logits[1, t + 1:]).max()) > 1e-4
+
+
+@pytest.mark.parametrize("position", ["none", "rope", "sinusoidal", "learned"])
+def test_encoder_permutation_equivariance_only_without_positions(position, japply):
+    cfg = ModelConfig(kind="encoder", vocab_size=64, d_model=32, n_layers=2, n_heads=4, position=position,
+                      max_seq_len=16, norm_position="pre")
+    gd, st = random_model(cfg, seed=2)
+    i, j = 1, 6
+    base = tokens(3, (T,), vocab=64)
+    swapped = base.at[i].set(base[j]).at[j].set(base[i])
+    logits = japply(gd, st, jnp.stack([base, swapped]))
+    perm = np.arange(T)
+    perm[[i, j]] = [j, i]
+    diff = float(jnp.abs(logits[1] - logits[0][perm]).max())
+    if position == "none":
+        assert diff < ATOL * 10  # outputs swap with the inputs (up to summation order)
+    else:
+        assert diff > 1e-3, f"position={position!r} should break permutation equivariance"
+
+
+# ---------------------------------------------------------------- KV-cache hook
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ConcatCache:
+    """The simplest KVCacheLayer: concatenate new keys/values, attend with a causal mask
+    aligned bottom-right (query i of the chunk sits at position S - T + i)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def empty(cls, cfg):
+        shape = (B, 0, cfg.resolved_kv_heads, cfg.resolved_head_dim)
+        return cls(jnp.zeros(shape), jnp.zeros(shape))
+
+    def attend(self, q, k, v, *, scale, alibi_slopes, softcap, impl):
+        del impl
+        k, v = jnp.concatenate([self.k, k], axis=1), jnp.concatenate([self.v, v], axis=1)
+        out = dot_product_attention(q, k, v, mask=MaskSpec(causal=True), scale=scale,
+                                    alibi_slopes=alibi_slopes, softcap=softcap, impl="xla")
+        return out, ConcatCache(k, v)
+
+
+def restack(cfg_scanned, state):
+    """Move an unscanned model's parameters into the scanned layout (blocks stacked on axis 0)."""
+    gd, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg_scanned)))
+    pure = nnx.to_pure_dict(state)
+    for stack in ("encoder", "decoder"):
+        if pure.get(stack):
+            blocks = pure[stack]["blocks"]
+            pure[stack]["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[blocks[i] for i in sorted(blocks)])
+    nnx.replace_by_pure_dict(abstract, pure)
+    return gd, abstract
+
+
+@pytest.mark.parametrize("name,scan", [("llama_tiny", False), ("bloom_tiny", True), ("vaswani_tiny", False)])
+def test_kv_cache_hook_chunk_by_chunk_equals_full_forward(name, scan, tiny_models, japply):
+    """RoPE + GQA (llama), ALiBi with a scanned stack (bloom), and the decoder of an
+    encoder-decoder (sinusoidal; cross-attention uncached): prefill 5, one token, then 2."""
+    cfg, gd, st = tiny_models[name]
+    toks = tokens(4)
+    src = tokens(12)
+    enc_dec = cfg.kind == "encoder_decoder"
+    full = japply(gd, st, src, toks) if enc_dec else japply(gd, st, toks)
+    if scan:
+        cfg = cfg.model_copy(update=dict(scan_layers=True))
+        gd, st = restack(cfg, st)
+    assert isinstance(ConcatCache.empty(cfg), KVCacheLayer)
+    caches = [ConcatCache.empty(cfg)] * cfg.n_layers
+    if enc_dec:
+        step = jax.jit(lambda s, t, p, c: apply(gd, s, src, t, tgt_positions=p, cache=c))
+    else:
+        step = jax.jit(lambda s, t, p, c: apply(gd, s, t, positions=p, cache=c))
+    for a, b in [(0, 5), (5, 6), (6, 8)]:
+        pos = jnp.broadcast_to(jnp.arange(a, b, dtype=jnp.int32), (B, b - a))
+        logits, caches = step(st, toks[:, a:b], pos, caches)
+        np.testing.assert_allclose(logits, full[:, a:b], rtol=0, atol=ATOL)
+    assert len(caches) == cfg.n_layers and caches[0].k.shape[1] == T
+
+
+def test_packed_sequences_equal_separate_sequences(tiny_models, japply):
+    """Two documents packed in one row with segment ids and restarting positions give the
+    logits each document gets alone (right padding after a document cannot leak back)."""
+    cfg, gd, st = tiny_models["llama_tiny"]
+    a, b = tokens(5, (5,)), tokens(6, (3,))
+    pad = jnp.zeros((8,), jnp.int32)
+    alone = japply(gd, st, jnp.stack([pad.at[:5].set(a), pad.at[:3].set(b)]))
+    packed = jnp.stack([jnp.concatenate([a, b]), pad.at[:3].set(b)])
+    seg = jnp.array([[1] * 5 + [2] * 3, [1] * 3 + [0] * 5], jnp.int32)
+    pos = jnp.array([list(range(5)) + list(range(3)), list(range(8))], jnp.int32)
+    logits = japply(gd, st, packed, positions=pos, segment_ids=seg)
+    np.testing.assert_allclose(logits[0, :5], alone[0, :5], rtol=0, atol=ATOL)
+    np.testing.assert_allclose(logits[0, 5:], alone[1, :3], rtol=0, atol=ATOL)
+
+
+def test_encoder_decoder_ignores_padded_source(tiny_models, japply):
+    cfg, gd, st = tiny_models["vaswani_tiny"]
+    src, tgt = tokens(7), tokens(8)
+    lengths = jnp.array([T, 5], jnp.int32)
+    src2 = src.at[1, 5:].set((src[1, 5:] + 3) % cfg.vocab_size)
+    l1 = japply(gd, st, src, tgt, lengths=lengths)
+    l2 = japply(gd, st, src2, tgt, lengths=lengths)
+    np.testing.assert_allclose(l1[1], l2[1], rtol=0, atol=ATOL)
+    l3 = japply(gd, st, src2, tgt)  # without lengths the padding is attended to
+    assert float(jnp.abs(l3[1] - l1[1]).max()) > 1e-4
+
+
+# ---------------------------------------------------------------- scan / remat / jit / dtypes
+def test_scan_and_remat_match_the_plain_stack(tiny_models, japply):
+    """Loss and gradients: list + nnx.remat == scanned stack + jax.checkpoint == the plain forward."""
+    cfg, gd, st = tiny_models["llama_tiny"]
+    toks = tokens(9)
+
+    def loss_and_grad(g, s):
+        return jax.jit(jax.value_and_grad(lambda s_: jnp.mean(apply(g, s_, toks) ** 2)))(s)
+
+    remat_gd = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model_copy(update=dict(remat=True)))))[0]
+    loss_r, grads_r = loss_and_grad(remat_gd, st)
+    scan_cfg = cfg.model_copy(update=dict(remat=True, scan_layers=True))
+    scan_gd, scan_st = restack(scan_cfg, st)
+    loss_s, grads_s = loss_and_grad(scan_gd, scan_st)
+    # Recomputation and the scanned loop change no math, only the schedule: fp32 rounding only.
+    np.testing.assert_allclose(loss_r, jnp.mean(japply(gd, st, toks) ** 2), rtol=1e-6)
+    np.testing.assert_allclose(loss_s, loss_r, rtol=1e-6)
+    _, grads_restacked = restack(scan_cfg, grads_r)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-7), grads_s, grads_restacked)
+
+
+def test_jit_init_and_apply_equal_eager(tiny_models, japply):
+    cfg, gd, st = tiny_models["bloom_tiny"]  # initialised eagerly by the fixture
+    st_jit = jax.jit(lambda k: init(cfg, k)[1])(key(0))
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7), st_jit, st)
+    toks = tokens(10)
+    np.testing.assert_allclose(apply(gd, st, toks), japply(gd, st, toks), rtol=1e-5, atol=ATOL)
+
+
+def test_fp32_params_bf16_compute_close_to_fp32(tiny_models, japply):
+    cfg, gd, st = tiny_models["gpt2_tiny"]
+    toks = tokens(11)
+    ref = japply(gd, st, toks)
+    gd16 = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model_copy(update=dict(compute_dtype="bfloat16")))))[0]
+    out = japply(gd16, st, toks)  # same fp32 parameters
+    assert out.dtype == jnp.float32 and all(x.dtype == jnp.float32 for x in jax.tree.leaves(st))
+    # bf16 keeps 8 mantissa bits (relative 2^-8 ~ 0.4% per rounding); through 2 blocks and the
+    # head the logits stay within 5% of their own scale.
+    err = float(jnp.abs(out - ref).max())
+    assert err < 0.05 * float(jnp.abs(ref).max()), err
+    assert err > 0.0  # bf16 really was used
+    all16 = nnx.eval_shape(lambda: Transformer(cfg.model_copy(update=dict(param_dtype="bfloat16",
+                                                                           compute_dtype="bfloat16"))))
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nnx.state(all16)))
+    out16 = nnx.eval_shape(lambda m, t: m(t), all16, jax.ShapeDtypeStruct((B, T), jnp.int32))
+    assert out16.dtype == jnp.float32
+
+
+def test_deepnorm_constants_and_init():
+    L = 4
+    cfg = ModelConfig(kind="decoder", vocab_size=64, d_model=64, n_layers=L, n_heads=4, norm_position="deepnorm",
+                      position="rope", activation="gelu")
+    model = Transformer(cfg, rngs=nnx.Rngs(params=key(1)))
+    alpha, beta = (2 * L) ** 0.25, (8 * L) ** -0.25  # DeepNet, decoder-only
+    blocks = list(model.decoder.blocks)
+    assert all(b.attn_residual.alpha == pytest.approx(alpha) and b.mlp_residual.alpha == pytest.approx(alpha)
+               for b in blocks)
+
+    def std(name):
+        return float(np.std(np.concatenate([np.ravel(getattr(b.self_attn, name)[...]) for b in blocks])))
+
+    D = 64  # Xavier normal: gain * sqrt(2 / (fan_in + fan_out)); 16k samples -> <2% sampling error
+    assert std("w_q") == pytest.approx(math.sqrt(2 / (D + D)), rel=0.05)
+    assert std("w_v") == pytest.approx(beta * math.sqrt(2 / (D + D)), rel=0.05)
+    assert std("w_o") == pytest.approx(beta * math.sqrt(2 / (D + D)), rel=0.05)
+    w_in = np.concatenate([np.ravel(b.mlp.w_in[...]) for b in blocks])
+    assert float(np.std(w_in)) == pytest.approx(beta * math.sqrt(2 / (D + 4 * D)), rel=0.05)
+    # encoder-decoder: encoder alpha = 0.81 (N^4 M)^(1/16), decoder alpha = (3M)^(1/4)
+    ed = nnx.eval_shape(lambda: Transformer(cfg.model_copy(update=dict(kind="encoder_decoder", n_encoder_layers=3))))
+    assert ed.encoder.blocks[0].attn_residual.alpha == pytest.approx(0.81 * (3 ** 4 * L) ** (1 / 16))
+    assert ed.decoder.blocks[0].cross_residual.alpha == pytest.approx((3 * L) ** 0.25)

@@ -1,0 +1,102 @@
+"""Checkpoints: resume, a corrupt latest checkpoint, restoring onto another mesh, stopping on NaN/inf."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxformer.train import config as C
+from jaxformer.train import sharding as S
+from jaxformer.train.checkpoint import Checkpointer, IncompatibleCheckpointError
+from jaxformer.train.loop import NonFiniteError, train
+from jaxformer.train.metrics import read_metrics
+from jaxformer.train.step import make_trainer
+from tests.train.helpers import make_corpus, tiny_raw
+
+
+def _cfg(corpus, **kw):
+    return C.from_dict(tiny_raw(corpus, **kw), "<test>")
+
+
+def _losses(run):
+    return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
+
+
+def _steps(run):
+    return sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def test_corrupt_latest_checkpoint_warns_and_resumes_from_previous(corpus, tmp_path):
+    run = tmp_path / "run"
+    cfg = _cfg(corpus, steps=6)
+    train(cfg, run)
+    ref = _losses(run)
+    assert _steps(run) == [2, 4, 6]
+    for f in (run / "checkpoints" / "6" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.warns(RuntimeWarning, match="checkpoint step 6 .* unreadable"):
+        train(cfg, run)  # resumes at 4 and redoes 5, 6
+    got = _losses(run)
+    assert got == ref  # bit-identical replay of steps 5 and 6
+    assert (run / "checkpoints" / "6.corrupt").is_dir() and 6 in _steps(run)
+
+
+def test_resume_continues_the_run(corpus, tmp_path):
+    run = tmp_path / "run"
+    train(_cfg(corpus, steps=3), run)
+    train(_cfg(corpus, steps=5), run)
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]
+    assert _steps(run) == [2, 3, 4, 5]
+    for r in rows:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(r)
+
+
+def test_checkpoint_of_another_config_is_refused_not_discarded(corpus, tmp_path):
+    run = tmp_path / "run"
+    train(_cfg(corpus, steps=2), run)
+    other = _cfg(corpus, steps=4, optimizer={"lr": 3e-3, "clip_norm": None})  # one optax state fewer
+    with pytest.warns(RuntimeWarning, match="config differs"), \
+            pytest.raises(IncompatibleCheckpointError, match="step 2 .* does not fit this config"):
+        train(other, run)
+    assert _steps(run) == [2] and not (run / "checkpoints" / "2.corrupt").exists()
+
+
+def test_restore_onto_a_different_mesh(corpus, tmp_path):
+    run = tmp_path / "run"
+    cfg = _cfg(corpus, steps=2, model={"d_model": 64})
+    train(cfg, run)
+    one = make_trainer(cfg, S.make_mesh(C.MeshConfig(data=1)))
+    s1, _ = Checkpointer(run / "checkpoints", read_only=True).restore_latest(one.abstract_state, one.state_shardings)
+    cfg8 = _cfg(corpus, steps=2, model={"d_model": 64}, mesh={"data": 2, "fsdp": 2, "tensor": 2})
+    eight = make_trainer(cfg8, S.make_mesh(cfg8.mesh))
+    s8, meta = Checkpointer(run / "checkpoints", read_only=True).restore_latest(
+        eight.abstract_state, eight.state_shardings)
+    assert meta["step"] == 2 and int(s8["step"]) == 2
+    w = s8["params"]["decoder"]["blocks"][0]["mlp"]["w_up"]
+    assert w.sharding.spec == P("fsdp", "tensor") and len(w.sharding.device_set) == 8
+    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s8)):
+        np.testing.assert_array_equal(np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b)))
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(corpus, tmp_path):
+    run = tmp_path / "run"
+    train(_cfg(corpus, steps=4), run)
+    # lr 1e30: step 5's update overflows the parameter norm (and the loss) to inf/nan
+    bad = _cfg(corpus, steps=8, optimizer={"lr": 1e30})
+    with pytest.warns(RuntimeWarning, match="config differs"), \
+            pytest.raises(NonFiniteError, match=r"at step 5: .*last good checkpoint: step 4"):
+        train(bad, run)
+    assert _steps(run) == [2, 4]
+    s, meta = Checkpointer(run / "checkpoints", read_only=True).restore_latest(
+        *(lambda t: (t.abstract_state, t.state_shardings))(make_trainer(bad, S.make_mesh(bad.mesh))))
+    assert meta["step"] == 4
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(s["params"]))
