@@ -32,7 +32,6 @@ def test_pulse(trained, capsys):
     assert [r["step"] for r in train_rows] == [1, 2, 3]
     for r in train_rows:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(r) and r["loss"] > 0
-    assert train_rows[0]["lr"] == pytest.approx(2e-3 / 1, rel=1e-6) or train_rows[0]["lr"] < 2e-3 + 1e-9
     ev = [r for r in rows if "val_loss" in r]
     assert ev and {"step", "val_loss", "val_bpb", "gzip9_bpb", "xz9e_bpb"} <= set(ev[-1])
     assert (run / "config.yaml").exists() and "lr: 0.002" in (run / "config.yaml").read_text()

@@ -255,7 +255,7 @@ def blockwise_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float |
     Args:
       mask: a :class:`MaskSpec`; ``q_offset`` may be an int or a traced int array ``[B]`` / ``()``.
       scale: default ``1/sqrt(H)``. alibi_slopes: ``[N]`` or ``[B, N]``. softcap: logit soft-capping.
-      block_k: kv tile; block_q: q tile (None: the same as ``block_k``). Both are clipped to T and S.
+      block_k: kv tile; block_q: q tile (None: ``min(block_k, 256)``). Both are clipped to S and T.
     """
     B, T, S, N, K, H = check_qkv(q, k, v)
     mask = MaskSpec() if mask is None else mask
@@ -266,7 +266,7 @@ def blockwise_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float |
         if b is not None and (isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b <= 0):
             raise ValueError(f"{name}={b!r} must be a positive int")
     bk = min(int(block_k), S)
-    bq = min(int(block_k if block_q is None else block_q), T)
+    bq = min(int(min(block_k, 256) if block_q is None else block_q), T)
     live = mask.block_map(T, S, bq, bk)
     kv_lo = kv_hi = None
     if live is not None:

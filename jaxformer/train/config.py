@@ -154,7 +154,7 @@ class EvalConfig(_Section):
     every: int | None = Field(None, gt=0, description="evaluate every N steps (None: only at the end)")
     at_end: bool = True
     max_tokens: int | None = Field(65536, gt=0, description="validation tokens per evaluation (None: all)")
-    final_max_tokens: int | None = Field(None, gt=0, description="the final evaluation (None: max_tokens)")
+    final_max_tokens: int | None = Field(None, gt=0, description="the final evaluation (None: all)")
     batch_size: int | None = Field(None, gt=0, description="None: the training batch size")
     compare_compressors: bool = Field(False, description="report gzip -9 / xz -9e bits per byte too")
     sample: SampleConfig | None = None

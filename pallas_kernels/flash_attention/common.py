@@ -59,7 +59,7 @@ class BlockSizes:
     @classmethod
     def default(cls, backend: str) -> "BlockSizes":
         if backend == "gpu":
-            return cls(block_q=64, block_k=64, block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64)
+            return cls(block_q=128, block_k=64, block_q_dkv=64, block_k_dkv=128, block_q_dq=128, block_k_dq=64)
         if backend == "tpu":
             return cls(block_q=512, block_k=512, block_q_dkv=512, block_k_dkv=512, block_q_dq=512, block_k_dq=512)
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -92,6 +92,22 @@ class BlockSizes:
     def as_dict(self) -> dict[str, int | None]:
         return dataclasses.asdict(self)
 
+    def fit(self, H: int, itemsize: int, max_tile_bytes: int, minimum: int = 1) -> "BlockSizes":
+        """Halve the larger tile of each (q, k) pair until :func:`tile_bytes` fits ``max_tile_bytes``."""
+        r = self.resolved().as_dict()
+        for q_name, k_name in (("block_q", "block_k"), ("block_q_dkv", "block_k_dkv"), ("block_q_dq", "block_k_dq")):
+            while tile_bytes(r[q_name], r[k_name], H, itemsize) > max_tile_bytes:
+                name = q_name if r[q_name] >= r[k_name] else k_name
+                if r[name] // 2 < minimum:
+                    break
+                r[name] //= 2
+        return BlockSizes(**r)
+
+
+def tile_bytes(bq: int, bk: int, H: int, itemsize: int) -> int:
+    """Bytes of one q tile, k and v tiles and the fp32 ``[bq, bk]`` logits."""
+    return (bq + 2 * bk) * H * itemsize + bq * bk * 4
+
 
 def check_block_sizes(block_sizes: BlockSizes, *, pow2: bool = True, minimum: int = 1,
                       multiple_of: int = 1, H: int | None = None, itemsize: int | None = None,
@@ -117,7 +133,7 @@ def check_block_sizes(block_sizes: BlockSizes, *, pow2: bool = True, minimum: in
         for bq, bk, which in ((bs.block_q, bs.block_k, "forward"),
                               (bs.block_q_dkv, bs.block_k_dkv, "dkv"),
                               (bs.block_q_dq, bs.block_k_dq, "dq")):
-            need = (bq + 2 * bk) * H * itemsize + bq * bk * 4
+            need = tile_bytes(bq, bk, H, itemsize)
             if need > max_tile_bytes:
                 raise ValueError(
                     f"{which} tiles block_q={bq}, block_k={bk} with head dim H={H} need {need} bytes, "

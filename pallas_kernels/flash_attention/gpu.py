@@ -424,10 +424,11 @@ def flash_attention_gpu(q, k, v, *, causal: bool = False, window=None, q_segment
     params = MaskParams.make(T, S, H, causal=causal, window=window, q_offset=q_offset, scale=scale,
                              softcap=softcap)
     Hp = max(MIN_BLOCK, common.next_pow2(H))
-    blocks = common.check_block_sizes(
-        BlockSizes.default("gpu") if block_sizes is None else block_sizes, pow2=True, minimum=MIN_BLOCK,
-        H=Hp, itemsize=jnp.dtype(q.dtype).itemsize, max_tile_bytes=MAX_TILE_BYTES,
-    ).clipped(T, S, MIN_BLOCK)
+    itemsize = jnp.dtype(q.dtype).itemsize
+    if block_sizes is None:
+        block_sizes = BlockSizes.default("gpu").fit(Hp, itemsize, MAX_TILE_BYTES, MIN_BLOCK)
+    blocks = common.check_block_sizes(block_sizes, pow2=True, minimum=MIN_BLOCK, H=Hp, itemsize=itemsize,
+                                      max_tile_bytes=MAX_TILE_BYTES).clipped(T, S, MIN_BLOCK)
     st = _Static(params=params, blocks=blocks, interpret=bool(interpret), H=H)
     aux = Aux(
         q_seg=None if q_segment_ids is None else jnp.asarray(q_segment_ids, jnp.int32),

@@ -93,6 +93,13 @@ def test_scanned_stack_has_layers_axis_and_same_count():
     assert w_q == ("layers", "embed", "heads", "head_dim")
     assert axes[("embed", "embedding")] == ("vocab", "embed")
     assert all(set(a) <= set(LOGICAL_AXES) | {None} for a in axes.values())
+    # one rules table must name every logical axis (None: replicated); flax leaves unnamed ones as is
+    rules = (("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"),
+             ("head_dim", None), ("mlp", "tensor"), ("layers", None))
+    with nnx.logical_axis_rules(rules):
+        specs = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
+    P = jax.sharding.PartitionSpec
+    assert specs[("decoder", "blocks", "self_attn", "w_q")].get_value() == P(None, "fsdp", "tensor", None)
 
 
 configs = st.builds(

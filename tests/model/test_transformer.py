@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxformer.model import ModelConfig, Transformer, apply, count_params, init, presets
+from jaxformer.model import ModelConfig, Transformer, apply, count_params, init
 from jaxformer.nn import KVCacheLayer
 from jaxformer.ops.attention import dot_product_attention
 from jaxformer.ops.masks import MaskSpec
 
-from .conftest import TINY, B, T, key, random_model, tokens
+from .helpers import TINY, B, T, key, random_model, tokens
 
 # Same fp32 math on differently shaped / ordered work: logits are O(0.1-1), allow 1e-5 absolute.
 ATOL = 1e-5
@@ -53,7 +53,7 @@ def test_causal_output_at_t_ignores_later_tokens(name, tiny_models, japply):
 @pytest.mark.parametrize("position", ["none", "rope", "sinusoidal", "learned"])
 def test_encoder_permutation_equivariance_only_without_positions(position, japply):
     cfg = ModelConfig(kind="encoder", vocab_size=64, d_model=32, n_layers=2, n_heads=4, position=position,
-                      max_seq_len=16, norm_position="pre")
+                      max_seq_len=16, norm_position="pre", logits_softcap=3.0)
     gd, st = random_model(cfg, seed=2)
     i, j = 1, 6
     base = tokens(3, (T,), vocab=64)
@@ -61,6 +61,7 @@ def test_encoder_permutation_equivariance_only_without_positions(position, jappl
     logits = japply(gd, st, jnp.stack([base, swapped]))
     perm = np.arange(T)
     perm[[i, j]] = [j, i]
+    assert float(jnp.abs(logits).max()) < 3.0  # logits soft-capped at 3 * tanh(./3)
     diff = float(jnp.abs(logits[1] - logits[0][perm]).max())
     if position == "none":
         assert diff < ATOL * 10  # outputs swap with the inputs (up to summation order)
@@ -103,13 +104,17 @@ def restack(cfg_scanned, state):
     return gd, abstract
 
 
-@pytest.mark.parametrize("name,scan", [("llama_tiny", False), ("bloom_tiny", True), ("vaswani_tiny", False)])
-def test_kv_cache_hook_chunk_by_chunk_equals_full_forward(name, scan, tiny_models, japply):
-    """RoPE + GQA (llama), ALiBi with a scanned stack (bloom), and the decoder of an
-    encoder-decoder (sinusoidal; cross-attention uncached): prefill 5, one token, then 2."""
+@pytest.mark.parametrize("name,scan,chunks", [
+    ("llama_tiny", False, [(0, 5), (5, 6), (6, 8)]),
+    ("bloom_tiny", True, [(0, 7), (7, 8)]),
+    ("vaswani_tiny", False, [(0, 7), (7, 8)]),
+])
+def test_kv_cache_hook_chunk_by_chunk_equals_full_forward(name, scan, chunks, tiny_models, japply):
+    """RoPE + GQA (llama: prefill, one token, two tokens), ALiBi with a scanned stack (bloom),
+    and ``decode`` of an encoder-decoder against its encoded source (sinusoidal; cross-attention
+    is not cached). Each chunk's logits equal the full causal forward's."""
     cfg, gd, st = tiny_models[name]
-    toks = tokens(4)
-    src = tokens(12)
+    toks, src = tokens(4), tokens(12)
     enc_dec = cfg.kind == "encoder_decoder"
     full = japply(gd, st, src, toks) if enc_dec else japply(gd, st, toks)
     if scan:
@@ -118,10 +123,11 @@ def test_kv_cache_hook_chunk_by_chunk_equals_full_forward(name, scan, tiny_model
     assert isinstance(ConcatCache.empty(cfg), KVCacheLayer)
     caches = [ConcatCache.empty(cfg)] * cfg.n_layers
     if enc_dec:
-        step = jax.jit(lambda s, t, p, c: apply(gd, s, src, t, tgt_positions=p, cache=c))
+        memory = jax.jit(lambda s: nnx.merge(gd, s).encode(src))(st)
+        step = jax.jit(lambda s, t, p, c: nnx.merge(gd, s).decode(t, memory, positions=p, cache=c))
     else:
         step = jax.jit(lambda s, t, p, c: apply(gd, s, t, positions=p, cache=c))
-    for a, b in [(0, 5), (5, 6), (6, 8)]:
+    for a, b in chunks:
         pos = jnp.broadcast_to(jnp.arange(a, b, dtype=jnp.int32), (B, b - a))
         logits, caches = step(st, toks[:, a:b], pos, caches)
         np.testing.assert_allclose(logits, full[:, a:b], rtol=0, atol=ATOL)

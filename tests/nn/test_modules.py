@@ -50,7 +50,7 @@ def ref_rope(xp, x, pos, base=10000.0):
     return xp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
 
-def ref_attention(xp, p, x, ctx=None, *, position="none", causal=False):
+def ref_attention(xp, p, x, ctx=None, *, position="none", causal=False, softcap=None):
     """Plain multi-head attention with K/V heads repeated G times (fine for a reference)."""
     ctx = x if ctx is None else ctx
     q = xp.einsum("btd,dnh->btnh", x, p["w_q"])
@@ -64,6 +64,8 @@ def ref_attention(xp, p, x, ctx=None, *, position="none", causal=False):
         q, k = ref_rope(xp, q, np.arange(T, dtype=np.float64)), ref_rope(xp, k, np.arange(S, dtype=np.float64))
     k, v = xp.repeat(k, N // K, axis=2), xp.repeat(v, N // K, axis=2)
     s = xp.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(H)
+    if softcap is not None:
+        s = softcap * xp.tanh(s / softcap)
     if position == "alibi":  # slopes 2^(-8i/N), i = 1..N (N a power of two)
         slopes = 2.0 ** (-8.0 * np.arange(1, N + 1) / N)
         s = s - slopes[None, :, None, None] * np.abs(np.arange(T)[:, None] - np.arange(S)[None, :])
@@ -75,14 +77,15 @@ def ref_attention(xp, p, x, ctx=None, *, position="none", causal=False):
     return y + p["b_o"][None, None] if "b_o" in p else y
 
 
-@pytest.mark.parametrize("position,N,K,causal,bias", [
-    ("none", 4, 4, False, True),
-    ("rope", 8, 2, True, True),
-    ("alibi", 4, 1, True, False),
+@pytest.mark.parametrize("position,N,K,causal,bias,softcap", [
+    ("none", 4, 4, False, True, None),
+    ("rope", 8, 2, True, True, None),
+    ("alibi", 4, 1, True, False, 1.5),
 ])
-def test_attention_matches_reference_forward_and_grad(position, N, K, causal, bias):
+def test_attention_matches_reference_forward_and_grad(position, N, K, causal, bias, softcap):
     D, H, B, T = 16, 4, 2, 5
-    m = build(lambda: Attention(D, N, K, H, position=position, use_bias=bias, impl="xla", rngs=nnx.Rngs(0)), 1)
+    m = build(lambda: Attention(D, N, K, H, position=position, use_bias=bias, softcap=softcap, impl="xla",
+                                rngs=nnx.Rngs(0)), 1)
     x = jax.random.normal(jax.random.key(2), (B, T, D))
     ct = jax.random.normal(jax.random.key(3), (B, T, D))
     mask = MaskSpec(causal=causal)
@@ -96,11 +99,12 @@ def test_attention_matches_reference_forward_and_grad(position, N, K, causal, bi
 
     @jax.jit
     def reference_vjp(pp, xx):
-        y, pullback = jax.vjp(lambda p_, x_: ref_attention(jnp, p_, x_, position=position, causal=causal), pp, xx)
+        y, pullback = jax.vjp(
+            lambda p_, x_: ref_attention(jnp, p_, x_, position=position, causal=causal, softcap=softcap), pp, xx)
         return y, pullback(ct)
 
     got, (g_state, g_x) = module_vjp(state, x)
-    want = ref_attention(np, p, np.asarray(x, np.float64), position=position, causal=causal)
+    want = ref_attention(np, p, np.asarray(x, np.float64), position=position, causal=causal, softcap=softcap)
     np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=ATOL)
     _, (g_p_ref, g_x_ref) = reference_vjp({k: jnp.asarray(v, jnp.float32) for k, v in p.items()}, x)
     # fp32 both sides, different summation orders: relative 1e-4 of O(1) gradients.
@@ -325,3 +329,17 @@ def test_param_rejects_unknown_axis_and_rank_mismatch():
         param(nnx.Rngs(0), init, (2, 3), ("embed", "model"), "float32")
     with pytest.raises(ValueError, match=r"axes \('embed',\) do not match shape \(2, 3\)"):
         param(nnx.Rngs(0), init, (2, 3), ("embed",), "float32")
+
+
+def test_params_shard_eagerly_only_under_a_mesh_with_rules():
+    rules = (("vocab", "tensor"), ("embed", "fsdp"))
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        emb = Embed(8, 4, rngs=nnx.Rngs(0))
+        specs = nnx.get_partition_spec(nnx.state(emb))
+    assert emb.embedding[...].sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
+    assert specs["embedding"].get_value() == jax.sharding.PartitionSpec("tensor", "fsdp")
+    plain = Embed(8, 4, rngs=nnx.Rngs(0))  # no mesh: created unsharded, same values
+    assert len(plain.embedding[...].sharding.device_set) == 1
+    np.testing.assert_array_equal(plain.embedding[...], emb.embedding[...])

@@ -236,3 +236,12 @@ def test_auto_interpret_dispatches_to_gpu_kernel():
     fn = jax.jit(lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=True, block_sizes=BlockSizes(16, 16)))
     got = fn.lower(q, k, v).compile(FAST_COMPILE)(q, k, v)
     np.testing.assert_allclose(got, reference(q, k, v, causal=True), **FWD_TOL)
+
+
+def test_default_gpu_blocks_fit_every_head_dim():
+    from pallas_kernels.flash_attention.gpu import MAX_TILE_BYTES, MIN_BLOCK
+
+    for H in (16, 64, 128, 256):
+        for itemsize in (2, 4):
+            bs = BlockSizes.default("gpu").fit(H, itemsize, MAX_TILE_BYTES, MIN_BLOCK)
+            common.check_block_sizes(bs, minimum=MIN_BLOCK, H=H, itemsize=itemsize, max_tile_bytes=MAX_TILE_BYTES)
