@@ -20,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="validation loss and bits per byte of a run's newest checkpoint")
     e.add_argument("run_dir")
-    e.add_argument("--max-tokens", type=int, default=-1, help="validation tokens (default: the config's)")
+    e.add_argument("--max-tokens", type=int, default=-1, help="validation tokens (default: the config's final eval)")
     e.add_argument("--all", action="store_true", help="the whole validation split")
     e.add_argument("--compressors", action="store_true", help="also gzip -9 / xz -9e bits per byte")
 

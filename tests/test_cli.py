@@ -16,12 +16,12 @@ def trained(tmp_path_factory):
     """`jaxformer train` on the embedded stdlib corpus: 2 layers, 3 steps."""
     tmp = tmp_path_factory.mktemp("cli")
     raw = tiny_raw(tmp, steps=3, data={"source": "stdlib", "path": None, "val_fraction": 0.02},
-                   eval={"max_tokens": 512, "at_end": True, "compare_compressors": True,
+                   eval={"max_tokens": 512, "final_max_tokens": 1024, "at_end": True, "compare_compressors": True,
                          "sample": {"prompt": "def ", "max_new_tokens": 8}},
                    logging={"every": 1, "progress": True, "tensorboard": True})
     cfg = write_config(tmp / "pulse.yaml", raw)
     run = tmp / "run"
-    return cfg, run, main(["train", str(cfg), "--run-dir", str(run), "--steps", "3", "optimizer.lr=2e-3"])
+    return cfg, run, main(["train", str(cfg), "--run-dir", str(run), "--steps", "3", "checkpoint.keep=4"])
 
 
 def test_pulse(trained, capsys):
@@ -34,7 +34,7 @@ def test_pulse(trained, capsys):
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(r) and r["loss"] > 0
     ev = [r for r in rows if "val_loss" in r]
     assert ev and {"step", "val_loss", "val_bpb", "gzip9_bpb", "xz9e_bpb"} <= set(ev[-1])
-    assert (run / "config.yaml").exists() and "lr: 0.002" in (run / "config.yaml").read_text()
+    assert (run / "config.yaml").exists() and "keep: 4" in (run / "config.yaml").read_text()
     assert list((run / "tb").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "3"]
 

@@ -137,7 +137,8 @@ def _mib(x):
 def cpu_table(rows, args) -> str:
     out = [
         f"Causal self-attention, B=1, N={args.heads}, H={args.head_dim}, fp32, CPU "
-        f"({os.cpu_count()} cores); blockwise block_k={args.block_k}, block_q={args.block_q or args.block_k}.",
+        f"({os.cpu_count()} cores); blockwise block_k={args.block_k}, "
+        f"block_q={args.block_q or min(args.block_k, 256)}.",
         "Time: median wall seconds per call, compile excluded. temp: XLA memory_analysis() temp bytes "
         "(extra memory beyond inputs/outputs). rss: VmHWM - VmRSS around the warm-up and timed calls (after compile).",
         "",

@@ -6,8 +6,9 @@ Each :meth:`Engine.step`:
    their tokens are free (a computed shared prefix costs no new pages);
 2. gives every running sequence its next tokens: a prefill chunk of up to
    ``chunk_size`` tokens, or the one token it sampled last step; a step holding
-   any prefill chunk runs at width ``chunk_size``, a pure decode step at width 1
-   (the paged-attention kernel), so two compiled shapes serve every batch;
+   any prefill chunk runs at the width of its longest chunk, a pure decode step at width 1
+   (the paged-attention kernel); widths come from a few buckets (``chunk_size``
+   halved down to 8), so a handful of compiled shapes serve every batch;
 3. when pages run out, preempts the newest running sequence (its pages are freed
    and it returns to the front of the queue, to be recomputed from its prompt and
    the tokens it already generated; its sampling keys depend only on the token
@@ -183,6 +184,16 @@ class Engine:
             i += 1
         return plan, copies
 
+    def _width(self, n: int) -> int:
+        """Step width for a longest chunk of ``n``: 1, else the smallest of ``chunk_size / 2^i``
+        (down to 8) that holds it, so a step of short chunks does not pay for a full one."""
+        if n == 1:
+            return 1
+        width = self.chunk_size
+        while width // 2 >= max(n, 8) and width % 2 == 0:
+            width //= 2
+        return width
+
     def _finish(self, req: _Req, reason: str) -> None:
         self.running.remove(req)
         self.manager.finish(req.rid)
@@ -205,7 +216,7 @@ class Engine:
             dst = np.full(n, self.manager.num_pages, np.int32)
             src[: len(copies)], dst[: len(copies)] = zip(*copies)
             self.pools = copy_pages(self.pools, jnp.asarray(src), jnp.asarray(dst))
-        T = self.chunk_size if any(n > 1 for _, n in plan) else 1
+        T = self._width(max(n for _, n in plan))
         B, M = self.max_batch, self.max_pages_per_seq
         tokens = np.zeros((B, T), np.int32)
         tables = np.zeros((B, M), np.int32)

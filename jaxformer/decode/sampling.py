@@ -91,7 +91,13 @@ def sample(logits, keys, temperature, top_k, top_p):
             raise ValueError(f"{name}.shape={jnp.shape(a)} must be [B]=({B},)")
     if keys.shape != (B,):
         raise ValueError(f"keys.shape={keys.shape} must be [B]=({B},) typed keys")
-    x = filter_logits(logits, temperature, top_k, top_p)
-    drawn = jax.vmap(jax.random.categorical)(keys, x)
-    greedy = jnp.argmax(logits, axis=-1)
-    return jnp.where(jnp.asarray(temperature) > 0, drawn, greedy).astype(jnp.int32)
+    temperature = jnp.asarray(temperature, jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        x = filter_logits(logits, temperature, top_k, top_p)
+        drawn = jax.vmap(jax.random.categorical)(keys, x).astype(jnp.int32)
+        return jnp.where(temperature > 0, drawn, greedy)
+
+    # an all-greedy batch skips the sort and the random draws
+    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)

@@ -23,7 +23,7 @@ from jaxformer.model.config import ModelConfig
 from jaxformer.model.stack import Stack, make_norm_for
 from jaxformer.nn.embedding import Embed, LearnedPositions, LMHead
 from jaxformer.ops.masks import MaskSpec
-from jaxformer.ops.normalization import deepnorm_constants
+from jaxformer.ops.normalization import DeepNormConstants, deepnorm_constants
 from jaxformer.ops.positional import sinusoidal_positions
 
 
@@ -58,12 +58,14 @@ class Transformer(nnx.Module):
         self.embed_norm = make_norm_for(cfg, rngs) if cfg.embed_norm else None
 
         n_enc, n_dec = cfg.n_encoder_stack_layers, cfg.n_decoder_layers
-        dn = deepnorm_constants(n_enc, n_dec) if cfg.norm_position == "deepnorm" else None
-        self.encoder = (Stack(cfg, n_enc, cross=False, alpha=dn and dn.encoder_alpha,
-                              beta=dn and dn.encoder_beta, rngs=rngs) if n_enc else None)
-        self.decoder = (Stack(cfg, n_dec, cross=cfg.kind == "encoder_decoder",
-                              alpha=dn and dn.decoder_alpha, beta=dn and dn.decoder_beta, rngs=rngs)
-                        if n_dec else None)
+        if cfg.norm_position == "deepnorm":
+            dn = deepnorm_constants(n_enc, n_dec)
+        else:
+            dn = DeepNormConstants(None, None, None, None)
+        self.encoder = (Stack(cfg, n_enc, cross=False, alpha=dn.encoder_alpha, beta=dn.encoder_beta,
+                              rngs=rngs) if n_enc else None)
+        self.decoder = (Stack(cfg, n_dec, cross=cfg.kind == "encoder_decoder", alpha=dn.decoder_alpha,
+                              beta=dn.decoder_beta, rngs=rngs) if n_dec else None)
         self.head = (None if cfg.tie_embeddings
                      else LMHead(cfg.d_model, cfg.vocab_size, std=cfg.init_std, rngs=rngs, **dtypes))
 

@@ -361,15 +361,17 @@ class MaskSpec:
             allowed = jnp.broadcast_to(allowed, (allowed.shape[0], self.num_heads, T, S))
         return allowed
 
-    def _random_dense(self, T: int, S: int) -> np.ndarray:
+    def _random_dense(self, T: int, S: int) -> jax.Array:
         """Bool ``[heads, T, S]`` of the random-block pattern alone (static offset only)."""
         offset = self.static_offset(T, S)
         if offset is None:
             raise ValueError("MaskSpec.random_blocks needs a static q_offset (a Python int or None)")
         R = self.random_blocks.block_size
         rq = (offset + np.arange(T)) // R
-        member = self.random_blocks.membership(rq.min(), rq.max() + 1, _cdiv(S, R))
-        return member[:, rq - rq.min()][:, :, np.arange(S) // R]
+        member = jnp.asarray(self.random_blocks.membership(rq.min(), rq.max() + 1, _cdiv(S, R)))
+        rq = jnp.asarray(rq - rq.min(), jnp.int32)
+        rk = jnp.arange(S, dtype=jnp.int32) // R
+        return member[:, rq[:, None], rk[None, :]]
 
     def block_map(self, T: int, S: int, block_q: int, block_k: int, *, per_head: bool = False,
                   global_rows: bool = True) -> np.ndarray | None:

@@ -52,7 +52,7 @@ def evaluate(trainer: Trainer, params, evalset, *, batch_size: int, token_bytes)
     """Mean validation loss (nats/token) and bits per byte over ``evalset``."""
     nats, n = 0.0, 0.0
     for b in evalset.batches(batch_size):
-        s, k = trainer.eval_step(params, shd.put_batch(b, trainer.mesh))
+        s, k = trainer.eval_step(params, shd.put_global_batch(b, trainer.mesh))
         nats, n = nats + float(s), n + float(k)
     out = {"val_loss": nats / max(n, 1.0), "val_tokens": int(n)}
     if token_bytes is not None:
@@ -126,9 +126,9 @@ def train(cfg: C.ExperimentConfig, run_dir: str | Path, *,
         state, meta = restored
         start = int(meta["step"])
     else:
-        state, start = trainer.init_state(), 0
+        state, start = trainer.init_state(cfg.seed), 0
     writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, resume_step=start, enabled=main)
-    bar = ProgressBar(cfg.steps, start, enabled=cfg.logging.progress and main, console=console)
+    bar = ProgressBar(cfg.steps, start, enabled=cfg.logging.progress and main, show=main, console=console)
     if start:
         bar.print(f"resumed {run_dir} at step {start}")
     evalset = _eval_set(cfg, corpus, cfg.eval.max_tokens)
@@ -191,7 +191,7 @@ def train(cfg: C.ExperimentConfig, run_dir: str | Path, *,
         bar.close()
         summary = {"step": max(start, cfg.steps), **{k: v for k, v in last.items() if k != "step"}}
         if cfg.eval.at_end and evalset is not None:
-            final = evalset if cfg.eval.final_max_tokens is None else _eval_set(cfg, corpus, cfg.eval.final_max_tokens)
+            final = _eval_set(cfg, corpus, cfg.eval.final_max_tokens)
             ev = evaluate(trainer, state["params"], final, batch_size=eval_bs, token_bytes=tok.token_bytes)
             if cfg.eval.compare_compressors and tok.token_bytes is not None:
                 ev.update(compressor_bpb(tok.decode_bytes(final.target_ids())))
@@ -248,10 +248,13 @@ def _run_tokenizer(cfg: C.ExperimentConfig, run_dir: Path):
 
 
 def evaluate_run(run_dir: str | Path, *, max_tokens: int | None = -1, compressors: bool = False) -> dict:
-    """Validation loss / bits per byte of a run's newest checkpoint (``max_tokens=-1``: the config's)."""
+    """Validation loss / bits per byte of a run's newest checkpoint.
+
+    ``max_tokens``: -1 uses the config's final evaluation size, None the whole validation split.
+    """
     cfg, trainer, params, _, meta = load_run(run_dir)
     corpus = build_corpus(cfg.data, tokenizer_path=_tokenizer_path(cfg, Path(run_dir)))
-    limit = (cfg.eval.final_max_tokens or cfg.eval.max_tokens) if max_tokens == -1 else max_tokens
+    limit = cfg.eval.final_max_tokens if max_tokens == -1 else max_tokens
     evalset = _eval_set(cfg, corpus, limit)
     if evalset is None:
         raise ValueError(f"{run_dir}: the validation split is empty (data.val_fraction={cfg.data.val_fraction})")

@@ -75,7 +75,9 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 class ProgressBar:
     """Step, loss, tokens/s, ETA. Plain log lines instead when disabled or not on a terminal."""
 
-    def __init__(self, total: int, start: int, *, enabled: bool, console: Console | None = None):
+    def __init__(self, total: int, start: int, *, enabled: bool, show: bool = True,
+                 console: Console | None = None):
+        self.show = show
         self.console = console or Console()
         self.rich = enabled and self.console.is_terminal
         self.enabled = enabled
@@ -97,6 +99,8 @@ class ProgressBar:
             self.console.print(f"step {step}  loss {loss:.4f}  {tps} tok/s", highlight=False)
 
     def print(self, text: str) -> None:
+        if not self.show:
+            return
         if self._bar is not None:
             self._bar.console.print(text, highlight=False)
         else:

@@ -115,3 +115,9 @@ def put_batch(batch: dict, mesh: Mesh) -> dict:
     """Host-local numpy ``[B_local, T]`` arrays -> global sharded jax arrays ``[B, T]``."""
     sh = batch_sharding(mesh)
     return {k: jax.make_array_from_process_local_data(sh, v) for k, v in batch.items()}
+
+
+def put_global_batch(batch: dict, mesh: Mesh) -> dict:
+    """Numpy ``[B, T]`` arrays that every process holds in full -> global sharded jax arrays."""
+    sh = batch_sharding(mesh)
+    return {k: jax.make_array_from_callback(v.shape, sh, lambda idx, v=v: v[idx]) for k, v in batch.items()}

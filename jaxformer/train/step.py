@@ -22,7 +22,8 @@ from flax import nnx
 from jaxformer.model import ModelConfig, abstract_init, apply, init
 from jaxformer.ops.losses import cross_entropy
 from jaxformer.train import sharding as shd
-from jaxformer.train.config import ExperimentConfig
+from jaxformer.train.config import (CheckpointConfig, DataConfig, EvalConfig, ExperimentConfig, LoggingConfig,
+                                     MeshConfig)
 from jaxformer.train.optim import make_optimizer
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "mask")
@@ -43,8 +44,9 @@ class Trainer:
     train_step: Any
     eval_step: Any
 
-    def init_state(self):
-        return self.init_fn(jax.random.key(self.cfg.seed))
+    def init_state(self, seed: int = 0):
+        """Fresh parameters and optimiser state from ``seed``, sharded on the mesh."""
+        return self.init_fn(jax.random.key(seed))
 
 
 def _model_loss(graphdef, params, batch, z_loss: float):
@@ -55,11 +57,23 @@ def _model_loss(graphdef, params, batch, z_loss: float):
     return loss * n, (m["ce"] * n, n)
 
 
-@functools.lru_cache(maxsize=4)
-def make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh, total_steps: int | None = None) -> Trainer:
-    """Build the optimiser, shardings and jitted functions for ``cfg`` on ``mesh`` (cached: same
-    config and mesh in one process reuse the compiled steps)."""
-    total_steps = cfg.steps if total_steps is None else total_steps
+def make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
+    """Build the optimiser, shardings and jitted functions for ``cfg`` on ``mesh``.
+
+    Cached per process on what the compiled steps depend on (model, optimiser,
+    schedule, batch and sequence sizes, mesh), so e.g. a resumed run with more
+    steps and a fixed ``schedule.decay_steps`` reuses the compiled step.
+    """
+    decay = cfg.schedule.decay_steps or cfg.steps
+    key = cfg.model_copy(update={"steps": decay, "seed": 0, "data": DataConfig(), "mesh": MeshConfig(),
+                                 "checkpoint": CheckpointConfig(), "logging": LoggingConfig(),
+                                 "eval": EvalConfig()})
+    return _make_trainer(key, mesh)
+
+
+@functools.lru_cache(maxsize=16)
+def _make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
+    total_steps = cfg.steps
     mcfg: ModelConfig = cfg.model
     shards = shd.batch_shards(mesh)
     if cfg.batch_size % shards:

@@ -432,7 +432,8 @@ def check_inputs(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, kv_lengths
             "for traced offsets use jaxformer.ops.blockwise"
         )
     if alibi_slopes is not None and tuple(jnp.shape(alibi_slopes)) not in ((N,), (B, N)):
-        raise ValueError(f"alibi_slopes.shape={tuple(jnp.shape(alibi_slopes))} must be (N,)=({N},) or (B, N)=({B}, {N})")
+        raise ValueError(
+            f"alibi_slopes.shape={tuple(jnp.shape(alibi_slopes))} must be (N,)=({N},) or (B, N)=({B}, {N})")
     if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
         raise ValueError(f"softcap={softcap!r} must be a positive float or None")
     if scale is not None and not isinstance(scale, (int, float, np.floating)):

@@ -41,8 +41,9 @@ def _check(q, k_pages, v_pages, block_tables, lengths, alibi_slopes):
         raise ValueError(f"block_tables must be [B, M] with B={B}; got {block_tables.shape=}")
     if jnp.shape(lengths) != (B,):
         raise ValueError(f"lengths must be [B]=({B},); got {jnp.shape(lengths)=}")
-    if not jnp.issubdtype(block_tables.dtype, jnp.integer) or not jnp.issubdtype(jnp.asarray(lengths).dtype, jnp.integer):
-        raise ValueError(f"block_tables and lengths must be integer; got {block_tables.dtype=} {jnp.asarray(lengths).dtype=}")
+    lengths_dtype = jnp.asarray(lengths).dtype
+    if not jnp.issubdtype(block_tables.dtype, jnp.integer) or not jnp.issubdtype(lengths_dtype, jnp.integer):
+        raise ValueError(f"block_tables and lengths must be integer; got {block_tables.dtype=} {lengths_dtype=}")
     if alibi_slopes is not None and jnp.shape(alibi_slopes) not in ((N,), (B, N)):
         raise ValueError(f"alibi_slopes.shape={jnp.shape(alibi_slopes)} must be [N]=({N},) or [B, N]=({B}, {N})")
 

@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 NEG_INF = float("-inf")
 
@@ -66,9 +67,11 @@ def _kernel(lengths_ref, tables_ref, q_ref, slopes_ref, k_ref, v_ref, acc_ref, m
     l_ref[...] = l
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "pages_per_split", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "pages_per_split", "interpret", "num_warps",
+                                             "num_stages"))
 def paged_attention_partials_gpu(q, k_pages, v_pages, block_tables, lengths, slopes, *, scale: float,
-                                 softcap: float | None, pages_per_split: int, interpret: bool = False):
+                                 softcap: float | None, pages_per_split: int, interpret: bool = False,
+                                 num_warps: int = 4, num_stages: int = 2):
     """Per-split partial results for ``q [B, K, G, H]`` (already grouped by kv head).
 
     ``slopes``: ``[B, K, G]`` fp32 or None. Returns ``acc [B, K, S, G, H]`` (unnormalised,
@@ -106,6 +109,7 @@ def paged_attention_partials_gpu(q, k_pages, v_pages, block_tables, lengths, slo
             jax.ShapeDtypeStruct((B, K, S, Gp), jnp.float32),
             jax.ShapeDtypeStruct((B, K, S, Gp), jnp.float32),
         ],
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_attention_gpu",
     )(lengths.astype(jnp.int32), block_tables.astype(jnp.int32), q, slopes, k_pages, v_pages)

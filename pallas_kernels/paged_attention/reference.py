@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 
 
@@ -35,11 +34,11 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *, sca
     M = block_tables.shape[1]
     G = N // K
     scale = 1.0 / math.sqrt(H) if scale is None else scale
-    k = gather_pages(k_pages, block_tables)  # [B, S, K, H]
-    v = gather_pages(v_pages, block_tables)
+    k = k_pages[:, block_tables]  # [K, B, M, L, H]: the pages of each sequence, in table order
+    v = v_pages[:, block_tables]
     S = M * L
-    s = jnp.einsum("BKGH,BSKH->BKGS", q.reshape(B, K, G, H), k,
-                   preferred_element_type=jnp.float32) * jnp.float32(scale)
+    s = jnp.einsum("BKGH,KBMLH->BKGML", q.reshape(B, K, G, H), k,
+                   preferred_element_type=jnp.float32).reshape(B, K, G, S) * jnp.float32(scale)
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     pos = jnp.arange(S, dtype=jnp.int32)
@@ -55,5 +54,6 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *, sca
     p = jnp.exp(s - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     w = p / jnp.where(denom == 0.0, 1.0, denom)
-    out = jnp.einsum("BKGS,BSKH->BKGH", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("BKGML,KBMLH->BKGH", w.reshape(B, K, G, M, L).astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
     return out.reshape(B, N, H).astype(q.dtype)

@@ -135,3 +135,9 @@ def test_alibi_model_through_the_interpreted_gpu_kernel(llama):
                                                 for p, n in zip(PROMPTS[:4], MAX_NEW)],
                         **GEOMETRY, backend="gpu", interpret=True)
     assert [r.tokens for r in results] == want
+
+
+def test_step_width_buckets(llama):
+    cfg, graphdef, state = llama
+    e = eng.Engine(graphdef, state, cfg, num_pages=4, page_size=4, chunk_size=64)
+    assert [e._width(n) for n in (1, 2, 8, 9, 16, 17, 33, 64)] == [1, 8, 8, 16, 16, 32, 64, 64]

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer.decode import generate as gen
+from jaxformer.decode.generate import TRACE_COUNTS, generate
 from jaxformer.decode.kv_cache import KVCache, init_caches, set_lengths
 from jaxformer.model import apply, init, presets
 from jaxformer.ops.attention import xla_attention
@@ -63,13 +63,13 @@ def test_teacher_forced_cached_logits_equal_full_forward(preset, llama):
 def test_generate_greedy_equals_full_recompute_and_never_retraces(llama):
     cfg, graphdef, state = llama
     prompts = [[5, 6, 7], [9] * 11, [1, 2, 3, 4, 5, 6, 7, 8]]
-    before = dict(gen.TRACE_COUNTS)
-    out = gen.generate(graphdef, state, cfg, prompts, max_new_tokens=6)
-    traced = {k: v - before.get(k, 0) for k, v in gen.TRACE_COUNTS.items()}
+    before = dict(TRACE_COUNTS)
+    out = generate(graphdef, state, cfg, prompts, max_new_tokens=6)
+    traced = {k: v - before.get(k, 0) for k, v in TRACE_COUNTS.items()}
     assert traced == {"prefill": 1, "decode": 1}, traced  # 5 decode steps, one trace
     # new prompts of the same padded shape: no new trace at all
-    gen.generate(graphdef, state, cfg, [[1], [2] * 9, [3] * 12], max_new_tokens=6)
-    assert gen.TRACE_COUNTS["decode"] == before.get("decode", 0) + 1
+    generate(graphdef, state, cfg, [[1], [2] * 9, [3] * 12], max_new_tokens=6)
+    assert TRACE_COUNTS["decode"] == before.get("decode", 0) + 1
     # causal model: right padding to a fixed width leaves the logits at len(seq)-1 unchanged
     full = jax.jit(lambda t: apply(graphdef, state, t))
     for p, o in zip(prompts, out):
@@ -82,15 +82,15 @@ def test_generate_greedy_equals_full_recompute_and_never_retraces(llama):
 
 def test_generate_stop_tokens_context_limit_and_per_request_sampling(llama):
     cfg, graphdef, state = llama
-    greedy = gen.generate(graphdef, state, cfg, [[3, 4, 5]], max_new_tokens=8)[0]
+    greedy = generate(graphdef, state, cfg, [[3, 4, 5]], max_new_tokens=8)[0]
     stop = greedy[3]
-    out = gen.generate(graphdef, state, cfg, [[3, 4, 5]], max_new_tokens=8, stop_tokens=[stop])[0]
+    out = generate(graphdef, state, cfg, [[3, 4, 5]], max_new_tokens=8, stop_tokens=[stop])[0]
     assert out == greedy[: greedy.index(stop) + 1]
     # 38 prompt tokens in a 40-token context: 3 new tokens at most (the last is never fed back)
-    assert len(gen.generate(graphdef, state, cfg, [[1] * 38], max_new_tokens=8)[0]) == 3
+    assert len(generate(graphdef, state, cfg, [[1] * 38], max_new_tokens=8)[0]) == 3
     # same seed: same sample alone or in a batch beside a greedy request
-    alone = gen.generate(graphdef, state, cfg, [[7, 8]], max_new_tokens=8, temperature=1.5, seed=3)[0]
-    both = gen.generate(graphdef, state, cfg, [[3, 4, 5], [7, 8]], max_new_tokens=8, temperature=[0.0, 1.5],
+    alone = generate(graphdef, state, cfg, [[7, 8]], max_new_tokens=8, temperature=1.5, seed=3)[0]
+    both = generate(graphdef, state, cfg, [[3, 4, 5], [7, 8]], max_new_tokens=8, temperature=[0.0, 1.5],
                         seed=[0, 3])
     assert both == [greedy, alone]
 
@@ -98,15 +98,15 @@ def test_generate_stop_tokens_context_limit_and_per_request_sampling(llama):
 def test_generate_bad_inputs(llama):
     cfg, graphdef, state = llama
     with pytest.raises(ValueError, match="empty prompt"):
-        gen.generate(graphdef, state, cfg, [[1], []])
+        generate(graphdef, state, cfg, [[1], []])
     with pytest.raises(ValueError, match="longer than the model's context"):
-        gen.generate(graphdef, state, cfg, [[1] * 41])
+        generate(graphdef, state, cfg, [[1] * 41])
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        gen.generate(graphdef, state, cfg, [[1, 256]])
+        generate(graphdef, state, cfg, [[1, 256]])
     with pytest.raises(ValueError, match="top_p"):
-        gen.generate(graphdef, state, cfg, [[1]], top_p=0.0)
+        generate(graphdef, state, cfg, [[1]], top_p=0.0)
     with pytest.raises(ValueError, match="temperature has 1 values for 2 prompts"):
-        gen.generate(graphdef, state, cfg, [[1], [2]], temperature=[1.0])
+        generate(graphdef, state, cfg, [[1], [2]], temperature=[1.0])
     with pytest.raises(ValueError, match="decoder-only"):
         init_caches(presets.get("vaswani_tiny"), 1, 8)
 

@@ -205,3 +205,35 @@ def test_bad_mask_and_impl():
         dot_product_attention(q, k, v, alibi_slopes=np.ones(3))
     with pytest.raises(ValueError, match=r"bias.shape=\(3, 3\)"):
         dot_product_attention(q, k, v, bias=np.ones((3, 3)))
+
+
+def test_per_head_random_blocks_mask_each_head():
+    """xla_attention reads MaskSpec.dense_heads: with per-head random blocks each head has its own mask."""
+    from jaxformer.ops.masks import RandomBlocks
+    B, T, N, K, H = 1, 12, 4, 2, 8
+    q, k, v = rand((B, T, N, H), 0), rand((B, T, K, H), 1), rand((B, T, K, H), 2)
+    mask = MaskSpec(window=(1, 1), global_tokens=[5], random_blocks=RandomBlocks(1, 3, seed=2, num_heads=N))
+    allowed = np.asarray(mask.dense_heads(T, T))  # [1, N, T, S]
+    assert not (allowed[:, :1] == allowed).all(), "heads differ"
+    want = np.concatenate([numpy_attention(q[:, :, n:n + 1], k[:, :, n // 2:n // 2 + 1], v[:, :, n // 2:n // 2 + 1],
+                                           allowed[:, n]) for n in range(N)], axis=2)
+    np.testing.assert_allclose(dot_product_attention(q, k, v, mask=mask, impl="xla"), want, **TOL)
+
+
+@pytest.mark.parametrize("impl, module", [("blockwise", "jaxformer.ops.blockwise"), ("pallas", "jaxformer.ops.flash")])
+def test_paths_that_ignore_patterns_refuse_them(impl, module):
+    if getattr(pytest.importorskip(module), "SUPPORTS_MASK_PATTERNS", False):
+        pytest.skip(f"{module} handles global tokens and random blocks")
+    q = k = v = jnp.zeros((1, 8, 2, 8))
+    with pytest.raises(ValueError, match=f"impl='{impl}' does not handle MaskSpec.global_tokens"):
+        dot_product_attention(q, k, v, mask=MaskSpec(window=(2, 2), global_tokens=[0]), impl=impl)
+
+
+def test_auto_picks_sparse_for_long_patterned_masks():
+    from jaxformer.ops.attention import default_impl
+    from jaxformer.ops.masks import RandomBlocks
+    assert default_impl(4096, 4096, MaskSpec(window=(2, 2), global_tokens=[0])) == "sparse"
+    assert default_impl(64, 64, MaskSpec(window=(1, 1), random_blocks=RandomBlocks(1, 4))) == "xla"
+    q = k = v = jnp.zeros((1, 8, 2, 8))
+    with pytest.raises(ValueError, match=r"num_heads=3 does not match the query heads N=2"):
+        dot_product_attention(q, k, v, mask=MaskSpec(random_blocks=RandomBlocks(1, 4, num_heads=3)))

@@ -142,7 +142,7 @@ def test_reference_matches_xla_attention(T, S, K, G, causal, window, offset, use
     rng = np.random.default_rng(seed)
     q, k, v, do = (rng.standard_normal(sh, np.float32) for sh in ((B, T, N, H), (B, S, K, H), (B, S, K, H),
                                                                    (B, T, N, H)))
-    seg = (jnp.asarray(rng.integers(0, 2, (B, T))), jnp.asarray(rng.integers(0, 2, (B, S)))) if use_seg else (None, None)
+    seg = (rng.integers(0, 2, (B, T)), rng.integers(0, 2, (B, S))) if use_seg else (None, None)
     lengths = jnp.asarray(rng.integers(0, S + 1, (B,))) if use_len else None
     slopes = jnp.asarray(rng.uniform(0.1, 1.0, (N,)), jnp.float32) if use_alibi else None
     spec = MaskSpec(causal=causal, window=window, q_offset=offset, q_segment_ids=seg[0], kv_segment_ids=seg[1],

@@ -64,6 +64,8 @@ class FlashGpuBase:
     def _needs_device(self):
         if not self.INTERPRET and jax.default_backend() != "gpu":
             pytest.skip(f"compiled Triton kernels need a GPU; jax.default_backend()={jax.default_backend()!r}")
+        with jax.default_matmul_precision("highest"):  # the dense oracles must not use TF32 on a GPU
+            yield
 
     def run(self, shape, kw=None, *, dtype=jnp.float32, block_sizes=SMALL, seed=0):
         """Kernel vs both oracles, forward and (dq, dk, dv); returns the kernel's (o, grads)."""

@@ -167,3 +167,33 @@ def test_auto_backend_on_cpu_is_reference_and_scale_default():
     want = paged_attention_reference(q, kp, vp, tables, lengths, scale=1 / math.sqrt(q.shape[-1]))
     if jax.default_backend() == "cpu":
         np.testing.assert_array_equal(got, want)
+
+
+def _lowering_args(G=4, H=128):
+    B, K, L, P, M = 4, 2, 16, 64, 8
+    z = jnp.zeros
+    return (z((B, K, G, H), jnp.bfloat16), z((K, P, L, H), jnp.bfloat16), z((K, P, L, H), jnp.bfloat16),
+            z((B, M), jnp.int32), z(B, jnp.int32), z((B, K, G), jnp.float32))
+
+
+def test_gpu_kernel_lowers_through_pallas_triton():
+    """Interpret mode skips Triton's constraints (power-of-two tiles, dot shapes); lowering checks them."""
+    from pallas_kernels.paged_attention.gpu import paged_attention_partials_gpu
+
+    low = paged_attention_partials_gpu.trace(*_lowering_args(), scale=0.1, softcap=30.0,
+                                             pages_per_split=4).lower(lowering_platforms=("cuda",))
+    assert "paged_attention_gpu" in low.as_text()
+
+
+def test_tpu_kernel_lowers_through_mosaic(monkeypatch):
+    from pallas_kernels.paged_attention.tpu import paged_attention_partials_tpu
+
+    tpu_info = pytest.importorskip("jax._src.pallas.mosaic.tpu_info")
+    if not hasattr(tpu_info, "get_device_kind"):
+        pytest.skip("this jax has no tpu_info.get_device_kind to stand in for a TPU")
+    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
+    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+    for G, H in ((4, 128), (1, 64)):
+        low = paged_attention_partials_tpu.trace(*_lowering_args(G, H), scale=0.1, softcap=None,
+                                                 pages_per_split=4).lower(lowering_platforms=("tpu",))
+        assert "paged_attention_tpu" in low.as_text()

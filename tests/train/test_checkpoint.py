@@ -72,11 +72,11 @@ def test_checkpoint_of_another_config_is_refused_not_discarded(corpus, tmp_path)
 
 def test_restore_onto_a_different_mesh(corpus, tmp_path):
     run = tmp_path / "run"
-    cfg = _cfg(corpus, steps=2, model={"d_model": 64})
+    cfg = _cfg(corpus, steps=2)
     train(cfg, run)
     one = make_trainer(cfg, S.make_mesh(C.MeshConfig(data=1)))
     s1, _ = Checkpointer(run / "checkpoints", read_only=True).restore_latest(one.abstract_state, one.state_shardings)
-    cfg8 = _cfg(corpus, steps=2, model={"d_model": 64}, mesh={"data": 2, "fsdp": 2, "tensor": 2})
+    cfg8 = _cfg(corpus, steps=2, mesh={"data": 2, "fsdp": 2, "tensor": 2})
     eight = make_trainer(cfg8, S.make_mesh(cfg8.mesh))
     s8, meta = Checkpointer(run / "checkpoints", read_only=True).restore_latest(
         eight.abstract_state, eight.state_shardings)

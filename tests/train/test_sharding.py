@@ -37,10 +37,10 @@ def setup(tmp_path_factory):
     return cfg, batches
 
 
-def _losses(cfg, batches, mesh_cfg, devices=None):
+def _losses(cfg, batches, mesh_cfg, devices=None, init=None):
     mesh = S.make_mesh(mesh_cfg, devices)
     tr = make_trainer(cfg, mesh)
-    state = tr.init_state()
+    state = tr.init_state() if init is None else jax.device_put(init, tr.state_shardings)
     losses = []
     for b in batches:
         state, m = tr.train_step(state, S.put_batch(b, mesh))
@@ -51,9 +51,12 @@ def _losses(cfg, batches, mesh_cfg, devices=None):
 def test_meshes_match_one_device(setup):
     cfg, batches = setup
     assert jax.device_count() == 8
-    ref, _, _ = _losses(cfg, batches, C.MeshConfig(data=1), jax.devices()[:1])
+    one = make_trainer(cfg, S.make_mesh(C.MeshConfig(data=1), jax.devices()[:1]))
+    init = jax.device_get(one.init_state())
+    ref, _, _ = _losses(cfg, batches, C.MeshConfig(data=1), jax.devices()[:1], init=init)
     for shape in [(8, 1, 1), (2, 4, 1), (2, 2, 2)]:
-        got, state, mesh = _losses(cfg, batches, C.MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2]))
+        got, state, mesh = _losses(cfg, batches, C.MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2]),
+                                   init=init)
         # fp32 reductions split across devices: equal to 1e-5 relative for 4 steps
         np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=f"mesh {shape}")
         specs = {k: v.sharding.spec for k, v in (
@@ -62,6 +65,10 @@ def test_meshes_match_one_device(setup):
             ("embed", state["params"]["embed"]["embedding"]))}
         mu = state["opt_state"][1][0].mu["decoder"]["blocks"][0]["mlp"]["w_up"]
         if shape == (2, 2, 2):
+            # the sharded initialisation draws the same parameters as one device
+            again = make_trainer(cfg, mesh).init_state(0)
+            for x, y in zip(jax.tree.leaves(init), jax.tree.leaves(again)):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(jax.device_get(y)))
             assert specs == {"w_q": P("fsdp", "tensor", None), "w_up": P("fsdp", "tensor"),
                              "embed": P("tensor", "fsdp")}
             assert mu.sharding.spec == P("fsdp", "tensor")  # optimiser state sharded like the params

@@ -1,0 +1,165 @@
+"""sparse_attention (Longformer / BigBird block-sparse path) against dense xla_attention under the same MaskSpec."""
+
+import math
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jaxformer.ops import MaskSpec, dot_product_attention, xla_attention
+from jaxformer.ops.masks import RandomBlocks
+from jaxformer.ops.sparse import sparse_attention
+
+# fp32 on both sides, only the summation order differs: errors ~1e-6.
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def rand(shape, seed):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def out_and_grads(fn, q, k, v, ct, **kw):
+    """One jitted call: the output and d<out, ct>/d(q, k, v)."""
+    def run(q, k, v, ct):
+        out, pull = jax.vjp(lambda q, k, v: fn(q, k, v, **kw), q, k, v)
+        return out, pull(ct)
+    return jax.jit(run)(q, k, v, ct)
+
+
+def assert_matches_dense(q, k, v, mask, block_size=None, **kw):
+    ct = rand(q.shape, 99)
+    want, want_g = out_and_grads(xla_attention, q, k, v, ct, mask=mask, **kw)
+    got, got_g = out_and_grads(sparse_attention, q, k, v, ct, mask=mask, block_size=block_size, **kw)
+    np.testing.assert_allclose(got, want, **TOL)
+    for name, g, w in zip("qkv", got_g, want_g):
+        np.testing.assert_allclose(g, w, **TOL, err_msg=f"d{name}")
+
+
+@given(
+    B=st.integers(1, 2), T=st.integers(1, 37), S=st.integers(1, 37), K=st.sampled_from([1, 2]),
+    G=st.sampled_from([1, 2]), block=st.sampled_from([4, 8]), causal=st.booleans(),
+    left=st.integers(0, 9), right=st.one_of(st.none(), st.integers(0, 9)),
+    globals_kind=st.sampled_from(["none", "shared", "per_batch"]),
+    random_kind=st.sampled_from(["none", "shared", "per_head"]), random_block=st.sampled_from([4, 8, 5]),
+    num_random=st.integers(0, 3), use_len=st.booleans(), use_seg=st.booleans(),
+    offset=st.one_of(st.none(), st.integers(0, 6)), use_alibi=st.booleans(),
+    softcap=st.sampled_from([None, 4.0]), seed=st.integers(0, 2**16),
+)
+def test_matches_dense_forward_and_gradients(B, T, S, K, G, block, causal, left, right, globals_kind,
+                                             random_kind, random_block, num_random, use_len, use_seg,
+                                             offset, use_alibi, softcap, seed):
+    """Window sizes, global positions, random seeds, ragged lengths, T != S, GQA, against dense attention."""
+    rng = np.random.default_rng(seed)
+    N = K * G
+    glob = {"none": None,
+            "shared": rng.integers(0, max(S, T) + 3, (int(rng.integers(1, 4)),)),
+            "per_batch": rng.integers(-1, max(S, T) + 3, (B, int(rng.integers(1, 4))))}[globals_kind]
+    rblocks = None if random_kind == "none" else RandomBlocks(
+        num_random, random_block, seed=int(rng.integers(0, 1000)), num_heads=N if random_kind == "per_head" else None)
+    mask = MaskSpec(
+        causal=causal, window=(left, right), global_tokens=glob, random_blocks=rblocks, q_offset=offset,
+        kv_lengths=rng.integers(0, S + 1, (B,)) if use_len else None,
+        q_segment_ids=rng.integers(0, 2, (B, T)) if use_seg else None,
+        kv_segment_ids=rng.integers(0, 2, (B, S)) if use_seg else None,
+    )
+    q, k, v = rand((B, T, N, 8), seed), rand((B, S, K, 8), seed + 1), rand((B, S, K, 8), seed + 2)
+    slopes = rng.uniform(0.05, 1.0, (N,)).astype(np.float32) if use_alibi else None
+    assert_matches_dense(q, k, v, mask, block_size=block, alibi_slopes=slopes, softcap=softcap)
+
+
+def test_longformer_and_bigbird_ragged_batch():
+    """The two named patterns on a batch whose sequences have different lengths (kv_lengths), GQA, T % block != 0."""
+    B, T, N, K, H = 3, 45, 4, 2, 8
+    q, k, v = rand((B, T, N, H), 0), rand((B, T, K, H), 1), rand((B, T, K, H), 2)
+    lengths = np.array([45, 30, 7])
+    longformer = MaskSpec(window=(6, 6), global_tokens=[0, 20], kv_lengths=lengths)
+    bigbird = MaskSpec(window=(8, 8), global_tokens=[0], kv_lengths=lengths,
+                       random_blocks=RandomBlocks(num_blocks=2, block_size=8, seed=3, num_heads=N))
+    assert_matches_dense(q, k, v, longformer, block_size=8)
+    assert_matches_dense(q, k, v, bigbird)  # block size from random_blocks
+
+
+def test_dispatch_and_bf16():
+    q, k, v = (rand(s, i) for i, s in enumerate([(2, 40, 4, 16), (2, 40, 2, 16), (2, 40, 2, 16)]))
+    mask = MaskSpec(window=(5, 3), global_tokens=[[1, 33], [7, -1]],
+                    random_blocks=RandomBlocks(num_blocks=1, block_size=8, seed=1))
+
+    @jax.jit
+    def run(q, k, v):
+        low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+        return (xla_attention(q, k, v, mask=mask), dot_product_attention(q, k, v, mask=mask, impl="sparse"),
+                sparse_attention(*low, mask=mask))
+
+    want, got, low = run(q, k, v)
+    np.testing.assert_allclose(got, want, **TOL)
+    assert low.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(low, np.float32), want, atol=5e-2)  # bf16 inputs: ~2^-8 relative
+
+
+def test_fully_masked_rows_are_zero_with_finite_gradients():
+    q, k, v = rand((2, 12, 2, 8), 0), rand((2, 12, 2, 8), 1), rand((2, 12, 2, 8), 2)
+    mask = MaskSpec(window=(2, 2), global_tokens=[3], kv_lengths=np.array([0, 12]))  # sequence 0: no keys
+    out, grads = out_and_grads(sparse_attention, q, k, v, jnp.ones_like(q), mask=mask, block_size=4)
+    assert np.all(np.asarray(out[0]) == 0)
+    for g in grads:
+        assert np.isfinite(np.asarray(g)).all()
+    assert np.all(np.asarray(grads[0][0]) == 0)
+
+
+def _largest_intermediate(fn, *args) -> int:
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    sizes = []
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            sizes.extend(math.prod(getattr(o.aval, "shape", ())) for o in eqn.outvars)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return max(sizes)
+
+
+def test_no_t_by_s_intermediate_forward_or_backward():
+    """Every array in the forward+backward program is O(T*w), far below T*S."""
+    T = S = 1024
+    q, k, v = rand((1, T, 1, 8), 0), rand((1, S, 1, 8), 1), rand((1, S, 1, 8), 2)
+    mask = MaskSpec(window=(16, 16), global_tokens=[0, 500], random_blocks=RandomBlocks(2, 16, seed=0))
+    loss = lambda q, k, v: jnp.sum(sparse_attention(q, k, v, mask=mask, block_size=16) ** 2)
+    biggest = _largest_intermediate(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    # per q block: 3 band + 2 global-column + 2 random blocks of 16 -> w*b <= 7*16 keys per query
+    assert biggest <= T * 7 * 16, biggest
+    assert biggest * 8 < T * S
+
+
+def test_block_lists_are_narrow():
+    from jaxformer.ops.masks import kv_block_lists
+    mask = MaskSpec(window=(64, 64), global_tokens=[0, 1])
+    live = mask.block_map(4096, 4096, 64, 64, per_head=True, global_rows=False)
+    idx, count = kv_block_lists(live, sentinel=64)
+    assert idx.shape == (1, 64, 4)  # 3 band blocks + the globals' block 0
+    assert count.min() >= 2 and (idx[0, 10] == [0, 9, 10, 11]).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(mask=MaskSpec(causal=True, q_offset=np.array([0, 1]))), r"static q_offset"),
+    (dict(mask=MaskSpec(window=(2, 2)), block_size=0), r"block_size=0"),
+    (dict(mask=MaskSpec(window=(2, 2)), block_size=2.5), r"block_size=2.5"),
+    (dict(mask=MaskSpec(window=(2, 2), random_blocks=RandomBlocks(1, 4, num_heads=3))), r"num_heads=3.*N=4"),
+    (dict(mask=MaskSpec(window=(2, 2), global_tokens=[[0], [1], [2]])), r"global_tokens.shape=\(3, 1\).*B=2"),
+    (dict(mask=np.ones((8, 8), bool)), r"mask must be a MaskSpec"),
+    (dict(mask=MaskSpec(), softcap=-1.0), r"softcap=-1.0"),
+])
+def test_bad_input(kwargs, match):
+    q, k, v = jnp.zeros((2, 8, 4, 8)), jnp.zeros((2, 8, 2, 8)), jnp.zeros((2, 8, 2, 8))
+    with pytest.raises(ValueError, match=match):
+        sparse_attention(q, k, v, **kwargs)
+
+
+def test_bad_shapes():
+    with pytest.raises(ValueError, match="heads 3 not divisible by kv heads 2"):
+        sparse_attention(jnp.zeros((1, 4, 3, 8)), jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 2, 8)))
