@@ -227,7 +227,9 @@ def main(argv=None) -> int:
     ap.add_argument("--write", action="store_true", help="write experiments/results/decode_{cpu,gpu}.md")
     args = ap.parse_args(argv)
     command = "python experiments/bench/decode.py" + (" --write" if args.write else "")
-    out = [f"# Decode benchmark ({jax.default_backend()}, jax {jax.__version__})", "", f"Command: `{command}`", ""]
+    out = [f"# Decode benchmark ({jax.default_backend()}, jax {jax.__version__})", "", f"Command: `{command}`", "",
+           f"Machine: {os.cpu_count()} CPU cores shared with other jobs (load average {os.getloadavg()[0]:.1f} "
+           "at start); every ratio is measured side by side in one run, timings alternate.", ""]
 
     rows, s = bench_memory()
     out += ["## (a) KV memory: paged vs contiguous", "",

@@ -21,7 +21,7 @@ class LayerNorm(nnx.Module):
 
     def __call__(self, x):
         bias = None if self.bias is None else self.bias[...]
-        return layer_norm(x, self.scale[...], bias, eps=self.eps).astype(x.dtype)
+        return layer_norm(x, self.scale[...], bias, eps=self.eps)
 
 
 class RMSNorm(nnx.Module):
@@ -32,7 +32,7 @@ class RMSNorm(nnx.Module):
         self.scale = param(rngs, ones, (dim,), ("embed",), param_dtype)
 
     def __call__(self, x):
-        return rms_norm(x, self.scale[...], eps=self.eps).astype(x.dtype)
+        return rms_norm(x, self.scale[...], eps=self.eps)
 
 
 def make_norm(kind: str, dim: int, *, eps: float, use_bias: bool, param_dtype, rngs: nnx.Rngs):

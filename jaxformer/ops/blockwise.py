@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.ops.attention import _check_slopes, check_qkv
+from jaxformer.ops.attention import check_qkv, check_slopes
 from jaxformer.ops.masks import MaskSpec
 
 _F32 = jnp.float32
@@ -66,12 +66,7 @@ def _pad(x, axis: int, size: int):
 def _mask_operands(mask: MaskSpec, cfg: _Cfg):
     """Padded per-position operands: q positions ``[B|1, Tp]``, segment ids, lengths."""
     Tp = cfg.nq * cfg.bq
-    offset = mask.static_offset(cfg.T, cfg.S)
-    if offset is None:
-        off = jnp.asarray(mask.q_offset, jnp.int32).reshape(-1, 1)
-    else:
-        off = jnp.full((1, 1), offset, jnp.int32)
-    qpos = off + jnp.arange(Tp, dtype=jnp.int32)[None, :]
+    qpos = mask.q_positions(cfg.T, cfg.S)[:, :1] + jnp.arange(Tp, dtype=jnp.int32)[None, :]
     kv_seg = mask.resolved_kv_segment_ids(cfg.T, cfg.S)
     if kv_seg is not None and mask.q_segment_ids is None:
         raise ValueError("MaskSpec: kv_segment_ids given without q_segment_ids")
@@ -261,7 +256,10 @@ def blockwise_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float |
     mask = MaskSpec() if mask is None else mask
     if not isinstance(mask, MaskSpec):
         raise ValueError(f"mask must be a MaskSpec, got {type(mask).__name__}")
-    mask.validate(B, T, S)
+    mask.validate(B, T, S, N)
+    if mask.has_pattern:
+        raise ValueError("blockwise_attention does not handle MaskSpec.global_tokens / random_blocks; "
+                         "use jaxformer.ops.sparse.sparse_attention or xla_attention")
     for name, b in (("block_k", block_k), ("block_q", block_q)):
         if b is not None and (isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b <= 0):
             raise ValueError(f"{name}={b!r} must be a positive int")
@@ -275,7 +273,7 @@ def blockwise_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float |
         kv_hi = tuple(int(x) for x in np.where(any_live, live.shape[1] - live[:, ::-1].argmax(axis=1), 0))
     cfg = _Cfg(T=T, S=S, bq=bq, bk=bk, scale=float(1.0 / math.sqrt(H) if scale is None else scale),
                softcap=None if softcap is None else float(softcap), kv_lo=kv_lo, kv_hi=kv_hi)
-    slopes = _check_slopes(alibi_slopes, B, N)
+    slopes = check_slopes(alibi_slopes, B, N)
     if slopes is not None:
         slopes = slopes.reshape(slopes.shape[0], K, N // K)
     mask_leaves, mask_def = jax.tree_util.tree_flatten(mask)

@@ -21,7 +21,10 @@ def pallas_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float | No
     """Attention ``q [B,T,N,H], k, v [B,S,K,H] -> [B,T,N,H]`` through the flash kernels (see module docstring)."""
     B, T, S, N, K, H = check_qkv(q, k, v)
     mask = MaskSpec() if mask is None else mask
-    mask.validate(B, T, S)
+    mask.validate(B, T, S, N)
+    if mask.has_pattern:
+        raise ValueError("pallas_attention does not handle MaskSpec.global_tokens / random_blocks; "
+                         "use jaxformer.ops.sparse.sparse_attention or xla_attention")
     if not mask.has_static_offset:
         from jaxformer.ops.blockwise import blockwise_attention
         return blockwise_attention(q, k, v, mask=mask, scale=scale, alibi_slopes=alibi_slopes, softcap=softcap)

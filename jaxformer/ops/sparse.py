@@ -15,7 +15,7 @@ the same :class:`MaskSpec`; only the work differs.
 3. Global query rows (a query that sees every key) would make their block dense,
    so queries global in every sequence are left out of the plan; every global
    query row is computed over all ``S`` keys (``O(g·S)``) and written over the
-   blocked result.
+   blocked result (:func:`global_query_rows`, reusable by other block-sparse paths).
 
 No ``[T, S]`` matrix exists; peak memory is ``O(B·N·T·w·b + B·N·g·S)``.
 Gradients come from autodiff: the gathers transpose to scatter-adds the size
@@ -63,7 +63,7 @@ def sparse_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float | No
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap={softcap!r} must be positive or None")
     bs = int(block_size)
-    scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(H) if scale is None else scale
     slopes = check_slopes(alibi_slopes, B, N)
 
     live = mask.block_map(T, S, bs, bs, per_head=True, global_rows=False)
@@ -75,7 +75,7 @@ def sparse_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float | No
 
 
 def _logits(s, scale, softcap):
-    s = s * jnp.float32(scale)
+    s = s * jnp.asarray(scale, jnp.float32)
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     return s
@@ -188,8 +188,26 @@ def _random_allowed(mask: MaskSpec, qpos_np, kpos_np, idx, bs: int, S: int):
     return table[jnp.asarray(heads), jnp.asarray(rq, jnp.int32), jnp.asarray(rk, jnp.int32)]
 
 
+def global_query_rows(out, q, k, v, *, mask: MaskSpec, scale: float | None = None, alibi_slopes=None,
+                      softcap: float | None = None):
+    """Write over ``out [B,T,N,H]`` the rows of ``mask``'s global queries, each attending to all keys (O(g·S)).
+
+    For block-sparse paths that leave global query rows out of their block lists
+    (``block_map(..., global_rows=False)``). Needs a static ``q_offset``.
+    """
+    B, T, S, N, K, H = check_qkv(q, k, v)
+    offset = mask.static_offset(T, S)
+    if offset is None:
+        raise ValueError("global_query_rows needs a static q_offset (a Python int or None)")
+    if out.shape != q.shape:
+        raise ValueError(f"out.shape={out.shape} must equal q.shape={q.shape}")
+    if mask.global_tokens is None or not mask.patterns_active:
+        return out
+    scale = 1.0 / math.sqrt(H) if scale is None else scale
+    return _global_rows(out, q, k, v, mask, check_slopes(alibi_slopes, B, N), offset, scale, softcap)
+
+
 def _global_rows(out, q, k, v, mask: MaskSpec, slopes, offset: int, scale, softcap):
-    """Recompute the rows of global queries over all keys and write them over ``out``."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K

@@ -13,10 +13,10 @@ length ``S`` (padding added by the wrappers is never attended).
 A row with no allowed key has output 0 and stores ``lse = EMPTY_ROW_LSE``
 (``+inf``), so ``exp(s - lse) == 0`` in the backward pass and its gradients are 0.
 
-Block liveness (:func:`block_live`, :func:`kv_block_range`,
-:func:`q_block_range`) is computed from the static fields only, with the same
-math as ``jaxformer.ops.masks.MaskSpec.block_map`` (this package may not
-import jaxformer; the tests compare the two).
+Block liveness (:func:`kv_block_range`, :func:`q_block_range`) is computed
+from the static fields only, with the same meaning as
+``jaxformer.ops.masks.MaskSpec.block_map`` (this package may not import
+jaxformer; the tests compare the two).
 """
 
 from __future__ import annotations
@@ -40,6 +40,19 @@ def _is_pow2(x: int) -> bool:
 
 def next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def pad_axis(x, axis: int, size: int):
+    """Zero-pad ``x`` along ``axis`` up to ``size`` (None passes through)."""
+    if x is None or x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
 
 
 # --------------------------------------------------------------------------- block sizes
@@ -266,27 +279,6 @@ def finalize_lse(m, l):
 # --------------------------------------------------------------------------- block liveness
 
 
-def block_live(T: int, S: int, bq: int, bk: int, causal: bool, window, q_offset: int | None) -> np.ndarray:
-    """Static bool ``[ceil(T/bq), ceil(S/bk)]``: False where the block is certainly fully masked."""
-    offset = S - T if q_offset is None else int(q_offset)
-    window = check_window(window)
-    nq, nk = -(-T // bq), -(-S // bk)
-    q_lo = np.arange(nq)[:, None] * bq + offset
-    q_hi = np.minimum(np.arange(nq)[:, None] * bq + bq, T) - 1 + offset
-    k_lo = np.arange(nk)[None, :] * bk
-    k_hi = np.minimum(np.arange(nk)[None, :] * bk + bk, S) - 1
-    live = np.ones((nq, nk), bool)
-    if causal:
-        live &= k_lo <= q_hi
-    if window is not None:
-        left, right = window
-        if left is not None:
-            live &= k_hi >= q_lo - left
-        if right is not None:
-            live &= k_lo <= q_hi + right
-    return live
-
-
 def _div(a, b: int):
     """Floor division of a non-negative int (Python or traced int32) by a positive Python int."""
     if isinstance(a, (int, np.integer)):
@@ -315,7 +307,7 @@ def _where(c, a, b):
 def kv_block_range(params: MaskParams, qi, bq: int, bk: int):
     """Live kv blocks of q block ``qi`` as ``[lo, hi)`` (``lo >= hi``: none). ``qi`` int or traced int32.
 
-    Equal to the True run of ``block_live(...)[qi]`` (live blocks form one run).
+    Equal to the True run of row ``qi`` of ``MaskSpec.block_map`` (live blocks form one run).
     """
     T, S, off = params.q_len, params.kv_len, params.q_offset
     nk = -(-S // bk)

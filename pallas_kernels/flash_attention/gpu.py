@@ -348,32 +348,20 @@ def _dkv_call(q, k, v, do, lse, delta, aux: Aux, st: _Static):
 # --------------------------------------------------------------------------- wrapper + custom_vjp
 
 
-def _pad_to(x, axis: int, size: int):
-    if x is None or x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 def _padded_sizes(st: _Static) -> tuple[int, int, int]:
     b = st.blocks
-    Tp = _round_up(st.params.q_len, max(b.block_q, b.block_q_dq, b.block_q_dkv))
-    Sp = _round_up(st.params.kv_len, max(b.block_k, b.block_k_dq, b.block_k_dkv))
+    Tp = common.round_up(st.params.q_len, max(b.block_q, b.block_q_dq, b.block_q_dkv))
+    Sp = common.round_up(st.params.kv_len, max(b.block_k, b.block_k_dq, b.block_k_dkv))
     Hp = max(MIN_BLOCK, common.next_pow2(st.H))
     return Tp, Sp, Hp
 
 
 def _pad_all(q, k, v, aux: Aux, st: _Static):
     Tp, Sp, Hp = _padded_sizes(st)
-    q = _pad_to(_pad_to(q, 1, Tp), 3, Hp)
-    k = _pad_to(_pad_to(k, 1, Sp), 3, Hp)
-    v = _pad_to(_pad_to(v, 1, Sp), 3, Hp)
-    aux = aux._replace(q_seg=_pad_to(aux.q_seg, 1, Tp), kv_seg=_pad_to(aux.kv_seg, 1, Sp))
+    q = common.pad_axis(common.pad_axis(q, 1, Tp), 3, Hp)
+    k = common.pad_axis(common.pad_axis(k, 1, Sp), 3, Hp)
+    v = common.pad_axis(common.pad_axis(v, 1, Sp), 3, Hp)
+    aux = aux._replace(q_seg=common.pad_axis(aux.q_seg, 1, Tp), kv_seg=common.pad_axis(aux.kv_seg, 1, Sp))
     return q, k, v, aux
 
 
@@ -397,9 +385,12 @@ def _flash_bwd(st, res, do):
     q, k, v, aux, o, lse = res
     T, S, H = q.shape[1], k.shape[1], q.shape[3]
     Tp, _, Hp = _padded_sizes(st)
+    # Padding rows see keys the forward pass never visited; an infinite lse makes their p exactly 0
+    # (a finite one can overflow exp(s - lse) to inf, and inf * 0 = NaN in dk, dv).
+    lse = jnp.where(jax.lax.broadcasted_iota(jnp.int32, lse.shape, 2) < T, lse, common.EMPTY_ROW_LSE)
     delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(_F32), o.astype(_F32))
-    delta = _pad_to(delta, 2, Tp)
-    do = _pad_to(_pad_to(do.astype(q.dtype), 1, Tp), 3, Hp)
+    delta = common.pad_axis(delta, 2, Tp)
+    do = common.pad_axis(common.pad_axis(do.astype(q.dtype), 1, Tp), 3, Hp)
     qp, kp, vp, auxp = _pad_all(q, k, v, aux, st)
     dq = _dq_call(qp, kp, vp, do, lse, delta, auxp, st)
     dk, dv = _dkv_call(qp, kp, vp, do, lse, delta, auxp, st)

@@ -368,6 +368,10 @@ def _flash_fwd(st, q, k, v, qseg, kvseg, lens, slopes):
 
 def _flash_bwd(st, res, do):
     q, k, v, qseg, kvseg, lens, slopes, o, lse = res
+    # Padding rows see keys the forward pass never visited; an infinite lse makes their p exactly 0
+    # (a finite one can overflow exp(s - lse) to inf, and inf * 0 = NaN in dk, dv).
+    padding = jax.lax.broadcasted_iota(jnp.int32, lse.shape, 2) >= st.params.q_len
+    lse = jnp.where(padding, common.EMPTY_ROW_LSE, lse)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
     args = (q, k, v, do, lse, delta, qseg, kvseg, lens, slopes)
     dq = _backward_dq(st, *args)
@@ -387,14 +391,6 @@ def resolve_block_sizes(block_sizes: BlockSizes | None, T: int, S: int, H: int, 
     common.check_block_sizes(bs, pow2=True, minimum=MIN_BLOCK, multiple_of=MIN_BLOCK, H=H,
                              itemsize=itemsize, max_tile_bytes=MAX_TILE_BYTES)
     return bs.clipped(T, S, minimum=MIN_BLOCK)
-
-
-def _pad_axis(x, axis: int, size: int):
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
 
 
 def flash_attention_tpu(q, k, v, *, causal: bool = False, window=None, q_segment_ids=None,
@@ -417,19 +413,19 @@ def flash_attention_tpu(q, k, v, *, causal: bool = False, window=None, q_segment
                              scale=scale, softcap=softcap)
     bq_max = max(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)
     bk_max = max(blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv)
-    t_pad, s_pad = -(-T // bq_max) * bq_max, -(-S // bk_max) * bk_max
+    t_pad, s_pad = common.round_up(T, bq_max), common.round_up(S, bk_max)
     st = _Static(params=params, blocks=blocks, G=N // K, has_seg=q_segment_ids is not None,
                  has_lens=kv_lengths is not None, has_alibi=alibi_slopes is not None,
                  t_pad=t_pad, s_pad=s_pad, interpret=bool(interpret))
 
     def to_kernel(x, padded):
-        return _pad_axis(jnp.swapaxes(x.astype(dtype), 1, 2), 2, padded)
+        return common.pad_axis(jnp.swapaxes(x.astype(dtype), 1, 2), 2, padded)
 
     qt, kt, vt = to_kernel(q, t_pad), to_kernel(k, s_pad), to_kernel(v, s_pad)
     qseg = kvseg = None
     if st.has_seg:
-        qseg = _pad_axis(jnp.asarray(q_segment_ids, jnp.int32), 1, t_pad)[:, :, None]
-        kvseg = _pad_axis(jnp.asarray(kv_segment_ids, jnp.int32), 1, s_pad)
+        qseg = common.pad_axis(jnp.asarray(q_segment_ids, jnp.int32), 1, t_pad)[:, :, None]
+        kvseg = common.pad_axis(jnp.asarray(kv_segment_ids, jnp.int32), 1, s_pad)
     lens = (jnp.full((B,), S, jnp.int32) if kv_lengths is None
             else jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, S))
     slopes = (jnp.zeros((B, N), jnp.float32) if alibi_slopes is None

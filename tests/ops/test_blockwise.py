@@ -176,6 +176,7 @@ def test_drawn(B, T, S, K, G, causal, window, offset, use_seg, use_len, use_alib
     (dict(mask="causal"), "mask must be a MaskSpec"),
     (dict(mask=MaskSpec(kv_lengths=jnp.zeros((3,), jnp.int32))), r"kv_lengths.shape=\(3,\)"),
     (dict(alibi_slopes=jnp.zeros((5,))), r"alibi_slopes.shape=\(5,\)"),
+    (dict(mask=MaskSpec(window=(1, 1), global_tokens=[0])), "does not handle MaskSpec.global_tokens"),
 ])
 def test_bad_input_raises(kwargs, match):
     q, k, v, _ = _inputs(1, 4, 4, 2, 1, 8)

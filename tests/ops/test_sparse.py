@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from jaxformer.ops import MaskSpec, dot_product_attention, xla_attention
 from jaxformer.ops.masks import RandomBlocks
-from jaxformer.ops.sparse import sparse_attention
+from jaxformer.ops.sparse import global_query_rows, sparse_attention
 
 # fp32 on both sides, only the summation order differs: errors ~1e-6.
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -23,20 +23,28 @@ def rand(shape, seed):
 
 
 def out_and_grads(fn, q, k, v, ct, **kw):
-    """One jitted call: the output and d<out, ct>/d(q, k, v)."""
-    def run(q, k, v, ct):
-        out, pull = jax.vjp(lambda q, k, v: fn(q, k, v, **kw), q, k, v)
-        return out, pull(ct)
-    return jax.jit(run)(q, k, v, ct)
+    """The output and d<out, ct>/d(q, k, v)."""
+    out, pull = jax.vjp(lambda q, k, v: fn(q, k, v, **kw), q, k, v)
+    return out, pull(ct)
 
 
-def assert_matches_dense(q, k, v, mask, block_size=None, **kw):
+def sparse_and_dense(q, k, v, masks, block_size=None, **kw):
+    """Outputs and gradients of both paths for each mask, in one jitted program (one compile)."""
     ct = rand(q.shape, 99)
-    want, want_g = out_and_grads(xla_attention, q, k, v, ct, mask=mask, **kw)
-    got, got_g = out_and_grads(sparse_attention, q, k, v, ct, mask=mask, block_size=block_size, **kw)
-    np.testing.assert_allclose(got, want, **TOL)
-    for name, g, w in zip("qkv", got_g, want_g):
-        np.testing.assert_allclose(g, w, **TOL, err_msg=f"d{name}")
+
+    @jax.jit
+    def run(q, k, v, ct):
+        return [(out_and_grads(sparse_attention, q, k, v, ct, mask=m, block_size=block_size, **kw),
+                 out_and_grads(xla_attention, q, k, v, ct, mask=m, **kw)) for m in masks]
+
+    return run(q, k, v, ct)
+
+
+def assert_matches_dense(q, k, v, *masks, block_size=None, **kw):
+    for (got, got_g), (want, want_g) in sparse_and_dense(q, k, v, masks, block_size, **kw):
+        np.testing.assert_allclose(got, want, **TOL)
+        for name, g, w in zip("qkv", got_g, want_g):
+            np.testing.assert_allclose(g, w, **TOL, err_msg=f"d{name}")
 
 
 @given(
@@ -71,15 +79,12 @@ def test_matches_dense_forward_and_gradients(B, T, S, K, G, block, causal, left,
     assert_matches_dense(q, k, v, mask, block_size=block, alibi_slopes=slopes, softcap=softcap)
 
 
-def test_longformer_and_bigbird_ragged_batch():
-    """The two named patterns on a batch whose sequences have different lengths (kv_lengths), GQA, T % block != 0."""
+def test_bigbird_ragged_batch():
+    """BigBird (window, global, per-head random blocks) on a batch of different lengths, GQA, T % block != 0."""
     B, T, N, K, H = 3, 45, 4, 2, 8
     q, k, v = rand((B, T, N, H), 0), rand((B, T, K, H), 1), rand((B, T, K, H), 2)
-    lengths = np.array([45, 30, 7])
-    longformer = MaskSpec(window=(6, 6), global_tokens=[0, 20], kv_lengths=lengths)
-    bigbird = MaskSpec(window=(8, 8), global_tokens=[0], kv_lengths=lengths,
+    bigbird = MaskSpec(window=(8, 8), global_tokens=[0, 20], kv_lengths=np.array([45, 30, 7]),
                        random_blocks=RandomBlocks(num_blocks=2, block_size=8, seed=3, num_heads=N))
-    assert_matches_dense(q, k, v, longformer, block_size=8)
     assert_matches_dense(q, k, v, bigbird)  # block size from random_blocks
 
 
@@ -103,11 +108,26 @@ def test_dispatch_and_bf16():
 def test_fully_masked_rows_are_zero_with_finite_gradients():
     q, k, v = rand((2, 12, 2, 8), 0), rand((2, 12, 2, 8), 1), rand((2, 12, 2, 8), 2)
     mask = MaskSpec(window=(2, 2), global_tokens=[3], kv_lengths=np.array([0, 12]))  # sequence 0: no keys
-    out, grads = out_and_grads(sparse_attention, q, k, v, jnp.ones_like(q), mask=mask, block_size=4)
+    out, grads = jax.jit(lambda q, k, v: out_and_grads(sparse_attention, q, k, v, jnp.ones_like(q), mask=mask,
+                                                        block_size=4))(q, k, v)
     assert np.all(np.asarray(out[0]) == 0)
     for g in grads:
         assert np.isfinite(np.asarray(g)).all()
     assert np.all(np.asarray(grads[0][0]) == 0)
+
+
+def test_global_query_rows_alone():
+    """Only the rows of global queries (here at positions 9 and 4 for queries at offset 3) are written."""
+    q, k, v = rand((2, 8, 2, 8), 0), rand((2, 12, 1, 8), 1), rand((2, 12, 1, 8), 2)
+    mask = MaskSpec(causal=True, window=(1, 1), global_tokens=[[9, 40], [4, -1]], q_offset=3,
+                    kv_lengths=np.array([10, 12]))
+    run = jax.jit(lambda q, k, v: (global_query_rows(jnp.zeros_like(q), q, k, v, mask=mask, softcap=3.0),
+                                   xla_attention(q, k, v, mask=mask, softcap=3.0)))
+    got, want = run(q, k, v)
+    rows = np.zeros((2, 8), bool)
+    rows[0, 6] = rows[1, 1] = True
+    np.testing.assert_allclose(np.asarray(got)[rows], np.asarray(want)[rows], **TOL)
+    assert np.all(np.asarray(got)[~rows] == 0)
 
 
 def _largest_intermediate(fn, *args) -> int:
