@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, NonFiniteError, IncompatibleCheckpointError, FileNotFoundError) as e:
+    except (ConfigError, NonFiniteError, IncompatibleCheckpointError, FileNotFoundError, ValueError) as e:
         print(f"jaxformer {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -343,8 +343,9 @@ class MaskSpec:
             if right is not None:
                 band = band & (kp <= qp + right)
             if self.global_tokens is not None and self.patterns_active:
-                g = jnp.asarray(self.global_array)[:, None, None, None, :]  # [B|1, 1, 1, 1, g]
-                band = band | jnp.any(qp[..., None] == g, axis=-1) | jnp.any(kp[..., None] == g, axis=-1)
+                g = jnp.asarray(self.global_array)[:, None, None, None, :]  # [B|1, 1, 1, 1, g]; -1 pads
+                band = (band | jnp.any((qp[..., None] == g) & (g >= 0), axis=-1)
+                        | jnp.any(kp[..., None] == g, axis=-1))
             if self.random_blocks is not None and self.patterns_active:
                 band = band | jnp.asarray(self._random_dense(T, S))[None]
             allowed = allowed & band
@@ -405,8 +406,8 @@ class MaskSpec:
         rows, los, his = [np.arange(T)], [lo], [hi]
         if self.global_tokens is not None and self.patterns_active:
             g = self.global_array
-            in_any = np.isin(qp, g)
-            in_all = np.all([np.isin(qp, row) for row in g], axis=0)
+            in_any = np.isin(qp, g[g >= 0])
+            in_all = np.all([np.isin(qp, row[row >= 0]) for row in g], axis=0)
             rows.append(np.flatnonzero(in_any))
             los.append(np.zeros(len(rows[-1]), np.int64))
             his.append(top[rows[-1]])

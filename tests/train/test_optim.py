@@ -101,3 +101,19 @@ def test_clipping_then_adamw_against_numpy():
         want = -1e-2 * (m / (np.sqrt(v) + 1e-8) + (0.1 * params[k][n] if decay else 0.0))
         # fp32 arithmetic vs float64: 1e-5 relative
         np.testing.assert_allclose(np.asarray(updates[k][n]), want, rtol=1e-5, atol=1e-7, err_msg=f"{k}/{n}")
+
+
+def test_bf16_compute_scan_and_remat_keep_fp32_master_params(tmp_path):
+    corpus_dir = make_corpus(tmp_path / "c")
+    base = tiny_config(corpus_dir)
+    fast = tiny_config(corpus_dir, model={"compute_dtype": "bfloat16", "scan_layers": True, "remat": True})
+    corpus = D.build_corpus(base.data)
+    batches = [next(D.TrainIterator(corpus, seq_len=32, batch_size=8, seed=0))]
+    mesh = S.make_mesh(C.MeshConfig(data=1))
+    (ref,), _ = _run(base, mesh, batches)
+    (got,), state = _run(fast, mesh, batches)
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(state["params"]))
+    assert state["params"]["decoder"]["blocks"]["mlp"]["w_up"].shape[0] == 2  # stacked layers
+    # scanned layers draw their weights differently, so the two losses agree only at the scale of an
+    # untrained model (~ln V); 2e-2 relative covers that and bf16 rounding, and catches NaN/garbage
+    assert np.isfinite(got["grad_norm"]) and got["loss"] == pytest.approx(ref["loss"], rel=2e-2)
