@@ -4,6 +4,11 @@ Fields left ``None`` are derived (see the ``resolved_*`` properties), so a
 preset overridden with a new ``d_model`` re-derives ``head_dim`` and ``d_ff``.
 Unknown keys raise (``extra="forbid"``); every validation error is a
 ``ValueError`` (pydantic's ``ValidationError``) naming the field and values.
+
+Sparse self-attention (Longformer, BigBird): ``attention_window`` is the local
+band ``(left, right)`` (combined with ``causal`` in a decoder), widened by
+``global_tokens`` (absolute positions in each row) and ``random_blocks``; see
+:class:`jaxformer.ops.masks.MaskSpec`. Cross-attention is never sparse.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jaxformer.ops.activations import ACTIVATIONS, ffn_hidden_size, is_gated
+from jaxformer.ops.masks import MaskSpec, RandomBlocks
 from jaxformer.ops.positional import RopeScaling
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -39,6 +45,26 @@ class RopeScalingConfig(BaseModel):
 
     def to_ops(self) -> RopeScaling:
         return RopeScaling(**self.model_dump())
+
+
+class RandomBlocksConfig(BaseModel):
+    """BigBird random attention (serialisable mirror of :class:`jaxformer.ops.masks.RandomBlocks`).
+
+    Each query block of ``block_size`` positions also sees ``num_blocks`` key
+    blocks drawn from ``seed``: one pattern for all heads, or one per query head
+    when ``per_head``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_blocks: int = Field(ge=0)
+    block_size: int = Field(gt=0)
+    seed: int = Field(0, ge=0)
+    per_head: bool = False
+
+    def to_ops(self, n_heads: int) -> RandomBlocks:
+        return RandomBlocks(self.num_blocks, self.block_size, self.seed,
+                            num_heads=n_heads if self.per_head else None)
 
 
 class ModelConfig(BaseModel):
@@ -72,6 +98,10 @@ class ModelConfig(BaseModel):
     tie_embeddings: bool = True
     use_bias: bool = False
     attention_impl: Literal["auto", "xla", "blockwise", "pallas", "sparse"] = "auto"
+    attention_window: tuple[int | None, int | None] | None = Field(
+        None, description="self-attention band (left, right); None side: unbounded")
+    global_tokens: tuple[int, ...] = Field((), description="Longformer global positions (needs attention_window)")
+    random_blocks: RandomBlocksConfig | None = Field(None, description="BigBird random blocks (needs attention_window)")
     attn_softcap: float | None = Field(None, gt=0.0)
     logits_softcap: float | None = Field(None, gt=0.0)
     init_std: float = Field(0.02, gt=0.0)
@@ -118,7 +148,25 @@ class ModelConfig(BaseModel):
             raise ValueError(f"d_ff={self.d_ff} must be > 0")
         if self.sandwich_norm and self.norm_position != "pre":
             raise ValueError(f"sandwich_norm needs norm_position='pre', got norm_position={self.norm_position!r}")
+        self._check_sparse()
         return self
+
+    def _check_sparse(self) -> None:
+        w = self.attention_window
+        if w is not None and any(side is not None and side < 0 for side in w):
+            raise ValueError(f"attention_window={w} sides must be >= 0 or None")
+        bounded = w is not None and w != (None, None)
+        for name in ("global_tokens", "random_blocks"):
+            value = getattr(self, name)
+            if value not in (None, ()) and not bounded:
+                raise ValueError(f"{name}={value!r} needs a bounded attention_window (left, right), "
+                                 f"got attention_window={w}: without a band the pattern changes nothing")
+        bad = [p for p in self.global_tokens if not 0 <= p < self.max_seq_len]
+        if bad:
+            raise ValueError(f"global_tokens={self.global_tokens}: positions {bad} outside "
+                             f"[0, max_seq_len={self.max_seq_len})")
+        if len(set(self.global_tokens)) != len(self.global_tokens):
+            raise ValueError(f"global_tokens={self.global_tokens} has repeated positions")
 
     # -- derived values
     @property
@@ -158,6 +206,19 @@ class ModelConfig(BaseModel):
         if self.kind == "encoder":
             return self.n_layers
         return self.n_encoder_layers or 0
+
+    @property
+    def sparse_attention(self) -> bool:
+        """True when self-attention has a band or a pattern (a KV cache cannot take these)."""
+        return self.attention_window is not None and self.attention_window != (None, None)
+
+    def self_attention_mask(self, *, causal: bool, segment_ids=None, lengths=None) -> MaskSpec:
+        """The self-attention :class:`MaskSpec`: causal/segments/lengths plus the sparse pattern."""
+        return MaskSpec(
+            causal=causal, window=self.attention_window if self.sparse_attention else None,
+            q_segment_ids=segment_ids, kv_lengths=lengths, global_tokens=self.global_tokens or None,
+            random_blocks=None if self.random_blocks is None else self.random_blocks.to_ops(self.n_heads),
+        )
 
     @property
     def rope(self) -> RopeScaling | None:

@@ -83,9 +83,27 @@ def bloom_tiny() -> ModelConfig:
     return get("bloom_560m", n_layers=2, **_TINY)
 
 
+_SPARSE_ENCODER = dict(
+    kind="encoder", vocab_size=256, d_model=64, n_layers=2, n_heads=4, activation="gelu",
+    norm="layernorm", norm_position="pre", position="learned", max_seq_len=512, tie_embeddings=True,
+    use_bias=True, attention_impl="auto",
+)
+
+
+def longformer_tiny() -> ModelConfig:
+    """Tiny Longformer-style encoder: sliding window (32, 32) plus global attention at position 0 (CLS)."""
+    return ModelConfig(**_SPARSE_ENCODER, attention_window=(32, 32), global_tokens=(0,))
+
+
+def bigbird_tiny() -> ModelConfig:
+    """Tiny BigBird-style encoder: window (16, 16), global position 0, 2 random blocks of 16 per query block."""
+    return ModelConfig(**_SPARSE_ENCODER, attention_window=(16, 16), global_tokens=(0,),
+                       random_blocks=dict(num_blocks=2, block_size=16))
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     f.__name__: f for f in (vaswani_base, gpt2_small, llama_7b, llama3_1b, bloom_560m,
-                            vaswani_tiny, gpt2_tiny, llama_tiny, bloom_tiny)
+                            vaswani_tiny, gpt2_tiny, llama_tiny, bloom_tiny, longformer_tiny, bigbird_tiny)
 }
 
 

@@ -9,6 +9,11 @@
 Token and output embeddings are one table when ``tie_embeddings``; source and
 target share the token table in the encoder-decoder (Vaswani et al. §3.4).
 Logits are float32 whatever the compute dtype.
+
+Self-attention (encoder and decoder) follows the config's sparse pattern
+(``attention_window``, ``global_tokens``, ``random_blocks``): global positions
+are absolute row positions, so in a packed row only the first document sees
+position 0 as global. A KV cache owns its mask, so a sparse config refuses one.
 """
 
 from __future__ import annotations
@@ -108,7 +113,7 @@ class Transformer(nnx.Module):
         _check_tokens("tokens", tokens)
         _check_bt("positions", positions, "tokens", tokens, allow_t=True)
         _check_bt("segment_ids", segment_ids, "tokens", tokens, allow_t=False)
-        mask = MaskSpec(causal=False, q_segment_ids=segment_ids, kv_lengths=lengths)
+        mask = self.config.self_attention_mask(causal=False, segment_ids=segment_ids, lengths=lengths)
         x = self.embed_tokens(tokens, positions)
         x, _ = self.encoder(x, positions=positions, mask=mask)
         return x
@@ -131,6 +136,11 @@ class Transformer(nnx.Module):
                 raise ValueError("positions [B, T] (absolute) are required with cache")
             if segment_ids is not None:
                 raise ValueError("segment_ids cannot be combined with cache (the cache owns the mask)")
+            if cfg.sparse_attention or cfg.random_blocks is not None or cfg.global_tokens:
+                raise ValueError(
+                    f"a KV cache takes no attention_window={cfg.attention_window}, global_tokens="
+                    f"{cfg.global_tokens}, random_blocks={cfg.random_blocks} (the cache owns the mask and "
+                    "supports none of them); decode without cache, or use a config without them")
         cross = cfg.kind == "encoder_decoder"
         if cross and memory is None:
             raise ValueError("encoder_decoder decode needs memory = encode(src_tokens)")
@@ -145,7 +155,7 @@ class Transformer(nnx.Module):
                 raise ValueError("segment_ids and memory_segment_ids must be given together")
             context_mask = MaskSpec(q_segment_ids=segment_ids, kv_segment_ids=memory_segment_ids,
                                     kv_lengths=memory_lengths)
-        mask = MaskSpec(causal=True, q_segment_ids=segment_ids)
+        mask = cfg.self_attention_mask(causal=True, segment_ids=segment_ids)
         x = self.embed_tokens(tokens, positions)
         x, new_caches = self.decoder(x, positions=positions, mask=mask, context=memory,
                                      context_mask=context_mask, caches=cache)

@@ -13,8 +13,9 @@ from jaxformer.ops.activations import (
     swish,
 )
 from jaxformer.ops.attention import dot_product_attention, xla_attention
+from jaxformer.ops.blockwise import blockwise_attention
 from jaxformer.ops.losses import cross_entropy
-from jaxformer.ops.masks import MaskSpec
+from jaxformer.ops.masks import MaskSpec, RandomBlocks, kv_block_lists
 from jaxformer.ops.normalization import DeepNormConstants, deepnorm_constants, layer_norm, rms_norm
 from jaxformer.ops.positional import (
     RopeScaling,
@@ -24,16 +25,19 @@ from jaxformer.ops.positional import (
     rope_frequencies,
     sinusoidal_positions,
 )
+from jaxformer.ops.sparse import sparse_attention
 
 __all__ = [
     "ACTIVATIONS",
     "DeepNormConstants",
     "MaskSpec",
+    "RandomBlocks",
     "RopeScaling",
     "activation_fn",
     "alibi_bias",
     "alibi_slopes",
     "apply_rope",
+    "blockwise_attention",
     "cross_entropy",
     "deepnorm_constants",
     "dot_product_attention",
@@ -41,12 +45,14 @@ __all__ = [
     "geglu",
     "gelu",
     "is_gated",
+    "kv_block_lists",
     "layer_norm",
     "relu",
     "rms_norm",
     "rope_frequencies",
     "silu",
     "sinusoidal_positions",
+    "sparse_attention",
     "swiglu",
     "swish",
     "xla_attention",

@@ -6,14 +6,24 @@ for tests). A traced ``q_offset`` (decode, chunked prefill with per-sequence
 offsets) cannot drive the kernels' static block skipping, so those calls fall
 back to :func:`jaxformer.ops.blockwise.blockwise_attention`, which has the same
 meaning.
+
+Longformer / BigBird masks (``global_tokens``, ``random_blocks``) go to the
+kernels' block-sparse path: ``MaskSpec.block_map`` (per head, global rows
+included) becomes the kernels' tile lists, so forward, dq and dk/dv visit only
+the listed tiles; global queries/keys and each row's random key blocks are
+passed as flags and block starts, and the tiles apply the exact mask of
+:meth:`MaskSpec.dense_heads`.
 """
 
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from jaxformer.ops.attention import check_qkv
 from jaxformer.ops.masks import MaskSpec
+
+SUPPORTS_MASK_PATTERNS = True
 
 
 def pallas_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float | None = None,
@@ -22,9 +32,9 @@ def pallas_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float | No
     B, T, S, N, K, H = check_qkv(q, k, v)
     mask = MaskSpec() if mask is None else mask
     mask.validate(B, T, S, N)
-    if mask.has_pattern:
-        raise ValueError("pallas_attention does not handle MaskSpec.global_tokens / random_blocks; "
-                         "use jaxformer.ops.sparse.sparse_attention or xla_attention")
+    if mask.has_pattern and not mask.has_static_offset:
+        raise ValueError("pallas_attention needs a static q_offset with MaskSpec.global_tokens / random_blocks; "
+                         f"got an array of shape {np.shape(mask.q_offset)}: use impl='xla'")
     if not mask.has_static_offset:
         from jaxformer.ops.blockwise import blockwise_attention
         return blockwise_attention(q, k, v, mask=mask, scale=scale, alibi_slopes=alibi_slopes, softcap=softcap)
@@ -46,4 +56,32 @@ def pallas_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float | No
         scale=scale,
         block_sizes=block_sizes,
         interpret=jax.default_backend() not in ("gpu", "tpu"),
+        **pattern_operands(mask, T, S),
     )
+
+
+def pattern_operands(mask: MaskSpec, T: int, S: int) -> dict:
+    """``flash_attention``'s block-sparse keywords for ``mask`` (static numpy); empty without active patterns."""
+    if not mask.patterns_active:
+        return {}
+    offset = mask.static_offset(T, S)
+    qp = offset + np.arange(T)
+
+    def block_map(block_q: int, block_k: int) -> np.ndarray:
+        return mask.block_map(T, S, block_q, block_k, per_head=True)
+
+    ops = dict(block_map=block_map)
+    if mask.global_tokens is not None:
+        g = mask.global_array  # [Bg, g], -1 pads
+        ops["q_global"] = np.stack([np.isin(qp, row[row >= 0]) for row in g])
+        ops["kv_global"] = np.stack([np.isin(np.arange(S), row[row >= 0]) for row in g])
+    rb = mask.random_blocks
+    if rb is not None:
+        R = rb.block_size
+        rq = qp // R
+        tbl = rb.table(rq.min(), rq.max() + 1, -(-S // R))  # [heads, nrb, r]
+        if tbl.shape[-1]:
+            starts = tbl[:, rq - rq.min()] * R  # [heads, T, r]
+            ops.update(random_kv_starts=np.ascontiguousarray(starts.transpose(0, 2, 1)).astype(np.int32),
+                       random_block_size=R)
+    return ops

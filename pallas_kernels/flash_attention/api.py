@@ -29,7 +29,9 @@ def _pick_backend(backend: str, interpret: bool) -> str:
 def flash_attention(q, k, v, *, causal: bool = False, window=None, q_segment_ids=None,
                     kv_segment_ids=None, kv_lengths=None, q_offset: int | None = None,
                     alibi_slopes=None, softcap: float | None = None, scale: float | None = None,
-                    block_sizes: BlockSizes | None = None, backend: str = "auto", interpret: bool = False):
+                    block_sizes: BlockSizes | None = None, backend: str = "auto", interpret: bool = False,
+                    block_map=None, q_global=None, kv_global=None, random_kv_starts=None,
+                    random_block_size: int | None = None):
     """Blockwise attention ``q [B,T,N,H], k, v [B,S,K,H] -> [B,T,N,H]``, differentiable in q, k, v.
 
     Args:
@@ -45,6 +47,16 @@ def flash_attention(q, k, v, *, causal: bool = False, window=None, q_segment_ids
       backend: "gpu" (Pallas Triton), "tpu" (Pallas Mosaic) or "auto" (``jax.default_backend()``;
         on CPU the GPU kernel in interpret mode when ``interpret=True``).
       interpret: run the kernel in Pallas interpret mode.
+      block_map: static callable ``(block_q, block_k) -> bool [Nh, ceil(T/block_q), ceil(S/block_k)]``
+        (Nh 1 or N): the tiles that may hold an allowed element. When given, the forward, dq and dk/dv
+        kernels visit exactly these tiles (causal/window skipping is then the caller's map); tiles absent
+        from it are never read. Needed with any of the three pattern operands below.
+      q_global: ``[1|B, T]`` bool/int; nonzero rows see every key (Longformer global queries).
+      kv_global: ``[1|B, S]`` bool/int; nonzero keys are seen by every query (Longformer global keys).
+      random_kv_starts: int32 ``[1|N, r, T]`` with ``random_block_size`` R: query row q (of head h) also
+        sees keys ``[start, start + R)`` for each ``start = random_kv_starts[h, i, q] >= 0`` (BigBird).
+        Per tile: ``allowed = hard & (band | q_global | kv_global | random)``; the pattern operands widen
+        the window's band and change nothing without a window (``MaskSpec.dense_heads``'s meaning).
 
     Rows with no allowed key give 0 and zero gradients. Ids and slopes get zero cotangents.
     """
@@ -52,9 +64,15 @@ def flash_attention(q, k, v, *, causal: bool = False, window=None, q_segment_ids
                         kv_lengths=kv_lengths, q_offset=q_offset, alibi_slopes=alibi_slopes,
                         softcap=softcap, scale=scale)
     common.check_window(window)
+    common.check_pattern(q.shape[0], q.shape[1], k.shape[1], q.shape[2], block_map=block_map,
+                         q_global=q_global, kv_global=kv_global, random_kv_starts=random_kv_starts,
+                         random_block_size=random_block_size)
     kwargs = dict(causal=causal, window=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                   kv_lengths=kv_lengths, q_offset=q_offset, alibi_slopes=alibi_slopes, softcap=softcap,
                   scale=scale, block_sizes=block_sizes, interpret=interpret)
+    if block_map is not None:
+        kwargs.update(block_map=block_map, q_global=q_global, kv_global=kv_global,
+                      random_kv_starts=random_kv_starts, random_block_size=random_block_size)
     chosen = _pick_backend(backend, interpret)
     if chosen == "gpu":
         from pallas_kernels.flash_attention.gpu import flash_attention_gpu

@@ -209,12 +209,13 @@ def check_window(window) -> tuple[int | None, int | None] | None:
 
 
 def tile_allowed(params: MaskParams, q_pos, k_pos, *, q_seg=None, kv_seg=None, kv_length=None,
-                 check_kv_len: bool = True):
+                 check_kv_len: bool = True, widen=None):
     """Boolean allowed tile from absolute positions.
 
     ``q_pos`` int32 ``[bq, 1]`` (or ``[bq, bk]``), ``k_pos`` int32 ``[1, bk]`` (or ``[bq, bk]``);
     ``q_seg``/``kv_seg`` broadcastable the same way; ``kv_length`` a scalar. ``check_kv_len``
     masks ``k_pos >= S`` (wrapper padding); pass False when the kv axis is not padded.
+    ``widen`` (from :func:`pattern_widen`) is OR'ed into the window's band (ignored without a window).
     Returns a bool array of the broadcast shape, or None when nothing can be masked.
     """
     conds = []
@@ -222,10 +223,14 @@ def tile_allowed(params: MaskParams, q_pos, k_pos, *, q_seg=None, kv_seg=None, k
         conds.append(k_pos <= q_pos)
     if params.window is not None:
         left, right = params.window
+        band = None
         if left is not None:
-            conds.append(k_pos >= q_pos - left)
+            band = k_pos >= q_pos - left
         if right is not None:
-            conds.append(k_pos <= q_pos + right)
+            band = (k_pos <= q_pos + right) if band is None else band & (k_pos <= q_pos + right)
+        if widen is not None:
+            band = band | widen
+        conds.append(band)
     if q_seg is not None:
         conds.append(q_seg == kv_seg)
     if kv_length is not None:
@@ -439,3 +444,93 @@ def slopes_bn(alibi_slopes, B: int, N: int):
         return None
     s = jnp.asarray(alibi_slopes, jnp.float32)
     return jnp.broadcast_to(s.reshape((-1, N)), (B, N))
+
+
+# --------------------------------------------------------------------------- block-sparse patterns
+#
+# Longformer / BigBird masks widen the window's band. Every kernel takes the same keywords
+# (see ``api.flash_attention``); ``Nh`` is 1 (one pattern for all heads) or N (one per query head),
+# ``Bg`` is 1 or B:
+#
+#   block_map(block_q, block_k) -> bool [Nh, ceil(T/block_q), ceil(S/block_k)]   (static numpy)
+#       True where a tile may hold an allowed element. Kernels visit exactly these tiles (forward,
+#       dq and dk/dv), whatever causal/window say; a tile absent from the map is never read.
+#   q_global  [Bg, T] bool/int: query row sees every key (under the hard constraints).
+#   kv_global [Bg, S] bool/int: key column is seen by every query.
+#   random_kv_starts int32 [Nh, r, T], random_block_size R: query row q of head h also sees keys
+#       random_kv_starts[h, i, q] <= k_pos < random_kv_starts[h, i, q] + R (i < r; -1 = no block).
+#
+# Element meaning, per tile:  allowed = hard & (band | q_global[q] | kv_global[k] | random[h, q, k]),
+# hard = causal & segments & kv_length & (k_pos < S), band = the window (the pattern terms only
+# matter when a window is given; without one band is everything, as in MaskSpec.dense_heads).
+
+
+def pattern_given(q_global=None, kv_global=None, random_kv_starts=None) -> bool:
+    return q_global is not None or kv_global is not None or random_kv_starts is not None
+
+
+def check_pattern(B: int, T: int, S: int, N: int, *, block_map=None, q_global=None, kv_global=None,
+                  random_kv_starts=None, random_block_size=None) -> None:
+    """Validate the block-sparse keywords (see the section comment); raise ValueError naming the shapes."""
+    if block_map is not None and not callable(block_map):
+        raise ValueError(f"block_map must be a callable (block_q, block_k) -> bool [Nh, nq, nk], "
+                         f"got {type(block_map).__name__}")
+    if pattern_given(q_global, kv_global, random_kv_starts) and block_map is None:
+        raise ValueError("q_global / kv_global / random_kv_starts need a block_map listing the tiles they open")
+    for name, x, n in (("q_global", q_global, T), ("kv_global", kv_global, S)):
+        if x is not None and (np.ndim(x) != 2 or np.shape(x)[0] not in (1, B) or np.shape(x)[1] != n):
+            raise ValueError(f"{name}.shape={tuple(np.shape(x))} must be (1 or B, {n}) with B={B}")
+    if random_kv_starts is not None:
+        shape = tuple(np.shape(random_kv_starts))
+        if len(shape) != 3 or shape[0] not in (1, N) or shape[2] != T:
+            raise ValueError(f"random_kv_starts.shape={shape} must be (1 or N, r, T) with N={N}, T={T}")
+        if isinstance(random_block_size, bool) or not isinstance(random_block_size, (int, np.integer)) \
+                or random_block_size <= 0:
+            raise ValueError(f"random_block_size={random_block_size!r} must be a positive int with random_kv_starts")
+
+
+def live_blocks(block_map, T: int, S: int, N: int, bq: int, bk: int) -> np.ndarray:
+    """``block_map(bq, bk)`` checked: bool ``[Nh, ceil(T/bq), ceil(S/bk)]`` with Nh 1 or N."""
+    live = np.asarray(block_map(bq, bk))
+    nq, nk = -(-T // bq), -(-S // bk)
+    if live.ndim == 2:
+        live = live[None]
+    if live.ndim != 3 or live.shape[0] not in (1, N) or live.shape[1:] != (nq, nk):
+        raise ValueError(f"block_map({bq}, {bk}).shape={live.shape} must be (1 or N, {nq}, {nk}) for "
+                         f"T={T}, S={S}, N={N}")
+    return live.astype(bool)
+
+
+def block_lists(live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row lists of a bool ``[Nh, nr, nc]`` map: ``(idx int32 [Nh, nr, w], count int32 [Nh, nr])``.
+
+    ``idx[h, i, :count[h, i]]`` are the True columns of row ``i``, ascending; the rest repeats the
+    last listed column (0 for an empty row) so a prefetching kernel never fetches a new tile there.
+    ``w = max(1, max count)``. For the dk/dv kernels pass ``live.transpose(0, 2, 1)``.
+    """
+    live = np.asarray(live, bool)
+    count = live.sum(axis=-1)
+    width = max(1, int(count.max()) if count.size else 1)
+    order = np.argsort(~live, axis=-1, kind="stable")[..., :width]
+    last = np.take_along_axis(order, np.maximum(count - 1, 0)[..., None], axis=-1)
+    last = np.where(count[..., None] > 0, last, 0)
+    idx = np.where(np.arange(width) < count[..., None], order, last)
+    return idx.astype(np.int32), count.astype(np.int32)
+
+
+def pattern_widen(q_pos, k_pos, *, q_glob=None, kv_glob=None, rand_starts=(), rand_size: int = 1):
+    """Bool tile OR'ed into the band: ``q_glob`` ``[bq, 1]``, ``kv_glob`` ``[1, bk]`` (nonzero = global),
+    ``rand_starts`` a sequence of ``[bq, 1]`` int32 block starts (-1 none). None when nothing widens."""
+    terms = []
+    if q_glob is not None:
+        terms.append(q_glob != 0)
+    if kv_glob is not None:
+        terms.append(kv_glob != 0)
+    for st in rand_starts:
+        terms.append((st >= 0) & (k_pos >= st) & (k_pos < st + rand_size))
+    if not terms:
+        return None
+    out = terms[0]
+    for t in terms[1:]:
+        out = out | t
+    return out

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -37,12 +38,23 @@ _F32 = jnp.float32
 
 class Aux(NamedTuple):
     """Mask operands after padding: ``q_seg [B,Tp]``, ``kv_seg [B,Sp]`` int32, ``lengths [B,1]`` int32,
-    ``slopes [B,N]`` fp32; each may be None."""
+    ``slopes [B,N]`` fp32; each may be None.
+
+    Block-sparse operands (all int32, None without a ``block_map``): tile lists ``fwd_list [N, Tp/bq, W]``,
+    ``dq_list`` (dq tiling) and ``dkv_list [N, Sp/bk, W]`` (q blocks per kv block), column 0 the count,
+    then the listed blocks; ``q_glob [B, Tp]``, ``kv_glob [B, Sp]``, ``rand [N, r', Tp]`` (-1 = none).
+    """
 
     q_seg: Any = None
     kv_seg: Any = None
     lengths: Any = None
     slopes: Any = None
+    fwd_list: Any = None
+    dq_list: Any = None
+    dkv_list: Any = None
+    q_glob: Any = None
+    kv_glob: Any = None
+    rand: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +63,8 @@ class _Static:
     blocks: BlockSizes
     interpret: bool
     H: int  # true head dim
+    n_rand: int = 0  # random blocks per query row (rows of Aux.rand actually used)
+    rand_size: int = 1
 
 
 def _iota(n: int):
@@ -64,9 +78,18 @@ def _dot(a, b, contract: tuple[int, int]):
                                precision=prec, preferred_element_type=_F32)
 
 
+class _Pat(NamedTuple):
+    """Block-sparse refs of one kernel (None when absent)."""
+
+    lst: Any = None
+    qg: Any = None
+    kg: Any = None
+    rnd: Any = None
+
+
 def _split_refs(refs, aux_flags):
-    """-> (main refs, q_seg_ref, kv_seg_ref, len_ref, slope_ref, out refs)."""
-    has_seg, has_len, has_slope, n_main = aux_flags
+    """-> (main refs, q_seg_ref, kv_seg_ref, len_ref, slope_ref, _Pat, out refs)."""
+    has_seg, has_len, has_slope, n_main, pat_flags = aux_flags
     refs = list(refs)
     main, refs = refs[:n_main], refs[n_main:]
     qseg = kseg = ln = sl = None
@@ -76,26 +99,46 @@ def _split_refs(refs, aux_flags):
         ln, *refs = refs
     if has_slope:
         sl, *refs = refs
-    return main, qseg, kseg, ln, sl, refs
+    pat = []
+    for present in pat_flags:
+        if present:
+            ref, *refs = refs
+            pat.append(ref)
+        else:
+            pat.append(None)
+    return main, qseg, kseg, ln, sl, _Pat(*pat), refs
+
+
+def _row_terms(st: "_Static", pat: _Pat, load_qg, load_rand):
+    """Per-row pattern terms of a q tile: (q_glob ``[bq, 1]`` or None, random starts: list of ``[bq, 1]``)."""
+    q_glob = None if pat.qg is None else load_qg()[:, None]
+    rand = [] if pat.rnd is None else [load_rand(t)[:, None] for t in range(st.n_rand)]
+    return q_glob, rand
 
 
 def _mask_and_logits(p, qk, q_pos, k_pos, *, slope, q_seg, kv_seg, kv_length, static_mask: bool,
-                     check_kv_len: bool):
+                     check_kv_len: bool, widen=None):
     s, dscale = common.tile_logits(p, qk, q_pos, k_pos, slope)
     if static_mask:
         allowed = common.tile_allowed(p, q_pos, k_pos, q_seg=q_seg, kv_seg=kv_seg, kv_length=kv_length,
-                                      check_kv_len=check_kv_len)
+                                      check_kv_len=check_kv_len, widen=widen)
     else:
         allowed = common.tile_allowed(MaskParams(p.q_len, p.kv_len), q_pos, k_pos, q_seg=q_seg,
                                       kv_seg=kv_seg, kv_length=kv_length, check_kv_len=False)
     return common.mask_logits(s, allowed), dscale
 
 
-def _kv_loop(p, qi, bq, bk, body):
+def _kv_loop(p, qi, bq, bk, body, lst_ref=None):
     """Run ``body(j, carry, static_mask)`` over the live kv blocks of q block ``qi``.
 
-    Three runs: masked edge, the blocks causal/window leave whole (``static_mask=False``), masked edge.
+    With a tile list (``lst_ref [W]``: count, then blocks) exactly the listed blocks, masked.
+    Else three runs: masked edge, the blocks causal/window leave whole (``static_mask=False``), masked edge.
     """
+    if lst_ref is not None:
+        def listed(carry):
+            return jax.lax.fori_loop(0, lst_ref[0], lambda t, c: body(lst_ref[1 + t], c, static_mask=True), carry)
+
+        return listed
     lo, hi = common.kv_block_range(p, qi, bq, bk)
 
     def run(a, b, static_mask, carry):
@@ -116,7 +159,8 @@ def _kv_loop(p, qi, bq, bk, body):
 
 
 def _fwd_kernel(*refs, st: _Static, bq: int, bk: int, flags, check_kv_len: bool):
-    (q_ref, k_ref, v_ref), qseg_ref, kseg_ref, len_ref, slope_ref, (o_ref, lse_ref) = _split_refs(refs, flags)
+    (q_ref, k_ref, v_ref), qseg_ref, kseg_ref, len_ref, slope_ref, pat, (o_ref, lse_ref) = \
+        _split_refs(refs, flags)
     p = st.params
     qi = pl.program_id(2)
     q = q_ref[...]
@@ -124,6 +168,7 @@ def _fwd_kernel(*refs, st: _Static, bq: int, bk: int, flags, check_kv_len: bool)
     q_seg = None if qseg_ref is None else qseg_ref[...][:, None]
     kv_length = None if len_ref is None else len_ref[0]
     slope = None if slope_ref is None else slope_ref[0]
+    q_glob, rand = _row_terms(st, pat, lambda: pat.qg[...], lambda t: pat.rnd[t, :])
 
     def body(j, carry, static_mask):
         acc, m, l = carry
@@ -132,9 +177,12 @@ def _fwd_kernel(*refs, st: _Static, bq: int, bk: int, flags, check_kv_len: bool)
         v = v_ref[pl.ds(start, bk), :]
         k_pos = (start + _iota(bk))[None, :]
         kv_seg = None if kseg_ref is None else kseg_ref[pl.ds(start, bk)][None, :]
+        kv_glob = None if pat.kg is None else pat.kg[pl.ds(start, bk)][None, :]
+        widen = common.pattern_widen(q_pos, k_pos, q_glob=q_glob, kv_glob=kv_glob, rand_starts=rand,
+                                     rand_size=st.rand_size)
         s, _ = _mask_and_logits(p, _dot(q, k, (1, 1)), q_pos, k_pos, slope=slope, q_seg=q_seg,
                                 kv_seg=kv_seg, kv_length=kv_length, static_mask=static_mask,
-                                check_kv_len=check_kv_len)
+                                check_kv_len=check_kv_len, widen=widen)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = common.safe_max(m_new)
         alpha = jnp.exp(m - m_safe)
@@ -144,12 +192,13 @@ def _fwd_kernel(*refs, st: _Static, bq: int, bk: int, flags, check_kv_len: bool)
         return acc, m_new, l
 
     init = (jnp.zeros((bq, q.shape[1]), _F32), jnp.full((bq,), -jnp.inf, _F32), jnp.zeros((bq,), _F32))
-    acc, m, l = _kv_loop(p, qi, bq, bk, body)(init)
+    acc, m, l = _kv_loop(p, qi, bq, bk, body, pat.lst)(init)
     o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = common.finalize_lse(m, l)
 
 
-def _aux_specs(aux: Aux, q_block, kv_block, len_map, slope_block, slope_map):
+def _aux_specs(aux: Aux, q_block, kv_block, len_map, slope_block, slope_map, pat_specs=None):
+    """BlockSpecs and operands of the mask operands; ``pat_specs`` lists (array, spec) of the pattern ones."""
     specs, args = [], []
     if aux.q_seg is not None:
         specs += [q_block, kv_block]
@@ -160,11 +209,27 @@ def _aux_specs(aux: Aux, q_block, kv_block, len_map, slope_block, slope_map):
     if aux.slopes is not None:
         specs.append(pl.BlockSpec((None, slope_block), slope_map))
         args.append(aux.slopes)
+    for arr, spec in pat_specs or ():
+        if arr is not None:
+            specs.append(spec)
+            args.append(arr)
     return specs, args
 
 
-def _flags(aux: Aux, n_main: int):
-    return (aux.q_seg is not None, aux.lengths is not None, aux.slopes is not None, n_main)
+def _flags(aux: Aux, n_main: int, lst=None):
+    pat = (lst is not None, aux.q_glob is not None, aux.kv_glob is not None, aux.rand is not None)
+    return (aux.q_seg is not None, aux.lengths is not None, aux.slopes is not None, n_main, pat)
+
+
+def _row_pat_specs(aux: Aux, lst, bq: int, Sp: int):
+    """Pattern specs of the grid ``(B, N, Tp/bq)`` kernels (forward, dq)."""
+    return [
+        (lst, None if lst is None else pl.BlockSpec((None, None, lst.shape[2]), lambda b, n, i: (n, i, 0))),
+        (aux.q_glob, pl.BlockSpec((None, bq), lambda b, n, i: (b, i))),
+        (aux.kv_glob, pl.BlockSpec((None, Sp), lambda b, n, i: (b, 0))),
+        (aux.rand, None if aux.rand is None else
+         pl.BlockSpec((None, aux.rand.shape[1], bq), lambda b, n, i: (n, 0, i))),
+    ]
 
 
 def _warps(H: int) -> int:
@@ -184,8 +249,9 @@ def _fwd_call(q, k, v, aux: Aux, st: _Static):
         lambda b, n, i: (b, 0),
         1,
         lambda b, n, i: (b, n),
+        _row_pat_specs(aux, aux.fwd_list, bq, Sp),
     )
-    kernel = functools.partial(_fwd_kernel, st=st, bq=bq, bk=bk, flags=_flags(aux, 3),
+    kernel = functools.partial(_fwd_kernel, st=st, bq=bq, bk=bk, flags=_flags(aux, 3, aux.fwd_list),
                                check_kv_len=Sp != st.params.kv_len)
     return pl.pallas_call(
         kernel,
@@ -211,7 +277,7 @@ def _fwd_call(q, k, v, aux: Aux, st: _Static):
 
 
 def _dq_kernel(*refs, st: _Static, bq: int, bk: int, flags, check_kv_len: bool):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qseg_ref, kseg_ref, len_ref, slope_ref, (dq_ref,) = \
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qseg_ref, kseg_ref, len_ref, slope_ref, pat, (dq_ref,) = \
         _split_refs(refs, flags)
     p = st.params
     qi = pl.program_id(2)
@@ -223,6 +289,7 @@ def _dq_kernel(*refs, st: _Static, bq: int, bk: int, flags, check_kv_len: bool):
     q_seg = None if qseg_ref is None else qseg_ref[...][:, None]
     kv_length = None if len_ref is None else len_ref[0]
     slope = None if slope_ref is None else slope_ref[0]
+    q_glob, rand = _row_terms(st, pat, lambda: pat.qg[...], lambda t: pat.rnd[t, :])
 
     def body(j, dq, static_mask):
         start = pl.multiple_of(j * bk, bk)
@@ -230,14 +297,17 @@ def _dq_kernel(*refs, st: _Static, bq: int, bk: int, flags, check_kv_len: bool):
         v = v_ref[pl.ds(start, bk), :]
         k_pos = (start + _iota(bk))[None, :]
         kv_seg = None if kseg_ref is None else kseg_ref[pl.ds(start, bk)][None, :]
+        kv_glob = None if pat.kg is None else pat.kg[pl.ds(start, bk)][None, :]
+        widen = common.pattern_widen(q_pos, k_pos, q_glob=q_glob, kv_glob=kv_glob, rand_starts=rand,
+                                     rand_size=st.rand_size)
         s, dscale = _mask_and_logits(p, _dot(q, k, (1, 1)), q_pos, k_pos, slope=slope, q_seg=q_seg,
                                      kv_seg=kv_seg, kv_length=kv_length, static_mask=static_mask,
-                                     check_kv_len=check_kv_len)
+                                     check_kv_len=check_kv_len, widen=widen)
         pr = jnp.exp(s - lse)
         ds = pr * (_dot(do, v, (1, 1)) - delta) * dscale
         return dq + _dot(ds.astype(k.dtype), k, (1, 0))
 
-    dq = _kv_loop(p, qi, bq, bk, body)(jnp.zeros(q.shape, _F32))
+    dq = _kv_loop(p, qi, bq, bk, body, pat.lst)(jnp.zeros(q.shape, _F32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
@@ -253,11 +323,12 @@ def _dq_call(q, k, v, do, lse, delta, aux: Aux, st: _Static):
         lambda b, n, i: (b, 0),
         1,
         lambda b, n, i: (b, n),
+        _row_pat_specs(aux, aux.dq_list, bq, Sp),
     )
     q_spec = pl.BlockSpec((None, bq, None, Hp), lambda b, n, i: (b, i, n, 0))
     kv_spec = pl.BlockSpec((None, Sp, None, Hp), lambda b, n, i: (b, 0, n // G, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))
-    kernel = functools.partial(_dq_kernel, st=st, bq=bq, bk=bk, flags=_flags(aux, 6),
+    kernel = functools.partial(_dq_kernel, st=st, bq=bq, bk=bk, flags=_flags(aux, 6, aux.dq_list),
                                check_kv_len=Sp != st.params.kv_len)
     return pl.pallas_call(
         kernel,
@@ -275,8 +346,8 @@ def _dq_call(q, k, v, do, lse, delta, aux: Aux, st: _Static):
 
 
 def _dkv_kernel(*refs, st: _Static, bq: int, bk: int, G: int, flags, check_kv_len: bool):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qseg_ref, kseg_ref, len_ref, slope_ref, (dk_ref, dv_ref) = \
-        _split_refs(refs, flags)
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qseg_ref, kseg_ref, len_ref, slope_ref, pat, \
+        (dk_ref, dv_ref) = _split_refs(refs, flags)
     p = st.params
     kj = pl.program_id(2)
     k = k_ref[...]
@@ -284,7 +355,9 @@ def _dkv_kernel(*refs, st: _Static, bq: int, bk: int, G: int, flags, check_kv_le
     k_pos = (kj * bk + _iota(bk))[None, :]
     kv_seg = None if kseg_ref is None else kseg_ref[...][None, :]
     kv_length = None if len_ref is None else len_ref[0]
-    lo, hi = common.q_block_range(p, kj, bq, bk)
+    kv_glob = None if pat.kg is None else pat.kg[...][None, :]
+    if pat.lst is None:
+        lo, hi = common.q_block_range(p, kj, bq, bk)
 
     def head(g, carry):
         slope = None if slope_ref is None else slope_ref[g]
@@ -298,15 +371,21 @@ def _dkv_kernel(*refs, st: _Static, bq: int, bk: int, G: int, flags, check_kv_le
             delta = delta_ref[g, pl.ds(start, bq)][:, None]
             q_pos = (start + p.q_offset + _iota(bq))[:, None]
             q_seg = None if qseg_ref is None else qseg_ref[pl.ds(start, bq)][:, None]
+            q_glob, rand = _row_terms(st, pat, lambda: pat.qg[pl.ds(start, bq)],
+                                      lambda t: pat.rnd[g, t, pl.ds(start, bq)])
+            widen = common.pattern_widen(q_pos, k_pos, q_glob=q_glob, kv_glob=kv_glob, rand_starts=rand,
+                                         rand_size=st.rand_size)
             s, dscale = _mask_and_logits(p, _dot(q, k, (1, 1)), q_pos, k_pos, slope=slope, q_seg=q_seg,
                                          kv_seg=kv_seg, kv_length=kv_length, static_mask=True,
-                                         check_kv_len=check_kv_len)
+                                         check_kv_len=check_kv_len, widen=widen)
             pr = jnp.exp(s - lse)
             dv = dv + _dot(pr.astype(do.dtype), do, (0, 0))
             ds = pr * (_dot(do, v, (1, 1)) - delta) * dscale
             dk = dk + _dot(ds.astype(q.dtype), q, (0, 0))
             return dk, dv
 
+        if pat.lst is not None:
+            return jax.lax.fori_loop(0, pat.lst[g, 0], lambda t, c: body(pat.lst[g, 1 + t], c), carry)
         return jax.lax.fori_loop(lo, hi, body, carry)
 
     zeros = jnp.zeros(k.shape, _F32)
@@ -327,11 +406,19 @@ def _dkv_call(q, k, v, do, lse, delta, aux: Aux, st: _Static):
         lambda b, h, j: (b, 0),
         G,
         lambda b, h, j: (b, h),
+        [
+            (aux.dkv_list, None if aux.dkv_list is None else
+             pl.BlockSpec((G, None, aux.dkv_list.shape[2]), lambda b, h, j: (h, j, 0))),
+            (aux.q_glob, pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0))),
+            (aux.kv_glob, pl.BlockSpec((None, bk), lambda b, h, j: (b, j))),
+            (aux.rand, None if aux.rand is None else
+             pl.BlockSpec((G, aux.rand.shape[1], Tp), lambda b, h, j: (h, 0, 0))),
+        ],
     )
     q_spec = pl.BlockSpec((None, Tp, G, Hp), lambda b, h, j: (b, 0, h, 0))
     kv_spec = pl.BlockSpec((None, bk, None, Hp), lambda b, h, j: (b, j, h, 0))
     row_spec = pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))
-    kernel = functools.partial(_dkv_kernel, st=st, bq=bq, bk=bk, G=G, flags=_flags(aux, 6),
+    kernel = functools.partial(_dkv_kernel, st=st, bq=bq, bk=bk, G=G, flags=_flags(aux, 6, aux.dkv_list),
                                check_kv_len=Sp != st.params.kv_len)
     return pl.pallas_call(
         kernel,
@@ -404,7 +491,8 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def flash_attention_gpu(q, k, v, *, causal: bool = False, window=None, q_segment_ids=None,
                         kv_segment_ids=None, kv_lengths=None, q_offset: int | None = None,
                         alibi_slopes=None, softcap: float | None = None, scale: float | None = None,
-                        block_sizes: BlockSizes | None = None, interpret: bool = False):
+                        block_sizes: BlockSizes | None = None, interpret: bool = False, block_map=None,
+                        q_global=None, kv_global=None, random_kv_starts=None, random_block_size: int | None = None):
     """Differentiable FlashAttention on the Pallas Triton backend (``interpret=True`` runs it on CPU).
 
     Arguments as in ``pallas_kernels.flash_attention.flash_attention``; slopes and ids get zero cotangents.
@@ -412,6 +500,8 @@ def flash_attention_gpu(q, k, v, *, causal: bool = False, window=None, q_segment
     B, T, S, N, K, H = common.check_inputs(
         q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, kv_lengths=kv_lengths,
         q_offset=q_offset, alibi_slopes=alibi_slopes, softcap=softcap, scale=scale)
+    common.check_pattern(B, T, S, N, block_map=block_map, q_global=q_global, kv_global=kv_global,
+                         random_kv_starts=random_kv_starts, random_block_size=random_block_size)
     params = MaskParams.make(T, S, H, causal=causal, window=window, q_offset=q_offset, scale=scale,
                              softcap=softcap)
     Hp = max(MIN_BLOCK, common.next_pow2(H))
@@ -420,11 +510,51 @@ def flash_attention_gpu(q, k, v, *, causal: bool = False, window=None, q_segment
         block_sizes = BlockSizes.default("gpu").fit(Hp, itemsize, MAX_TILE_BYTES, MIN_BLOCK)
     blocks = common.check_block_sizes(block_sizes, pow2=True, minimum=MIN_BLOCK, H=Hp, itemsize=itemsize,
                                       max_tile_bytes=MAX_TILE_BYTES).clipped(T, S, MIN_BLOCK)
-    st = _Static(params=params, blocks=blocks, interpret=bool(interpret), H=H)
+    n_rand = 0 if random_kv_starts is None else int(jnp.shape(random_kv_starts)[1])
+    st = _Static(params=params, blocks=blocks, interpret=bool(interpret), H=H, n_rand=n_rand,
+                 rand_size=1 if random_block_size is None else int(random_block_size))
     aux = Aux(
         q_seg=None if q_segment_ids is None else jnp.asarray(q_segment_ids, jnp.int32),
         kv_seg=None if kv_segment_ids is None else jnp.asarray(kv_segment_ids, jnp.int32),
         lengths=None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32).reshape(B, 1),
         slopes=common.slopes_bn(alibi_slopes, B, N),
     )
+    if block_map is not None:
+        aux = aux._replace(**_pattern_operands(st, B, N, block_map, q_global, kv_global, random_kv_starts))
     return _flash(q, k, v, aux, st)
+
+
+def _tile_lists(block_map, st: _Static, N: int, bq: int, bk: int, rows: int, transpose: bool):
+    """Int32 ``[N, rows, W]``: per row of tiles its count, then its listed blocks (W a power of two)."""
+    T, S = st.params.q_len, st.params.kv_len
+    live = common.live_blocks(block_map, T, S, N, bq, bk)
+    if transpose:
+        live = live.transpose(0, 2, 1)
+    idx, cnt = common.block_lists(live)
+    nh, nr, w = idx.shape
+    out = np.zeros((nh, rows, common.next_pow2(1 + w)), np.int32)
+    out[:, :nr, 0] = cnt
+    out[:, :nr, 1:] = idx[..., -1:]
+    out[:, :nr, 1:1 + w] = idx
+    return jnp.asarray(np.broadcast_to(out, (N,) + out.shape[1:]))
+
+
+def _pattern_operands(st: _Static, B: int, N: int, block_map, q_global, kv_global, random_kv_starts):
+    """Padded int32 operands of the block-sparse path (see :class:`Aux`)."""
+    Tp, Sp, _ = _padded_sizes(st)
+    b = st.blocks
+    ops = dict(
+        fwd_list=_tile_lists(block_map, st, N, b.block_q, b.block_k, Tp // b.block_q, False),
+        dq_list=_tile_lists(block_map, st, N, b.block_q_dq, b.block_k_dq, Tp // b.block_q_dq, False),
+        dkv_list=_tile_lists(block_map, st, N, b.block_q_dkv, b.block_k_dkv, Sp // b.block_k_dkv, True),
+    )
+    for name, x, n in (("q_glob", q_global, Tp), ("kv_glob", kv_global, Sp)):
+        if x is not None:
+            x = jnp.broadcast_to(jnp.asarray(x).astype(jnp.int32), (B, jnp.shape(x)[1]))
+            ops[name] = common.pad_axis(x, 1, n)
+    if random_kv_starts is not None:
+        r = jnp.asarray(random_kv_starts, jnp.int32)
+        r = jnp.broadcast_to(r, (N,) + r.shape[1:])
+        rp = common.next_pow2(r.shape[1])
+        ops["rand"] = jnp.pad(r, ((0, 0), (0, rp - r.shape[1]), (0, Tp - r.shape[2])), constant_values=-1)
+    return ops

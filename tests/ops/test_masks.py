@@ -138,6 +138,11 @@ def loop_pattern_mask(T, S, *, causal, window, glob, rblocks, offset, lengths, B
     return out
 
 
+def dense_heads(spec, T, S):
+    """``spec.dense_heads`` in one jitted program (eager op-by-op dispatch compiles every op)."""
+    return jax.jit(lambda s: s.dense_heads(T, S))(spec)
+
+
 pattern_specs = dict(
     T=st.integers(1, 24), S=st.integers(1, 24), B=st.integers(1, 2), causal=st.booleans(),
     left=st.one_of(st.none(), st.integers(0, 6)), right=st.one_of(st.none(), st.integers(0, 6)),
@@ -161,7 +166,7 @@ def _pattern_spec(T, S, B, causal, left, right, globals_kind, random_kind, offse
 def test_dense_heads_matches_pattern_definition(T, S, B, causal, left, right, globals_kind, random_kind, offset, seed):
     lengths = np.random.default_rng(seed + 1).integers(0, S + 1, (B,))
     spec, glob, rblocks = _pattern_spec(T, S, B, causal, left, right, globals_kind, random_kind, offset, seed, lengths)
-    got = np.broadcast_to(np.asarray(spec.dense_heads(T, S)), (B, spec.num_heads, T, S))
+    got = np.broadcast_to(np.asarray(dense_heads(spec, T, S)), (B, spec.num_heads, T, S))
     want = loop_pattern_mask(T, S, causal=causal, window=(left, right), glob=glob, rblocks=rblocks, offset=offset,
                              lengths=lengths, B=B, heads=spec.num_heads)
     np.testing.assert_array_equal(got, want)
@@ -174,7 +179,7 @@ def test_block_map_is_exact_with_patterns(bq, bk, T, S, B, causal, left, right, 
                                           seed):
     """Union over sequences (and heads): a block is live iff some element in it is allowed."""
     spec, _, _ = _pattern_spec(T, S, B, causal, left, right, globals_kind, random_kind, offset, seed)
-    dense = np.asarray(spec.dense_heads(T, S)).any(axis=0)  # [heads, T, S]
+    dense = np.asarray(dense_heads(spec, T, S)).any(axis=0)  # [heads, T, S]
     nq, nk = -(-T // bq), -(-S // bk)
 
     def blocks(d):

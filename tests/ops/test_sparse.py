@@ -1,4 +1,5 @@
-"""sparse_attention (Longformer / BigBird block-sparse path) against dense xla_attention under the same MaskSpec."""
+"""sparse_attention (Longformer / BigBird block-sparse path) against dense attention under the same MaskSpec:
+xla_attention, and float64 numpy with textbook gradients, forward and backward."""
 
 import math
 
@@ -16,6 +17,8 @@ from jaxformer.ops.sparse import global_query_rows, sparse_attention
 
 # fp32 on both sides, only the summation order differs: errors ~1e-6.
 TOL = dict(rtol=1e-5, atol=1e-5)
+# fp32 against float64: errors ~1e-6, a few times more through the backward pass.
+TOL64 = dict(rtol=2e-5, atol=2e-5)
 
 
 def rand(shape, seed):
@@ -40,11 +43,38 @@ def sparse_and_dense(q, k, v, masks, block_size=None, **kw):
     return run(q, k, v, ct)
 
 
-def assert_matches_dense(q, k, v, *masks, block_size=None, **kw):
-    for (got, got_g), (want, want_g) in sparse_and_dense(q, k, v, masks, block_size, **kw):
-        np.testing.assert_allclose(got, want, **TOL)
-        for name, g, w in zip("qkv", got_g, want_g):
-            np.testing.assert_allclose(g, w, **TOL, err_msg=f"d{name}")
+def float64_attention_and_grads(q, k, v, ct, allowed, q_pos, *, slopes=None, softcap=None):
+    """Dense attention and its gradients by the textbook formulas in float64 numpy (independent of JAX).
+
+    ``allowed`` bool ``[B|1, N|1, T, S]`` (``MaskSpec.dense_heads``), ``q_pos [T]`` absolute query positions.
+    """
+    q, k, v, ct = (np.asarray(x, np.float64) for x in (q, k, v, ct))
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    kr, vr = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+    scale = 1 / math.sqrt(H)
+    s = np.einsum("btnh,bsnh->bnts", q, kr) * scale
+    if softcap is not None:
+        tanh = np.tanh(s / softcap)
+        s = softcap * tanh
+    if slopes is not None:
+        s = s - np.asarray(slopes, np.float64)[None, :, None, None] * np.abs(q_pos[:, None] - np.arange(S)[None, :])
+    s = np.where(np.broadcast_to(allowed, s.shape), s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0))
+    denom = p.sum(-1, keepdims=True)
+    w = p / np.where(denom == 0, 1, denom)
+    out = np.einsum("bnts,bsnh->btnh", w, vr)
+    dw = np.einsum("btnh,bsnh->bnts", ct, vr)
+    ds = w * (dw - (dw * w).sum(-1, keepdims=True))
+    if softcap is not None:
+        ds = ds * (1 - tanh ** 2)
+    ds = ds * scale
+    dq = np.einsum("bnts,bsnh->btnh", ds, kr)
+    dk = np.einsum("bnts,btnh->bsnh", ds, q).reshape(B, S, K, G, H).sum(3)
+    dv = np.einsum("bnts,btnh->bsnh", w, ct).reshape(B, S, K, G, H).sum(3)
+    return out, (dq, dk, dv)
 
 
 @given(
@@ -60,7 +90,8 @@ def assert_matches_dense(q, k, v, *masks, block_size=None, **kw):
 def test_matches_dense_forward_and_gradients(B, T, S, K, G, block, causal, left, right, globals_kind,
                                              random_kind, random_block, num_random, use_len, use_seg,
                                              offset, use_alibi, softcap, seed):
-    """Window sizes, global positions, random seeds, ragged lengths, T != S, GQA, against dense attention."""
+    """Window sizes, global positions, random seeds, ragged lengths, T != S, GQA: dense float64 attention and
+    its textbook gradients under the same mask (``dense_heads``) are the reference."""
     rng = np.random.default_rng(seed)
     N = K * G
     glob = {"none": None,
@@ -75,8 +106,17 @@ def test_matches_dense_forward_and_gradients(B, T, S, K, G, block, causal, left,
         kv_segment_ids=rng.integers(0, 2, (B, S)) if use_seg else None,
     )
     q, k, v = rand((B, T, N, 8), seed), rand((B, S, K, 8), seed + 1), rand((B, S, K, 8), seed + 2)
+    ct = rand((B, T, N, 8), seed + 3)
     slopes = rng.uniform(0.05, 1.0, (N,)).astype(np.float32) if use_alibi else None
-    assert_matches_dense(q, k, v, mask, block_size=block, alibi_slopes=slopes, softcap=softcap)
+    run = jax.jit(lambda q, k, v, ct: (out_and_grads(sparse_attention, q, k, v, ct, mask=mask, block_size=block,
+                                                     alibi_slopes=slopes, softcap=softcap), mask.dense_heads(T, S)))
+    (got, got_g), allowed = run(q, k, v, ct)
+    q_pos = mask.static_offset(T, S) + np.arange(T)
+    want, want_g = float64_attention_and_grads(q, k, v, ct, np.asarray(allowed), q_pos,
+                                               slopes=slopes, softcap=softcap)
+    np.testing.assert_allclose(got, want, **TOL64)
+    for name, g, w in zip("qkv", got_g, want_g):
+        np.testing.assert_allclose(g, w, **TOL64, err_msg=f"d{name}")
 
 
 def test_bigbird_ragged_batch_with_an_empty_sequence():

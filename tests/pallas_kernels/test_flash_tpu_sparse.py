@@ -1,0 +1,158 @@
+"""The Mosaic (TPU) flash kernels on Longformer / BigBird masks (block-sparse lists), TPU interpret mode.
+
+Kernel operands come from ``jaxformer.ops.flash.pattern_operands`` (what
+``dot_product_attention(impl="pallas")`` passes); forward, dq, dk and dv are
+compared with the dense reference ``xla_attention`` under the same ``MaskSpec``
+(``dense_heads``), and the blocks the interpreter copies into VMEM are checked
+against ``MaskSpec.block_map``.
+"""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+# private: the TPU interpreter copies each input block into VMEM through `ipc.get`; we record them
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxformer.ops.attention import xla_attention
+from jaxformer.ops.flash import pattern_operands
+from jaxformer.ops.masks import MaskSpec, RandomBlocks
+from pallas_kernels.flash_attention.common import BlockSizes
+from pallas_kernels.flash_attention.tpu import flash_attention_tpu
+
+# fp32: kernel and reference differ only in summation order (values O(1)).
+TOL_F32 = dict(atol=2e-5, rtol=2e-5)
+
+
+def _inputs(key, B, T, S, N, K, H):
+    kq, kk, kv, kc = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (B, T, N, H), jnp.float32)
+    k = jax.random.normal(kk, (B, S, K, H), jnp.float32)
+    v = jax.random.normal(kv, (B, S, K, H), jnp.float32)
+    ct = jax.random.normal(kc, (B, T, N, H), jnp.float32)
+    return q, k, v, ct
+
+
+def _run(spec, q, k, v, ct, block_sizes, recorder=None, **logit_kw):
+    """(out, dq, dk, dv) of the kernel in TPU interpret mode, and of the dense reference."""
+    T, S = q.shape[1], k.shape[1]
+    ops = pattern_operands(spec, T, S)
+    kernel_kw = dict(causal=spec.causal, window=spec.window, kv_lengths=spec.kv_lengths,
+                     q_offset=spec.static_offset(T, S), block_sizes=block_sizes, **ops, **logit_kw)
+
+    def out_and_grads(f, q, k, v):
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(ct))
+
+    params = pltpu.InterpretParams(**({} if recorder is None else dict(grid_point_recorder=recorder)))
+    with pltpu.force_tpu_interpret_mode(params):
+        f = jax.jit(lambda *a: out_and_grads(lambda *b: flash_attention_tpu(*b, **kernel_kw), *a))
+        got = f.lower(q, k, v).compile({"xla_backend_optimization_level": 0})(q, k, v)
+    want = jax.jit(lambda *a: out_and_grads(lambda *b: xla_attention(*b, mask=spec, **logit_kw), *a))(q, k, v)
+    return got, want
+
+
+def _assert_close(got, want, tol):
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        g = np.asarray(g)
+        assert np.isfinite(g).all(), name
+        np.testing.assert_allclose(g, np.asarray(w), err_msg=name, **tol)
+
+
+def test_longformer_matches_dense_and_fetches_only_listed_blocks(monkeypatch):
+    """Window + per-sequence global tokens + unequal kv lengths, T not a multiple of the block.
+
+    Records every block the interpreter copies into VMEM: no kv block outside a q block's list
+    (``MaskSpec.block_map``, independent of the kernel's list building) is fetched in forward or
+    dq, no q block outside a kv block's column in dk/dv, and nothing at or past a sequence's
+    kv length. Grid points: forward + dq walk ``max live per row`` steps, dk/dv ``max per column``.
+    """
+    fetched = collections.defaultdict(list)  # (grid rank, input name) -> [(grid point, block index)]
+    real_get = ipc.get
+
+    def recording_get(*args, input_name=None, **kwargs):
+        if input_name is not None:
+            block, point = tuple(int(x) for x in args[6]), tuple(int(x) for x in args[7])
+            fetched[(len(point), input_name)].append((point, block))
+        return real_get(*args, input_name=input_name, **kwargs)
+
+    points = collections.Counter()
+
+    def record_point(token, point, core):
+        points[len(point)] += 1
+        return token
+
+    monkeypatch.setattr(ipc, "get", recording_get)
+    B, T, S, N, K, H, b = 2, 45, 45, 2, 1, 8, 8
+    lens = np.array([45, 21])
+    spec = MaskSpec(window=(4, 4), global_tokens=[[0, 19], [3, -1]], kv_lengths=jnp.asarray(lens))
+    live = spec.block_map(T, S, b, b)  # [6, 6]
+    assert (~live).sum() >= 8  # the test needs dead blocks
+    q, k, v, ct = _inputs(jax.random.key(11), B, T, S, N, K, H)
+    got, want = _run(spec, q, k, v, ct, BlockSizes(b, b), recorder=record_point,
+                     alibi_slopes=jnp.array([0.1, 0.3]), softcap=4.0)
+    _assert_close(got, want, TOL_F32)
+
+    cut = -(-lens // b)  # kv blocks at or past a sequence's length are never needed
+    kv_rows = collections.defaultdict(set)  # q block -> kv blocks copied (forward + dq)
+    for point, block in fetched[(4, "refs[1]")]:  # k; grid (b, n, q block, step), block (b, k, j, 0)
+        assert block[2] < cut[block[0]], (point, block)
+        kv_rows[point[2]].add(block[2])
+    q_cols = collections.defaultdict(set)  # kv block -> q blocks copied (dk/dv)
+    for point, block in fetched[(5, "refs[0]")]:  # q; grid (b, h, kv block, g, step)
+        q_cols[point[2]].add(block[2])
+    assert kv_rows and q_cols
+    for r, blocks in kv_rows.items():
+        assert blocks <= set(np.flatnonzero(live[r])), (r, blocks)
+    for c, blocks in q_cols.items():
+        assert blocks <= set(np.flatnonzero(live[:, c])), (c, blocks)
+    nq, nk = live.shape
+    assert points[4] == 2 * B * N * nq * live.sum(1).max()
+    assert points[5] == B * K * nk * N // K * live.sum(0).max()
+
+
+def test_bigbird_per_head_random_blocks_gqa_cross_lengths():
+    """BigBird: window + a global token + per-head random blocks (block 8) under GQA, T != S
+    (bottom-right offset), with dq/dkv tiles unlike the random block size."""
+    B, T, S, N, K, H = 1, 24, 40, 2, 1, 8
+    spec = MaskSpec(window=(3, 3), global_tokens=[2],
+                    random_blocks=RandomBlocks(num_blocks=2, block_size=8, seed=5, num_heads=N))
+    per_head = np.asarray(spec.dense_heads(T, S))[0]
+    assert (per_head[0] != per_head[1]).any()  # heads really differ
+    q, k, v, ct = _inputs(jax.random.key(12), B, T, S, N, K, H)
+    got, want = _run(spec, q, k, v, ct,
+                     BlockSizes(8, 8, block_q_dkv=16, block_k_dkv=8, block_q_dq=8, block_k_dq=16))
+    _assert_close(got, want, TOL_F32)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(q_global=np.zeros((1, 8), bool)), r"need a block_map"),
+    (dict(block_map=lambda bq, bk: np.ones((1, 3, 1), bool)), r"block_map\(8, 8\).shape=\(1, 3, 1\)"),
+    (dict(block_map=lambda bq, bk: np.ones((1, 1, 1), bool), random_kv_starts=np.zeros((3, 1, 8), np.int32),
+          random_block_size=8), r"random_kv_starts.shape=\(3, 1, 8\)"),
+])
+def test_bad_pattern_operands_raise_value_error(kwargs, match):
+    q = jnp.zeros((1, 8, 2, 8), jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        flash_attention_tpu(q, q, q, **kwargs)
+
+
+def test_pattern_lowers_to_mosaic_for_tpu():
+    """Export forward+backward with a per-head BigBird pattern for the TPU platform: the real Mosaic
+    lowering (SMEM lists, pattern blocks) runs on CPU with TPU-sized tiles."""
+    B, T, S, N, K, H = 1, 512, 512, 2, 1, 128
+    spec = MaskSpec(causal=True, window=(128, 0), global_tokens=[0, 300],
+                    random_blocks=RandomBlocks(num_blocks=2, block_size=128, seed=1, num_heads=N))
+    kw = dict(causal=True, window=spec.window, block_sizes=BlockSizes(128, 128), **pattern_operands(spec, T, S))
+    q = jnp.zeros((B, T, N, H), jnp.bfloat16)
+    k = jnp.zeros((B, S, K, H), jnp.bfloat16)
+
+    def fwd_bwd(q, k, v):
+        return jax.grad(lambda *a: jnp.sum(flash_attention_tpu(*a, **kw).astype(jnp.float32)),
+                        argnums=(0, 1, 2))(q, k, v)
+
+    exported = jax.export.export(jax.jit(fwd_bwd), platforms=["tpu"])(q, k, k)
+    assert exported.mlir_module().count("tpu_custom_call") == 3
