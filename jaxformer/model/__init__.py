@@ -1,12 +1,12 @@
 """ModelConfig, the Transformer (decoder-only, encoder, encoder-decoder), presets and sizing helpers."""
 
 from jaxformer.model import presets
-from jaxformer.model.config import ModelConfig, RopeScalingConfig
+from jaxformer.model.config import ModelConfig, RandomBlocksConfig, RopeScalingConfig
 from jaxformer.model.counting import count_params, flops_per_token, matmul_params
 from jaxformer.model.functional import abstract_init, apply, init
 from jaxformer.model.transformer import Transformer
 
 __all__ = [
-    "ModelConfig", "RopeScalingConfig", "Transformer", "abstract_init", "apply", "count_params",
+    "ModelConfig", "RandomBlocksConfig", "RopeScalingConfig", "Transformer", "abstract_init", "apply", "count_params",
     "flops_per_token", "init", "matmul_params", "presets",
 ]

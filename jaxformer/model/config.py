@@ -101,7 +101,8 @@ class ModelConfig(BaseModel):
     attention_window: tuple[int | None, int | None] | None = Field(
         None, description="self-attention band (left, right); None side: unbounded")
     global_tokens: tuple[int, ...] = Field((), description="Longformer global positions (needs attention_window)")
-    random_blocks: RandomBlocksConfig | None = Field(None, description="BigBird random blocks (needs attention_window)")
+    random_blocks: RandomBlocksConfig | None = Field(
+        None, description="BigBird random blocks (needs attention_window)")
     attn_softcap: float | None = Field(None, gt=0.0)
     logits_softcap: float | None = Field(None, gt=0.0)
     init_std: float = Field(0.02, gt=0.0)

@@ -88,7 +88,8 @@ def test_one_layer_output_sees_only_window_globals_and_random_blocks(name):
         row[j] = (row[j] + 11) % cfg.vocab_size
         return row
 
-    rows = [base, changed(far[0]), changed(far[-1]), changed(i - left), changed(0)] + [changed(j) for j in rand[:1]]
+    rows = [base, changed(far[0]), changed(far[-1]), changed(i - left), changed(0)]
+    rows += [changed(j) for j in rand[:1]]
     logits = jax.jit(lambda t: apply(gd, st, t))(jnp.asarray(np.stack(rows)))
     out = np.asarray(logits)
     # masked keys get weight exactly 0: the output at i is unchanged up to nothing but exact zeros
