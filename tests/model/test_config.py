@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from jaxformer.model import ModelConfig, abstract_init, count_params, flops_per_token, presets
+from jaxformer.model import ModelConfig, abstract_init, apply, count_params, flops_per_token, presets
 from jaxformer.model.transformer import Transformer
 from jaxformer.nn import LOGICAL_AXES
 from jaxformer.ops.positional import RopeScaling
@@ -165,3 +165,15 @@ def test_wrong_token_rank_and_dtype_raise():
     encdec = nnx.eval_shape(lambda: Transformer(presets.get("vaswani_tiny")))
     with pytest.raises(ValueError, match=r"model\(src_tokens, tgt_tokens\)"):
         nnx.eval_shape(lambda m, t: m(t), encdec, jax.ShapeDtypeStruct((2, 3), "int32"))
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_big_preset_forward_traces_under_jit(name):
+    """Full-size presets are too big to run here: trace init + jitted forward abstractly instead."""
+    cfg = presets.get(name, scan_layers=True)
+    graphdef, state = abstract_init(cfg)
+    tokens = jax.ShapeDtypeStruct((2, 16), jax.numpy.int32)
+    fwd = jax.jit(lambda state, tokens, *tgt: apply(graphdef, state, tokens, *tgt))
+    tgt = (tokens,) if cfg.kind == "encoder_decoder" else ()
+    out = jax.eval_shape(fwd, state, tokens, *tgt)
+    assert out.shape == (2, 16, cfg.vocab_size) and out.dtype == jax.numpy.float32
