@@ -221,7 +221,7 @@ def test_per_head_random_blocks_mask_each_head():
     np.testing.assert_allclose(got, want, **TOL)
 
 
-@pytest.mark.parametrize("impl, module", [("blockwise", "jaxformer.ops.blockwise"), ("pallas", "jaxformer.ops.flash")])
+@pytest.mark.parametrize("impl, module", [("blockwise", "jaxformer.ops.blockwise")])
 def test_paths_that_ignore_patterns_refuse_them(impl, module):
     if getattr(pytest.importorskip(module), "SUPPORTS_MASK_PATTERNS", False):
         pytest.skip(f"{module} handles global tokens and random blocks")

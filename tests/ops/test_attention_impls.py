@@ -59,14 +59,6 @@ def test_impls_agree(mask):
             assert _max_err(a, b) <= tol, f"{impl} {name}: {_max_err(a, b):.3g}"
 
 
-def test_pallas_attention_refuses_mask_patterns():
-    from jaxformer.ops.flash import pallas_attention
-
-    q, k, v, _ = _inputs(1, 8, 8, 2, 1, 8)
-    with pytest.raises(ValueError, match="does not handle MaskSpec.global_tokens"):
-        pallas_attention(q, k, v, mask=MaskSpec(window=(1, 1), global_tokens=[0]))
-
-
 STEPS = 3
 
 
