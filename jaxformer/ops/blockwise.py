@@ -198,7 +198,7 @@ def _blockwise_bwd(cfg, mask_def, res, do):
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
-    Tp, Sp = cfg.nq * cfg.bq, cfg.nk * cfg.bk
+    Tp = cfg.nq * cfg.bq
     qg, kp, vp = _grouped(q, k, v, cfg)
     qpos, q_seg, kv_seg, lengths = _mask_operands(mask, cfg)
     dog = _pad(do.astype(q.dtype), 1, Tp).reshape(B, Tp, K, G, H)
