@@ -8,7 +8,7 @@ import pytest
 
 from jaxformer.cli import main
 from jaxformer.train.metrics import read_metrics
-from tests.train.helpers import make_corpus, tiny_raw, write_config
+from tests.train.helpers import tiny_raw, write_config
 
 
 @pytest.fixture(scope="module")
