@@ -29,19 +29,25 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     i.add_argument("--devices", type=int, help="plan for this many devices (default: those present)")
 
-    g = sub.add_parser("generate", help="sample from a run's newest checkpoint (contiguous KV cache)")
+    g = sub.add_parser("generate", help="sample from a run's newest checkpoint (continuous-batching engine, paged KV cache)")
     add_generate_args(g)
     return p
 
 
 def add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("run_dir")
-    g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    g.add_argument("--prompts-file", help='one request per line: text, or JSON {"prompt": ..., "temperature": ...}; '
+                                          "writes one JSON line per request")
+    g.add_argument("--output", help="JSON lines output path (default: stdout)")
     g.add_argument("--max-new-tokens", type=int, default=200)
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int)
     g.add_argument("--top-p", type=float)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-pages", type=int, help="KV pages per layer (default: max-batch full-length sequences)")
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--max-batch", type=int, default=8)
 
 
 def cmd_train(args) -> int:
@@ -83,14 +89,28 @@ def cmd_info(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    """Print each prompt's continuation; kept as one function so the engine can extend it."""
-    from jaxformer.train.loop import generate_run
+    """Continue prompts on the continuous-batching engine over a paged KV cache."""
+    from jaxformer.decode.serve import read_prompts_file, run_prompts, write_jsonl
+    from jaxformer.train.loop import load_run
 
-    texts = generate_run(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    for text in texts:
-        print(text)
-    return 0
+    if not args.prompt and not args.prompts_file:
+        raise ValueError("generate: give --prompt TEXT (repeatable) or --prompts-file FILE")
+    cfg, trainer, params, tok, _ = load_run(args.run_dir)
+    if tok is None:
+        raise ValueError(f"{args.run_dir}: source='bin' has no text tokenizer to encode prompts")
+    prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+    records = run_prompts(trainer.graphdef, params, cfg.model, tok, prompts, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          num_pages=args.num_pages, page_size=args.page_size, max_batch=args.max_batch)
+    if args.prompts_file:
+        write_jsonl(records, args.output or sys.stdout)
+    else:
+        for r in records:
+            if r["error"] is None:
+                print(r["prompt"] + r["completion"])
+            else:
+                print(f"error: {r['error']}", file=sys.stderr)
+    return 1 if any(r["error"] for r in records) else 0
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "info": cmd_info, "generate": cmd_generate}

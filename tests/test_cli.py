@@ -53,6 +53,23 @@ def test_eval_info_generate(trained, capsys):
     assert "parameters" in info and "FLOPs/token" in info and "memory per device" in info
 
 
+def test_generate_prompts_file_writes_one_json_line_per_request(trained, tmp_path, capsys):
+    """Many prompts through the engine; a bad request fails alone, the others complete."""
+    _, run, _ = trained
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('def \n{"prompt": "class ", "temperature": 0.0, "max_new_tokens": 3}\n'
+                       '{"prompt": "import ", "top_p": 7.0}\n', encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    code = main(["generate", str(run), "--prompts-file", str(prompts), "--output", str(out),
+                 "--max-new-tokens", "4", "--max-batch", "2"])
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert code == 1  # one request was invalid
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    assert rows[0]["error"] is None and 0 < len(rows[0]["tokens"]) <= 4
+    assert rows[1]["error"] is None and len(rows[1]["tokens"]) <= 3 and rows[1]["prompt"] == "class "
+    assert rows[2]["error"] and "top_p" in rows[2]["error"]
+
+
 def test_info_on_a_config_uses_its_mesh(tmp_path, capsys):
     raw = tiny_raw(tmp_path, mesh={"data": 2, "fsdp": 2, "tensor": 2})
     cfg = write_config(tmp_path / "c.yaml", raw)

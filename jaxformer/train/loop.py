@@ -265,16 +265,5 @@ def evaluate_run(run_dir: str | Path, *, max_tokens: int | None = -1, compressor
     return {"step": int(meta["step"]), **ev}
 
 
-def generate_run(run_dir: str | Path, prompts: list[str], *, max_new_tokens: int = 200,
-                 temperature: float = 0.8, top_k: int | None = None, top_p: float | None = None,
-                 seed: int = 0) -> list[str]:
-    """Continue each prompt with a run's newest checkpoint; returns prompt + continuation per prompt."""
-    cfg, trainer, params, tok, _ = load_run(run_dir)
-    if tok is None:
-        raise ValueError(f"{run_dir}: source='bin' has no text tokenizer to encode prompts")
-    return [sample_text(trainer, params, tok, prompt=p, max_new_tokens=max_new_tokens, temperature=temperature,
-                        top_k=top_k, top_p=top_p, seed=seed + i) for i, p in enumerate(prompts)]
-
-
-__all__ = ["NonFiniteError", "compressor_bpb", "evaluate", "evaluate_run", "generate_run", "load_run",
+__all__ = ["NonFiniteError", "compressor_bpb", "evaluate", "evaluate_run", "load_run",
            "sample_text", "train"]
