@@ -15,18 +15,7 @@ import pytest
 
 from jaxformer.ops import MaskSpec, dot_product_attention
 from jaxformer.ops.losses import cross_entropy
-
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def jit_fast(fn, *args):
-    return jax.jit(fn).lower(*args).compile(FAST_COMPILE)(*args)
-
-
-def _inputs(B, T, S, N, K, H, seed=0):
-    rng = np.random.default_rng(seed)
-    return tuple(jnp.asarray(rng.standard_normal(s, np.float32))
-                 for s in ((B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H)))
+from tests.attention_helpers import attention_inputs as _inputs, jit_fast
 
 
 def _max_err(a, b):

@@ -14,31 +14,12 @@ from hypothesis import strategies as st
 
 from jaxformer.ops import MaskSpec, xla_attention
 from jaxformer.ops.blockwise import blockwise_attention
+from tests.attention_helpers import assert_close as _close, attention_inputs as _inputs, jit_fast
 
 # Tolerances relative to max(1, max|want|). fp32: same math as the dense path, different summation
 # order -> 1e-5 forward, 1e-4 gradients. bf16: p is rounded to bf16 before p @ v and the output is
 # bf16 (8-bit mantissa) -> 2e-2 forward, 4e-2 gradients.
 TOL = {jnp.float32: (1e-5, 1e-4), jnp.bfloat16: (2e-2, 4e-2)}
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def jit_fast(fn, *args):
-    return jax.jit(fn).lower(*args).compile(FAST_COMPILE)(*args)
-
-
-def _close(got, want, tol, what):
-    got = np.asarray(got).astype(np.float32)
-    want = np.asarray(want).astype(np.float32)
-    assert np.isfinite(got).all(), f"{what}: non-finite values"
-    err = np.abs(got - want).max(initial=0.0)
-    bound = tol * max(1.0, np.abs(want).max(initial=0.0))
-    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
-
-
-def _inputs(B, T, S, N, K, H, dtype=np.float32, seed=0):
-    rng = np.random.default_rng(seed)
-    shapes = ((B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H))
-    return tuple(jnp.asarray(rng.standard_normal(sh, np.float32).astype(dtype)) for sh in shapes)
 
 
 def check(shape, mask, *, dtype=jnp.float32, block_k=16, block_q=8, seed=0, **kw):

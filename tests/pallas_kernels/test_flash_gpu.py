@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from jaxformer.ops import MaskSpec, xla_attention
 from pallas_kernels.flash_attention import BlockSizes, flash_attention, reference
+from tests.attention_helpers import assert_close as _close, attention_inputs as _inputs, jit_fast
 
 # Tolerances, relative to max(1, max|want|):
 #   fp32: kernel and oracles differ only in summation order (online softmax, block sums) -> 1e-5 forward,
@@ -28,27 +29,6 @@ MIXED = BlockSizes(16, 32, block_q_dkv=32, block_k_dkv=16, block_q_dq=16, block_
 
 
 # Interpret-mode programs are large; XLA's cheapest CPU backend settings halve their compile time.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def jit_fast(fn, *args):
-    """Compile ``fn`` for ``args`` with FAST_COMPILE and run it."""
-    return jax.jit(fn).lower(*args).compile(FAST_COMPILE)(*args)
-
-
-def _close(got, want, tol, what):
-    got = np.asarray(got).astype(np.float32)
-    want = np.asarray(want).astype(np.float32)
-    assert np.isfinite(got).all(), f"{what}: non-finite values"
-    err = np.abs(got - want).max(initial=0.0)
-    bound = tol * max(1.0, np.abs(want).max(initial=0.0))
-    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
-
-
-def _inputs(B, T, S, N, K, H, dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    shapes = ((B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H))
-    return tuple(jnp.asarray(rng.standard_normal(sh, np.float32).astype(dtype)) for sh in shapes)
 
 
 def _spec(kw):

@@ -15,31 +15,13 @@ from jaxformer.ops.attention import dot_product_attention
 from jaxformer.ops.flash import pallas_attention
 from jaxformer.ops.masks import RandomBlocks
 from pallas_kernels.flash_attention import BlockSizes, flash_attention
+from tests.attention_helpers import assert_close as _close, attention_inputs as _inputs, jit_fast
 
 # fp32 throughout; kernel and oracle differ only in summation order (online softmax, block sums):
 # 1e-5 forward, 1e-4 gradients, relative to max(1, max|want|).
 TOL_FWD, TOL_GRAD = 1e-5, 1e-4
 MIXED = BlockSizes(16, 32, block_q_dkv=32, block_k_dkv=16, block_q_dq=16, block_k_dq=32)
 B16 = BlockSizes(16, 16, block_q_dkv=16, block_k_dkv=16, block_q_dq=16, block_k_dq=16)
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
-def jit_fast(fn, *args):
-    return jax.jit(fn).lower(*args).compile(FAST_COMPILE)(*args)
-
-
-def _close(got, want, tol, what):
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert np.isfinite(got).all(), f"{what}: non-finite values"
-    err = np.abs(got - want).max(initial=0.0)
-    bound = tol * max(1.0, np.abs(want).max(initial=0.0))
-    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
-
-
-def _inputs(B, T, S, N, K, H, seed=0):
-    rng = np.random.default_rng(seed)
-    shapes = ((B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H))
-    return tuple(jnp.asarray(rng.standard_normal(sh, np.float32)) for sh in shapes)
 
 
 def _fwd_bwd(attn):

@@ -24,6 +24,7 @@ from jaxformer.ops.masks import MaskSpec
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.flash_attention.common import BlockSizes
 from pallas_kernels.flash_attention.tpu import flash_attention_tpu
+from tests.attention_helpers import jit_fast
 
 # fp32: kernel and reference differ only in summation order.
 TOL_F32 = dict(atol=2e-5, rtol=2e-5)
@@ -68,15 +69,10 @@ def _kernel_and_ref(q, k, v, ct, *, block_sizes, via_api=False, **kw):
         return (out, *vjp(ct))
 
     with contextlib.nullcontext() if via_api else pltpu.force_tpu_interpret_mode():
-        got = _fast_compile(lambda *a: out_and_grads(ker, *a), q, k, v)
+        got = jit_fast(lambda *a: out_and_grads(ker, *a), q, k, v)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     want = jax.jit(lambda *a: out_and_grads(ref, *a))(*f32)
     return got, want
-
-
-def _fast_compile(f, *args):
-    """jit + run with XLA's backend optimisations off: the interpreted kernels compile ~30% faster."""
-    return jax.jit(f).lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
 
 
 def _assert_close(got, want, tol):
@@ -233,7 +229,7 @@ def test_dead_blocks_are_never_fetched(monkeypatch):
         return (out, *vjp(ct))
 
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(grid_point_recorder=record_point)):
-        got = _fast_compile(out_and_grads, q, k, v)
+        got = jit_fast(out_and_grads, q, k, v)
     want = jax.jit(jax.grad(lambda *a: jnp.vdot(xla_attention(*a, mask=spec), ct), argnums=(0, 1, 2)))(q, k, v)
     _assert_close(got[1:], want, TOL_F32)
 
