@@ -33,28 +33,13 @@ import subprocess
 import sys
 import time
 
+from procmem import proc_kb, reset_hwm
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU_TS = (1024, 2048, 4096, 8192, 16384)
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _proc_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return -1
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _time(fn, args, repeats: int) -> float:
@@ -97,10 +82,10 @@ def cpu_worker(case: dict) -> dict:
     compiled = jax.jit(fn).lower(q, k, v).compile()
     compile_s = time.perf_counter() - t0
     temp = compiled.memory_analysis().temp_size_in_bytes
-    hwm_ok = _reset_hwm()
-    rss0 = _proc_kb("VmRSS")
+    hwm_ok = reset_hwm()
+    rss0 = proc_kb("VmRSS")
     seconds = _time(compiled, (q, k, v), case["repeats"])
-    rss_peak = (_proc_kb("VmHWM") - rss0) * 1024 if hwm_ok else -1
+    rss_peak = (proc_kb("VmHWM") - rss0) * 1024 if hwm_ok else -1
     return dict(case, seconds=seconds, temp_bytes=temp, rss_bytes=rss_peak, compile_s=compile_s)
 
 

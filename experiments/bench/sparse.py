@@ -31,28 +31,13 @@ import subprocess
 import sys
 import time
 
+from procmem import proc_kb, reset_hwm
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TS = (1024, 2048, 4096, 8192, 16384)
 WORKLOADS = ("longformer", "bigbird")
 IMPLS = ("sparse", "dense", "blockwise")
 MODES = ("fwd", "fwd+bwd")
-
-
-def _proc_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return -1
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 DESCRIBE = {
@@ -98,15 +83,15 @@ def worker(case: dict) -> dict:
     temp = compiled.memory_analysis().temp_size_in_bytes
     if temp > case["mem_limit_gb"] * 2**30:
         return dict(case, temp_bytes=temp, compile_s=compile_s, skipped=f"temp {temp / 2**30:.1f} GiB > limit")
-    hwm_ok = _reset_hwm()
-    rss0 = _proc_kb("VmRSS")
+    hwm_ok = reset_hwm()
+    rss0 = proc_kb("VmRSS")
     jax.block_until_ready(compiled(q, k, v))
     times = []
     for _ in range(case["repeats"]):
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(q, k, v))
         times.append(time.perf_counter() - t0)
-    rss = (_proc_kb("VmHWM") - rss0) * 1024 if hwm_ok else -1
+    rss = (proc_kb("VmHWM") - rss0) * 1024 if hwm_ok else -1
     return dict(case, seconds=statistics.median(times), temp_bytes=temp, rss_bytes=rss, compile_s=compile_s)
 
 
