@@ -59,9 +59,6 @@ def check_slopes(alibi_slopes, B: int, N: int):
     return slopes
 
 
-_check_slopes = check_slopes
-
-
 def check_mask_heads(mask: MaskSpec, N: int) -> None:
     if mask.num_heads not in (1, N):
         raise ValueError(f"MaskSpec.random_blocks.num_heads={mask.num_heads} does not match the query heads N={N}")

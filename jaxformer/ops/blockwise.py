@@ -68,8 +68,6 @@ def _mask_operands(mask: MaskSpec, cfg: _Cfg):
     Tp = cfg.nq * cfg.bq
     qpos = mask.q_positions(cfg.T, cfg.S)[:, :1] + jnp.arange(Tp, dtype=jnp.int32)[None, :]
     kv_seg = mask.resolved_kv_segment_ids(cfg.T, cfg.S)
-    if kv_seg is not None and mask.q_segment_ids is None:
-        raise ValueError("MaskSpec: kv_segment_ids given without q_segment_ids")
     q_seg = None if mask.q_segment_ids is None else _pad(jnp.asarray(mask.q_segment_ids), 1, Tp)
     kv_seg = None if kv_seg is None else _pad(jnp.asarray(kv_seg), 1, cfg.nk * cfg.bk)
     lengths = None if mask.kv_lengths is None else jnp.asarray(mask.kv_lengths, jnp.int32)

@@ -41,8 +41,6 @@ def pallas_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float | No
     from pallas_kernels.flash_attention import flash_attention
 
     kv_seg = mask.resolved_kv_segment_ids(T, S)
-    if kv_seg is not None and mask.q_segment_ids is None:
-        raise ValueError("MaskSpec: kv_segment_ids given without q_segment_ids")
     return flash_attention(
         q, k, v,
         causal=mask.causal,

@@ -262,7 +262,12 @@ class MaskSpec:
         return self.has_pattern and self.window is not None and self.window != (None, None)
 
     def resolved_kv_segment_ids(self, T: int, S: int):
+        """Key segment ids ``[B, S]`` (the query ids when only those are given and T == S), or None."""
         if self.kv_segment_ids is not None:
+            if self.q_segment_ids is None:
+                raise ValueError(
+                    f"MaskSpec: kv_segment_ids {_shape(self.kv_segment_ids)} given without q_segment_ids"
+                )
             return self.kv_segment_ids
         if self.q_segment_ids is not None:
             if T != S:
@@ -286,8 +291,7 @@ class MaskSpec:
                 f"MaskSpec.kv_segment_ids.shape={_shape(self.kv_segment_ids)} does not match "
                 f"k's (B, S)=({B}, {S})"
             )
-        if self.kv_segment_ids is None and self.q_segment_ids is not None and T != S:
-            self.resolved_kv_segment_ids(T, S)
+        self.resolved_kv_segment_ids(T, S)  # raises on ids given for one side only
         if self.kv_lengths is not None and _shape(self.kv_lengths) != (B,):
             raise ValueError(
                 f"MaskSpec.kv_lengths.shape={_shape(self.kv_lengths)} does not match batch B={B}"
@@ -350,9 +354,7 @@ class MaskSpec:
                 band = band | jnp.asarray(self._random_dense(T, S))[None]
             allowed = allowed & band
         kv_seg = self.resolved_kv_segment_ids(T, S)
-        if self.q_segment_ids is not None or kv_seg is not None:
-            if self.q_segment_ids is None:
-                raise ValueError("MaskSpec: kv_segment_ids given without q_segment_ids")
+        if kv_seg is not None:
             allowed = allowed & (
                 jnp.asarray(self.q_segment_ids)[:, None, :, None] == jnp.asarray(kv_seg)[:, None, None, :]
             )

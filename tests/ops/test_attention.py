@@ -221,13 +221,10 @@ def test_per_head_random_blocks_mask_each_head():
     np.testing.assert_allclose(got, want, **TOL)
 
 
-@pytest.mark.parametrize("impl, module", [("blockwise", "jaxformer.ops.blockwise")])
-def test_paths_that_ignore_patterns_refuse_them(impl, module):
-    if getattr(pytest.importorskip(module), "SUPPORTS_MASK_PATTERNS", False):
-        pytest.skip(f"{module} handles global tokens and random blocks")
+def test_blockwise_refuses_mask_patterns():
     q = k = v = jnp.zeros((1, 8, 2, 8))
-    with pytest.raises(ValueError, match=f"impl='{impl}' does not handle MaskSpec.global_tokens"):
-        dot_product_attention(q, k, v, mask=MaskSpec(window=(2, 2), global_tokens=[0]), impl=impl)
+    with pytest.raises(ValueError, match="impl='blockwise' does not handle MaskSpec.global_tokens"):
+        dot_product_attention(q, k, v, mask=MaskSpec(window=(2, 2), global_tokens=[0]), impl="blockwise")
 
 
 def test_auto_picks_sparse_for_long_patterned_masks():

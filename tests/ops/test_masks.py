@@ -102,6 +102,15 @@ def test_validate_names_shapes(kwargs, match):
         MaskSpec(**kwargs).validate(2, 4, 6)
 
 
+@pytest.mark.parametrize("impl", ["xla", "blockwise", "pallas"])
+def test_kv_segments_without_q_segments_are_refused_by_every_path(impl):
+    from jaxformer.ops import dot_product_attention
+
+    q = k = v = np.zeros((2, 4, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"kv_segment_ids \(2, 4\) given without q_segment_ids"):
+        dot_product_attention(q, k, v, mask=MaskSpec(kv_segment_ids=np.zeros((2, 4))), impl=impl)
+
+
 def test_q_segments_without_kv_segments_need_square():
     with pytest.raises(ValueError, match="T=4 != S=6"):
         MaskSpec(q_segment_ids=np.zeros((2, 4))).validate(2, 4, 6)

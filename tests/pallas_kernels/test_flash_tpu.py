@@ -266,15 +266,19 @@ def test_lowers_to_mosaic_for_tpu(features):
                   alibi_slopes=jnp.ones((N,)), softcap=5.0)
     else:
         T, S, kw = 1000, 1500, {}
-    q = jnp.zeros((B, T, N, H), jnp.bfloat16)
-    k = jnp.zeros((B, S, K, H), jnp.bfloat16)
+    assert mosaic_custom_calls((B, T, N, H), (B, S, K, H), kw) == 3
+
+
+def mosaic_custom_calls(q_shape, k_shape, kw) -> int:
+    """Export forward+backward of flash_attention_tpu(**kw) for the TPU platform (the real Mosaic
+    lowering, run on CPU); the number of Mosaic kernels in the module (3: fwd, dq, dk/dv)."""
+    q, k = jnp.zeros(q_shape, jnp.bfloat16), jnp.zeros(k_shape, jnp.bfloat16)
 
     def fwd_bwd(q, k, v):
         return jax.grad(lambda *a: jnp.sum(flash_attention_tpu(*a, **kw).astype(jnp.float32)),
                         argnums=(0, 1, 2))(q, k, v)
 
-    exported = jax.export.export(jax.jit(fwd_bwd), platforms=["tpu"])(q, k, k)
-    assert exported.mlir_module().count("tpu_custom_call") == 3
+    return jax.export.export(jax.jit(fwd_bwd), platforms=["tpu"])(q, k, k).mlir_module().count("tpu_custom_call")
 
 
 # --------------------------------------------------------------------------- bad input
