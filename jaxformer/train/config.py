@@ -71,8 +71,16 @@ class DataConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    """AdamW, gradient clipping, accumulation and which parameters get weight decay."""
+    """AdamW or Muon, gradient clipping, accumulation and which parameters get weight decay.
 
+    ``name: muon`` orthogonalises the momentum of every hidden weight matrix
+    (attention and MLP projections; Newton-Schulz, Jordan et al. 2024) and keeps
+    AdamW for embeddings, the LM head, norms and biases. Its updates are scaled
+    to AdamW's RMS (``muon_rms``; Liu et al. 2025), so both groups share ``lr``,
+    the schedule and ``weight_decay``.
+    """
+
+    name: Literal["adamw", "muon"] = "adamw"
     lr: float = Field(1e-3, ge=0.0)
     b1: float = Field(0.9, ge=0.0, lt=1.0)
     b2: float = Field(0.95, ge=0.0, lt=1.0)
@@ -84,6 +92,8 @@ class OptimizerConfig(_Section):
     clip_norm: float | None = Field(1.0, gt=0.0)
     grad_accum: int = Field(1, ge=1, description="micro-batches per step (batch_size must divide)")
     z_loss: float = Field(0.0, ge=0.0)
+    muon_momentum: float = Field(0.95, ge=0.0, lt=1.0, description="name='muon': Nesterov momentum")
+    muon_rms: float = Field(0.2, gt=0.0, description="name='muon': update RMS per unit lr (AdamW's is ~0.2)")
 
 
 class ScheduleConfig(_Section):
@@ -156,6 +166,8 @@ class EvalConfig(_Section):
     max_tokens: int | None = Field(65536, gt=0, description="validation tokens per evaluation (None: all)")
     final_max_tokens: int | None = Field(None, gt=0, description="the final evaluation (None: all)")
     batch_size: int | None = Field(None, gt=0, description="None: the training batch size")
+    stride: int | None = Field(None, gt=0, description="sliding-window evaluation: windows of seq_len "
+                               "tokens this far apart, each scoring its last `stride` (None: seq_len, no overlap)")
     compare_compressors: bool = Field(False, description="report gzip -9 / xz -9e bits per byte too")
     sample: SampleConfig | None = None
 
@@ -197,6 +209,8 @@ class ExperimentConfig(_Section):
         accum = self.optimizer.grad_accum
         if self.batch_size % accum:
             raise ValueError(f"batch_size={self.batch_size} not divisible by optimizer.grad_accum={accum}")
+        if self.eval.stride is not None and self.eval.stride > self.seq_len:
+            raise ValueError(f"eval.stride={self.eval.stride} exceeds seq_len={self.seq_len}")
         return self
 
 

@@ -75,7 +75,7 @@ def _eval_set(cfg: C.ExperimentConfig, corpus, max_tokens):
     if len(corpus.val_stream) < 2:
         return None
     return eval_windows(corpus.val_stream, seq_len=cfg.seq_len, tokenizer=corpus.tokenizer,
-                        max_tokens=max_tokens)
+                        max_tokens=max_tokens, stride=cfg.eval.stride)
 
 
 def _eval_batch(cfg: C.ExperimentConfig, mesh) -> int:

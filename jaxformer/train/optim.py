@@ -1,4 +1,4 @@
-"""The optimiser: AdamW with a weight-decay mask, warmup + cosine/linear decay, global-norm clipping.
+"""The optimiser: AdamW (or Muon + AdamW) with a weight-decay mask, warmup + cosine/linear decay, clipping.
 
 Gradient accumulation lives in the train step (a scan over micro-batches), so
 the optimiser sees one summed gradient per step. Parameters are classified by
@@ -58,12 +58,54 @@ def decay_mask(params, opt: OptimizerConfig):
     return jax.tree_util.tree_map_with_path(lambda p, _: allowed[param_kind(p)], params)
 
 
+# How many trailing axes of each hidden matrix are its input (reduction) and output axes; leading
+# axes beyond them (the ``layers`` axis of scanned stacks) are batch axes, orthogonalised one by one.
+_MATRIX_AXES = {"w_q": (1, 2), "w_k": (1, 2), "w_v": (1, 2), "w_o": (2, 1)}
+
+
+def muon_dimensions(params):
+    """Per leaf: ``MuonDimensionNumbers`` for hidden weight matrices (``w_*``), None for the rest.
+
+    Embeddings, the LM head (``kernel``), norms and biases get None: Muon is for
+    the matrices between hidden states, AdamW keeps the others.
+    """
+    def dims(path, x):
+        names = [_key_name(k) for k in path if _key_name(k) != "value"]
+        leaf = names[-1] if names else ""
+        if param_kind(path) != "weight" or not leaf.startswith("w_"):
+            return None
+        n_in, n_out = _MATRIX_AXES.get(leaf, (1, 1))
+        lead = len(x.shape) - n_in - n_out
+        if lead < 0:
+            return None
+        return optax.contrib.MuonDimensionNumbers(tuple(range(lead, lead + n_in)),
+                                                  tuple(range(lead + n_in, len(x.shape))))
+    return jax.tree_util.tree_map_with_path(dims, params)
+
+
+def _muon(opt: OptimizerConfig, schedule, params):
+    dims = muon_dimensions(params)
+    labels = jax.tree.map(lambda d: "adam" if d is None else "muon", dims,
+                          is_leaf=lambda d: d is None or isinstance(d, optax.contrib.MuonDimensionNumbers))
+    muon = optax.contrib.muon(
+        schedule, beta=opt.muon_momentum, eps=opt.eps, weight_decay=opt.weight_decay,
+        consistent_rms=opt.muon_rms, nesterov=True,
+        # Inside the partition this sees only the Muon leaves (the rest are masked nodes).
+        muon_weight_dimension_numbers=lambda p: muon_dimensions(p))
+    adam = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+                       mask=decay_mask(params, opt))
+    return optax.partition({"muon": muon, "adam": adam}, labels)
+
+
 def make_optimizer(opt: OptimizerConfig, sched: ScheduleConfig, total_steps: int, params):
-    """``(optax transformation, schedule)`` for ``params`` (used only for the decay mask's structure)."""
+    """``(optax transformation, schedule)`` for ``params`` (used only for their structure and shapes)."""
     schedule = make_schedule(opt, sched, total_steps)
     parts = []
     if opt.clip_norm is not None:
         parts.append(optax.clip_by_global_norm(opt.clip_norm))
-    parts.append(optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
-                             mask=decay_mask(params, opt)))
+    if opt.name == "muon":
+        parts.append(_muon(opt, schedule, params))
+    else:
+        parts.append(optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+                                 mask=decay_mask(params, opt)))
     return optax.chain(*parts), schedule

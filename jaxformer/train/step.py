@@ -57,6 +57,24 @@ def _model_loss(graphdef, params, batch, z_loss: float):
     return loss * n, (m["ce"] * n, n)
 
 
+def opt_state_shardings(abstract_opt, abstract_params, param_shardings, default):
+    """Each optimiser-state leaf sharded like the parameter whose key path ends its own (same shape).
+
+    Moments of every optax transformation (partitioned or masked ones included)
+    sit at ``<state path>/<param path>``; scalars such as step counts get ``default``.
+    """
+    by_path = {tuple(path): (tuple(a.shape), sh) for (path, a), sh in zip(
+        jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree.leaves(param_shardings))}
+
+    def pick(path, leaf):
+        for i in range(len(path)):
+            hit = by_path.get(tuple(path[i:]))
+            if hit is not None and hit[0] == tuple(leaf.shape):
+                return hit[1]
+        return default
+    return jax.tree_util.tree_map_with_path(pick, abstract_opt)
+
+
 def make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
     """Build the optimiser, shardings and jitted functions for ``cfg`` on ``mesh``.
 
@@ -90,8 +108,7 @@ def _make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
     p_sh = shd.param_shardings(abstract_params, shd.logical_axes(abstract_model), mesh)
     repl = shd.replicated(mesh)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    o_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, p_sh,
-                                 transform_non_params=lambda _: repl)
+    o_sh = opt_state_shardings(abstract_opt, abstract_params, p_sh, repl)
     state_sh = {"params": p_sh, "opt_state": o_sh, "step": repl, "rng": repl}
 
     def build(key):

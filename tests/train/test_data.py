@@ -191,3 +191,35 @@ def test_bad_paths(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no files match"):
         D.build_corpus(C.DataConfig(source="text", path=str(tmp_path / "empty")))
+
+
+@pytest.mark.parametrize("stride", [1, 5, 16])
+def test_sliding_eval_windows_score_every_token_once_with_context(corpus, stride):
+    """Strided windows: each stream token a target exactly once, with >= T - stride tokens of context.
+
+    Context is counted independently from the stream: a target at stream index i is predicted from
+    min(its position in its document + 1, T - stride + 1) or more inputs of its own document.
+    """
+    tok = corpus.tokenizer
+    T = 16
+    stream = corpus.val_stream
+    ev = D.eval_windows(stream, seq_len=T, tokenizer=tok, stride=stride)
+    np.testing.assert_array_equal(ev.target_ids(), stream[1:][stream[1:] != tok.bos_id])
+    bos = np.flatnonzero(stream == tok.bos_id)
+    doc_pos = np.arange(len(stream)) - bos[np.searchsorted(bos, np.arange(len(stream)), side="right") - 1]
+    scored_at, r0 = [], 0
+    for b in ev.batches(7):
+        for r in range(len(b["inputs"])):
+            if r0 + r >= len(ev.rows):
+                assert not b["mask"][r].any()  # padding rows score nothing
+                continue
+            for j in np.flatnonzero(b["mask"][r]):
+                i = (r0 + r) * stride + j  # stream index of the input token
+                assert b["inputs"][r, j] == stream[i] and b["targets"][r, j] == stream[i + 1]
+                assert b["positions"][r, j] + 1 >= min(doc_pos[i] + 1, T - stride + 1), (r0 + r, j)
+                scored_at.append(i + 1)
+        r0 += len(b["inputs"])
+    want = np.arange(1, len(stream))
+    np.testing.assert_array_equal(scored_at, want[stream[1:] != tok.bos_id])
+    with pytest.raises(ValueError, match="stride"):
+        D.eval_windows(stream, seq_len=T, tokenizer=tok, stride=T + 1)

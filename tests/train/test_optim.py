@@ -117,3 +117,94 @@ def test_bf16_compute_scan_and_remat_keep_fp32_master_params(tmp_path):
     # scanned layers draw their weights differently, so the two losses agree only at the scale of an
     # untrained model (~ln V); 2e-2 relative covers that and bf16 rounding, and catches NaN/garbage
     assert np.isfinite(got["grad_norm"]) and got["loss"] == pytest.approx(ref["loss"], rel=2e-2)
+
+
+# -- Muon -------------------------------------------------------------------------------------
+
+def _polar(g: np.ndarray) -> np.ndarray:
+    """U V^T of ``g = U S V^T`` (float64 SVD): the matrix Muon's Newton-Schulz iteration approximates."""
+    u, _, vt = np.linalg.svd(g.astype(np.float64), full_matrices=False)
+    return u @ vt
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_muon_dimensions_classify_every_parameter(scan):
+    from optax.contrib import MuonDimensionNumbers as Dims
+
+    from jaxformer.train.optim import muon_dimensions
+    cfg = presets.get("gpt2_tiny", scan_layers=scan, tie_embeddings=False)  # biases, norms, positions, head
+    _, state = abstract_init(cfg)
+    params = nnx.to_pure_dict(state)
+    dims = muon_dimensions(params)
+    flat = {"/".join(str(getattr(k, "key", k)) for k in p): d for p, d in
+            jax.tree_util.tree_flatten_with_path(dims, is_leaf=lambda d: d is None or isinstance(d, Dims))[0]}
+    blk = "decoder/blocks/" + ("" if scan else "0/")
+    s = 1 if scan else 0  # the stacked layers axis is a batch axis
+    assert flat[blk + "self_attn/w_q"] == Dims((s,), (s + 1, s + 2))
+    assert flat[blk + "self_attn/w_v"] == Dims((s,), (s + 1, s + 2))
+    assert flat[blk + "self_attn/w_o"] == Dims((s, s + 1), (s + 2,))
+    assert flat[blk + "mlp/w_in"] == Dims((s,), (s + 1,)) and flat[blk + "mlp/w_out"] == Dims((s,), (s + 1,))
+    for adam in ("embed/embedding", "pos_embed/embedding", "head/kernel", "decoder/final_norm/scale",
+                 blk + "self_attn/b_q", blk + "mlp/b_in"):
+        assert flat[adam] is None, adam
+
+
+def test_muon_update_is_the_orthogonalised_gradient_and_adamw_elsewhere():
+    """First Muon step on [D, N, H] / [N, H, D] / [L, D, F] weights: -lr (c * polar(G) + wd * W), per matrix.
+
+    polar(G) = U V^T from a float64 SVD of the gradient reshaped as Muon's dimension numbers say;
+    c = muon_rms * sqrt(max(fan_in, fan_out)). Newton-Schulz (5 quintic steps) only approximates
+    U V^T: its singular values land in about [0.7, 1.2], so the check is a cosine >= 0.97 with
+    U V^T and every singular value in [0.5, 1.5]. Embeddings and norms get AdamW's first step.
+    """
+    opt_cfg = C.OptimizerConfig(name="muon", lr=1e-2, clip_norm=None, weight_decay=0.1, b1=0.9, b2=0.95)
+    rng = np.random.default_rng(0)
+    shapes = {"attn": {"w_q": (16, 2, 4), "w_o": (2, 4, 16)}, "mlp": {"w_up": (3, 16, 24)},
+              "embed": {"embedding": (10, 16)}, "norm": {"scale": (16,)}}
+    params = {k: {n: rng.normal(size=s).astype(np.float32) for n, s in d.items()} for k, d in shapes.items()}
+    grads = {k: {n: rng.normal(size=s).astype(np.float32) for n, s in d.items()} for k, d in shapes.items()}
+    opt, _ = make_optimizer(opt_cfg, C.ScheduleConfig(kind="constant"), 10, params)
+    updates, _ = jax.jit(opt.update)(grads, opt.init(params), params)
+
+    def matrices(name, x):  # the matrices Muon orthogonalises, as float64 [.., fan_in, fan_out]
+        x = np.asarray(x, np.float64)
+        return {"w_q": lambda: [x.reshape(16, 8)], "w_o": lambda: [x.reshape(8, 16)],
+                "w_up": lambda: list(x)}[name]()
+
+    for k, n in (("attn", "w_q"), ("attn", "w_o"), ("mlp", "w_up")):
+        direction = -(np.asarray(updates[k][n], np.float64) / 1e-2 + 0.1 * params[k][n])
+        for o, g in zip(matrices(n, direction), matrices(n, grads[k][n])):
+            o = o / (0.2 * np.sqrt(max(o.shape)))
+            p = _polar(g)
+            cos = np.sum(o * p) / (np.linalg.norm(o) * np.linalg.norm(p))
+            sv = np.linalg.svd(o, compute_uv=False)
+            assert cos >= 0.97, (n, cos)
+            assert 0.5 <= sv.min() and sv.max() <= 1.5, (n, sv)
+    for k, n, decay in (("embed", "embedding", False), ("norm", "scale", False)):
+        g = grads[k][n].astype(np.float64)
+        want = -1e-2 * (g / (np.abs(g) + 1e-8))  # Adam's bias-corrected first step, no decay on these
+        np.testing.assert_allclose(np.asarray(updates[k][n]), want, rtol=1e-5, atol=1e-7, err_msg=f"{k}/{n}")
+
+
+def test_muon_trains_on_a_sharded_mesh_like_one_device(tmp_path):
+    corpus_dir = make_corpus(tmp_path / "c")
+    cfg = tiny_config(corpus_dir, model={"d_model": 64, "n_heads": 4, "n_kv_heads": 2},
+                      optimizer={"name": "muon", "lr": 1e-2})
+    corpus = D.build_corpus(cfg.data)
+    it = D.TrainIterator(corpus, seq_len=32, batch_size=8, seed=0)
+    batches = [next(it) for _ in range(4)]
+    one = S.make_mesh(C.MeshConfig(data=1), jax.devices()[:1])
+    init = jax.device_get(make_trainer(cfg, one).init_state())
+    runs = {}
+    for name, mesh in (("one", one), ("2x2x2", S.make_mesh(C.MeshConfig(data=2, fsdp=2, tensor=2)))):
+        tr = make_trainer(cfg, mesh)
+        state = jax.device_put(init, tr.state_shardings)
+        runs[name] = []
+        for b in batches:
+            state, m = tr.train_step(state, S.put_batch(b, mesh))
+            runs[name].append(float(m["loss"]))
+    # fp32 reductions (and Newton-Schulz matmuls) split across devices: 1e-4 relative over 4 steps
+    np.testing.assert_allclose(runs["2x2x2"], runs["one"], rtol=1e-4)
+    assert runs["one"][-1] < runs["one"][0]  # it learns
+    w_up = state["params"]["decoder"]["blocks"][0]["mlp"]["w_up"]
+    assert w_up.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
