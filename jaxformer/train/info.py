@@ -2,8 +2,9 @@
 
 Memory per device (bytes), from the shapes alone (nothing is allocated):
 
-* parameters, gradients (parameter dtype) and AdamW's two moments (fp32), each
-  leaf divided by the number of shards :mod:`~jaxformer.train.sharding` gives it;
+* parameters, gradients (parameter dtype) and the optimiser's moments (fp32: two
+  per AdamW leaf, one per Muon matrix), each leaf divided by the number of
+  shards :mod:`~jaxformer.train.sharding` gives it;
 * activations kept for the backward pass, rough: per layer and local token,
   ``(12 D + (3 if gated else 2) F) / tensor`` compute-dtype values plus the fp32
   attention probabilities ``N T / tensor``; with ``remat`` only each block's
@@ -23,18 +24,23 @@ from jaxformer.model import ModelConfig, abstract_init, count_params, flops_per_
 from jaxformer.nn.params import as_dtype
 from jaxformer.train import sharding as shd
 from jaxformer.train.config import ExperimentConfig
+from jaxformer.train.optim import muon_dimensions
 
 
-def _sharded_bytes(abstract_params, axes_tree, mesh_shape: dict, itemsize: int | None = None) -> int:
+def _sharded_bytes(abstract_params, axes_tree, mesh_shape: dict, itemsize: int | None = None,
+                   copies=None) -> int:
+    """Bytes per device of the leaves; ``copies``: a list with each leaf's number of copies (default 1)."""
     total = 0
-    for a, ax in zip(jax.tree.leaves(abstract_params), jax.tree.leaves(axes_tree, is_leaf=_is_axes)):
+    leaves = zip(jax.tree.leaves(abstract_params), jax.tree.leaves(axes_tree, is_leaf=_is_axes))
+    for i, (a, ax) in enumerate(leaves):
         spec = shd.spec_for(ax, tuple(a.shape), mesh_shape)
         shards = 1
         for entry in spec:
             for name in (entry if isinstance(entry, tuple) else (entry,)):
                 if name is not None:
                     shards *= mesh_shape[name]
-        total += math.prod(a.shape) * (itemsize or np.dtype(a.dtype).itemsize) // shards
+        n = 1 if copies is None else copies[i]
+        total += n * math.prod(a.shape) * (itemsize or np.dtype(a.dtype).itemsize) // shards
     return total
 
 
@@ -42,15 +48,23 @@ def _is_axes(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(e, (str, type(None))) for e in x)
 
 
+def _moments(params, optimizer: str) -> list[int]:
+    """fp32 moments per leaf: AdamW keeps two, Muon one (its matrices; AdamW for the rest)."""
+    if optimizer != "muon":
+        return [2] * len(jax.tree.leaves(params))
+    dims = jax.tree.leaves(muon_dimensions(params), is_leaf=lambda d: d is None or hasattr(d, "reduction_axis"))
+    return [2 if d is None else 1 for d in dims]
+
+
 def describe(model: ModelConfig, *, mesh_shape: dict, batch_size: int, seq_len: int,
-             grad_accum: int = 1) -> dict:
+             grad_accum: int = 1, optimizer: str = "adamw") -> dict:
     """Sizes and the memory estimate (bytes per device) as a dict."""
     _, abstract = abstract_init(model)
     params = nnx.to_pure_dict(abstract)
     axes = shd.logical_axes(abstract)
     n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(params))
     p_bytes = _sharded_bytes(params, axes, mesh_shape)
-    opt_bytes = 2 * _sharded_bytes(params, axes, mesh_shape, itemsize=4)
+    opt_bytes = _sharded_bytes(params, axes, mesh_shape, itemsize=4, copies=_moments(params, optimizer))
     b_local = max(1, batch_size // grad_accum // (mesh_shape["data"] * mesh_shape["fsdp"]))
     tp = mesh_shape["tensor"]
     D, F, N, V, L = (model.d_model, model.resolved_d_ff, model.n_heads, model.vocab_size, model.n_layers)
@@ -73,6 +87,7 @@ def describe(model: ModelConfig, *, mesh_shape: dict, batch_size: int, seq_len: 
         "bytes_activations": int(act),
         "bytes_total": int(2 * p_bytes + opt_bytes + act),
         "batch_per_device": b_local,
+        "optimizer": optimizer,
         "seq_len": seq_len,
     }
 
@@ -81,7 +96,8 @@ def describe_experiment(cfg: ExperimentConfig, n_devices: int | None = None) -> 
     n = jax.device_count() if n_devices is None else n_devices
     data, fsdp, tensor = cfg.mesh.shape(n)
     return describe(cfg.model, mesh_shape={"data": data, "fsdp": fsdp, "tensor": tensor},
-                    batch_size=cfg.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.optimizer.grad_accum)
+                    batch_size=cfg.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.optimizer.grad_accum,
+                    optimizer=cfg.optimizer.name)
 
 
 def _gib(n: float) -> str:
@@ -99,7 +115,7 @@ def format_info(name: str, d: dict) -> str:
         "  memory per device (estimate):",
         f"    parameters      {_gib(d['bytes_params'])}",
         f"    gradients       {_gib(d['bytes_grads'])}",
-        f"    AdamW state     {_gib(d['bytes_optimizer'])}",
+        f"    {d['optimizer'] + ' state':<16}{_gib(d['bytes_optimizer'])}",
         f"    activations     {_gib(d['bytes_activations'])}",
         f"    total           {_gib(d['bytes_total'])}",
     ]

@@ -200,8 +200,9 @@ def train(cfg: C.ExperimentConfig, run_dir: str | Path, *,
             bar.print(_eval_line(summary["step"], ev))
         if cfg.eval.sample is not None and tok.bos_id is not None:
             sp = cfg.eval.sample
+            n_new = cfg.model.max_seq_len if sp.max_new_tokens is None else sp.max_new_tokens  # None: fill it
             summary["sample"] = sample_text(trainer, state["params"], tok, prompt=sp.prompt,
-                                            max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
+                                            max_new_tokens=n_new, temperature=sp.temperature,
                                             top_k=sp.top_k, top_p=sp.top_p, seed=cfg.seed)
             bar.print("--- sample ---\n" + summary["sample"] + "\n--------------")
         return summary

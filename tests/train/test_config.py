@@ -42,6 +42,8 @@ def test_full_model_fields_without_preset(tmp_path):
     ("model: {preset: llama_tiny}\nseq_len: 64\nstepz: 3\n", "x.yaml: stepz: unknown key"),
     ("model: {preset: llama_tiny}\nseq_len: 4096\n", "x.yaml: seq_len=4096 exceeds model.max_seq_len=128"),
     ("model: {preset: llama_tiny}\nseq_len: 64\neval: {stride: 65}\n", "x.yaml: eval.stride=65 exceeds seq_len=64"),
+    ("model: {preset: llama_tiny}\nseq_len: 64\neval: {sample: {max_new_tokens: 128}}\n",
+     "x.yaml: eval.sample.max_new_tokens=128 does not fit the context model.max_seq_len=128"),
     ("model: {preset: llama_tiny}\nseq_len: 64\noptimizer: {name: sgd}\n", "x.yaml: optimizer.name: Input should be"),
 ])
 def test_errors_name_file_and_dotted_key(tmp_path, text, expected):
