@@ -154,7 +154,8 @@ class LoggingConfig(_Section):
 
 class SampleConfig(_Section):
     prompt: str = "def "
-    max_new_tokens: int | None = Field(None, ge=0, description="None: until the model's context is full")
+    max_new_tokens: int | None = Field(None, ge=0, description="None: until the model's context is full "
+                                       "(generation always stops there)")
     temperature: float = Field(0.8, ge=0.0)
     top_k: int | None = Field(None, gt=0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -167,7 +168,8 @@ class EvalConfig(_Section):
     final_max_tokens: int | None = Field(None, gt=0, description="the final evaluation (None: all)")
     batch_size: int | None = Field(None, gt=0, description="None: the training batch size")
     stride: int | None = Field(None, gt=0, description="sliding-window evaluation: windows of seq_len "
-                               "tokens this far apart, each scoring its last `stride` (None: seq_len, no overlap)")
+                               "tokens this far apart, each after the first scoring only its last `stride` "
+                               "(None: seq_len, no overlap)")
     compare_compressors: bool = Field(False, description="report gzip -9 / xz -9e bits per byte too")
     sample: SampleConfig | None = None
 
@@ -209,10 +211,6 @@ class ExperimentConfig(_Section):
         accum = self.optimizer.grad_accum
         if self.batch_size % accum:
             raise ValueError(f"batch_size={self.batch_size} not divisible by optimizer.grad_accum={accum}")
-        sample = self.eval.sample
-        if sample is not None and sample.max_new_tokens is not None and sample.max_new_tokens >= m.max_seq_len:
-            raise ValueError(f"eval.sample.max_new_tokens={sample.max_new_tokens} does not fit the context "
-                             f"model.max_seq_len={m.max_seq_len} (prompt + new tokens must)")
         if self.eval.stride is not None and self.eval.stride > self.seq_len:
             raise ValueError(f"eval.stride={self.eval.stride} exceeds seq_len={self.seq_len}")
         return self

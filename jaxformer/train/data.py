@@ -408,7 +408,7 @@ def eval_windows(stream: np.ndarray, *, seq_len: int, tokenizer, max_tokens: int
     T = seq_len
     stride = T if stride is None else stride
     if not 1 <= stride <= T:
-        raise ValueError(f"eval stride={stride} must be in [1, seq_len={T}]")
+        raise ValueError(f"eval.stride={stride} must be in [1, seq_len={T}]")
     n_total = 1 + math.ceil(max(len(stream) - 1 - T, 0) / stride)
     n = n_total if max_tokens is None else max(1, min(n_total, max_tokens // stride))
     starts = (np.arange(n, dtype=np.int64) * n_total // n) * stride

@@ -61,7 +61,8 @@ def opt_state_shardings(abstract_opt, abstract_params, param_shardings, default)
     """Each optimiser-state leaf sharded like the parameter whose key path ends its own (same shape).
 
     Moments of every optax transformation (partitioned or masked ones included)
-    sit at ``<state path>/<param path>``; scalars such as step counts get ``default``.
+    sit at ``<state path>/<param path>``; scalars such as step counts, and states
+    whose shape differs from their parameter's (factored ones), get ``default``.
     """
     by_path = {tuple(path): (tuple(a.shape), sh) for (path, a), sh in zip(
         jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree.leaves(param_shardings))}
@@ -69,8 +70,8 @@ def opt_state_shardings(abstract_opt, abstract_params, param_shardings, default)
     def pick(path, leaf):
         for i in range(len(path)):
             hit = by_path.get(tuple(path[i:]))
-            if hit is not None and hit[0] == tuple(leaf.shape):
-                return hit[1]
+            if hit is not None:  # the longest matching suffix names the parameter; a reshaped state is not sharded
+                return hit[1] if hit[0] == tuple(leaf.shape) else default
         return default
     return jax.tree_util.tree_map_with_path(pick, abstract_opt)
 

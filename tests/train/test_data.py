@@ -221,5 +221,10 @@ def test_sliding_eval_windows_score_every_token_once_with_context(corpus, stride
         r0 += len(b["inputs"])
     want = np.arange(1, len(stream))
     np.testing.assert_array_equal(scored_at, want[stream[1:] != tok.bos_id])
-    with pytest.raises(ValueError, match="stride"):
+    with pytest.raises(ValueError, match="eval.stride"):
         D.eval_windows(stream, seq_len=T, tokenizer=tok, stride=T + 1)
+    # a subset (periodic evals): evenly spaced windows, each scoring its own targets once
+    sub = D.eval_windows(stream, seq_len=T, tokenizer=tok, stride=stride, max_tokens=8 * stride)
+    assert len(sub.rows) == 8 and (sub.score_from is None) == (stride == T)
+    ids = sub.target_ids()
+    assert len(ids) == sum(int(b["mask"].sum()) for b in sub.batches(3)) <= T + 7 * stride
