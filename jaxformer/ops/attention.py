@@ -109,8 +109,10 @@ def xla_attention(q, k, v, *, mask: MaskSpec | None = None, bias=None, scale=Non
 
 
 def default_impl(T: int, S: int, mask: MaskSpec | None = None) -> str:
-    """What ``impl="auto"`` picks: Pallas on GPU/TPU; on CPU xla for short, blockwise for long.
+    """What ``impl="auto"`` picks: Pallas on GPU/TPU; on CPU xla below 512 x 512, blockwise from there.
 
+    The CPU crossover is measured on a whole llama-style train step (d 128, 4 layers, 3 K tokens
+    per step, 2 cores): blockwise / xla step time 1.0 at T=256, 0.90 at 512, 0.38 at 1024.
     Masks with global tokens or random blocks: xla for short, sparse for long, on every platform.
     """
     if mask is not None and mask.has_pattern:
@@ -118,7 +120,7 @@ def default_impl(T: int, S: int, mask: MaskSpec | None = None) -> str:
     platform = jax.default_backend()
     if platform in ("gpu", "tpu"):
         return "pallas"
-    return "xla" if T * S <= 2048 * 2048 else "blockwise"
+    return "xla" if T * S < 512 * 512 else "blockwise"
 
 
 def _refuse_patterns(module, impl: str, mask: MaskSpec) -> None:

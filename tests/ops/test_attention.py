@@ -231,6 +231,9 @@ def test_auto_picks_sparse_for_long_patterned_masks():
     from jaxformer.ops.attention import default_impl
     from jaxformer.ops.masks import RandomBlocks
     assert default_impl(4096, 4096, MaskSpec(window=(2, 2), global_tokens=[0])) == "sparse"
+    if jax.default_backend() == "cpu":
+        assert default_impl(256, 511) == "xla" and default_impl(512, 512) == "blockwise"
+        assert default_impl(1, 4096) == "xla"  # one decode step: no blocks to skip
     assert default_impl(64, 64, MaskSpec(window=(1, 1), random_blocks=RandomBlocks(1, 4))) == "xla"
     q = k = v = jnp.zeros((1, 8, 2, 8))
     with pytest.raises(ValueError, match=r"num_heads=3 does not match the query heads N=2"):
