@@ -112,7 +112,8 @@ def default_impl(T: int, S: int, mask: MaskSpec | None = None) -> str:
     """What ``impl="auto"`` picks: Pallas on GPU/TPU; on CPU xla below 512 x 512, blockwise from there.
 
     The CPU crossover is measured on a whole llama-style train step (d 128, 4 layers, 3 K tokens
-    per step, 2 cores): blockwise / xla step time 1.0 at T=256, 0.90 at 512, 0.38 at 1024.
+    per step, 2 cores; ``experiments/bench/attention_step.py``): blockwise / xla step time
+    0.96 at T=256, 0.86 at 512, 0.45 at 1024.
     Masks with global tokens or random blocks: xla for short, sparse for long, on every platform.
     """
     if mask is not None and mask.has_pattern:
