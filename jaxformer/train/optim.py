@@ -91,10 +91,13 @@ def _muon(opt: OptimizerConfig, schedule, params):
         schedule, beta=opt.muon_momentum, eps=opt.eps, weight_decay=opt.weight_decay,
         consistent_rms=opt.muon_rms, nesterov=True,
         # Inside the partition this sees only the Muon leaves (the rest are masked nodes).
-        muon_weight_dimension_numbers=lambda p: muon_dimensions(p))
-    adam = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+        muon_weight_dimension_numbers=muon_dimensions)
+    return optax.partition({"muon": muon, "adam": _adamw(opt, schedule, params)}, labels)
+
+
+def _adamw(opt: OptimizerConfig, schedule, params):
+    return optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
                        mask=decay_mask(params, opt))
-    return optax.partition({"muon": muon, "adam": adam}, labels)
 
 
 def make_optimizer(opt: OptimizerConfig, sched: ScheduleConfig, total_steps: int, params):
@@ -103,9 +106,5 @@ def make_optimizer(opt: OptimizerConfig, sched: ScheduleConfig, total_steps: int
     parts = []
     if opt.clip_norm is not None:
         parts.append(optax.clip_by_global_norm(opt.clip_norm))
-    if opt.name == "muon":
-        parts.append(_muon(opt, schedule, params))
-    else:
-        parts.append(optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
-                                 mask=decay_mask(params, opt)))
+    parts.append(_muon(opt, schedule, params) if opt.name == "muon" else _adamw(opt, schedule, params))
     return optax.chain(*parts), schedule
