@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxformer.ops.attention import check_qkv, check_slopes
 from jaxformer.ops.masks import MaskSpec
+from pallas_kernels.flash_attention.common import pad_axis
 
 _F32 = jnp.float32
 
@@ -55,21 +56,13 @@ class _Cfg:
         return -(-self.S // self.bk)
 
 
-def _pad(x, axis: int, size: int):
-    if x is None or x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
 def _mask_operands(mask: MaskSpec, cfg: _Cfg):
     """Padded per-position operands: q positions ``[B|1, Tp]``, segment ids, lengths."""
     Tp = cfg.nq * cfg.bq
     qpos = mask.q_positions(cfg.T, cfg.S)[:, :1] + jnp.arange(Tp, dtype=jnp.int32)[None, :]
     kv_seg = mask.resolved_kv_segment_ids(cfg.T, cfg.S)
-    q_seg = None if mask.q_segment_ids is None else _pad(jnp.asarray(mask.q_segment_ids), 1, Tp)
-    kv_seg = None if kv_seg is None else _pad(jnp.asarray(kv_seg), 1, cfg.nk * cfg.bk)
+    q_seg = None if mask.q_segment_ids is None else pad_axis(jnp.asarray(mask.q_segment_ids), 1, Tp)
+    kv_seg = None if kv_seg is None else pad_axis(jnp.asarray(kv_seg), 1, cfg.nk * cfg.bk)
     lengths = None if mask.kv_lengths is None else jnp.asarray(mask.kv_lengths, jnp.int32)
     return qpos, q_seg, kv_seg, lengths
 
@@ -138,8 +131,8 @@ def _q_slices(cfg, i, qg, qpos, q_seg):
 def _grouped(q, k, v, cfg: _Cfg):
     B, T, N, H = q.shape
     K = k.shape[2]
-    qg = _pad(q, 1, cfg.nq * cfg.bq).reshape(B, cfg.nq * cfg.bq, K, N // K, H)
-    return qg, _pad(k, 1, cfg.nk * cfg.bk), _pad(v, 1, cfg.nk * cfg.bk)
+    qg = pad_axis(q, 1, cfg.nq * cfg.bq).reshape(B, cfg.nq * cfg.bq, K, N // K, H)
+    return qg, pad_axis(k, 1, cfg.nk * cfg.bk), pad_axis(v, 1, cfg.nk * cfg.bk)
 
 
 def _forward(q, k, v, mask, slopes, cfg: _Cfg):
@@ -199,9 +192,9 @@ def _blockwise_bwd(cfg, mask_def, res, do):
     Tp = cfg.nq * cfg.bq
     qg, kp, vp = _grouped(q, k, v, cfg)
     qpos, q_seg, kv_seg, lengths = _mask_operands(mask, cfg)
-    dog = _pad(do.astype(q.dtype), 1, Tp).reshape(B, Tp, K, G, H)
+    dog = pad_axis(do.astype(q.dtype), 1, Tp).reshape(B, Tp, K, G, H)
     delta = jnp.einsum("BTNH,BTNH->BTN", do.astype(_F32), o.astype(_F32))
-    delta = jnp.transpose(_pad(delta, 1, Tp).reshape(B, cfg.nq, cfg.bq, K, G), (1, 0, 3, 4, 2))
+    delta = jnp.transpose(pad_axis(delta, 1, Tp).reshape(B, cfg.nq, cfg.bq, K, G), (1, 0, 3, 4, 2))
 
     def q_block(i, carry):
         dq, dk, dv = carry

@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-# private: the TPU interpreter copies each input block into VMEM through `ipc.get`; the skip test records them
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxformer.ops.attention import xla_attention
@@ -25,6 +23,7 @@ from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.flash_attention.common import BlockSizes
 from pallas_kernels.flash_attention.tpu import flash_attention_tpu
 from tests.attention_helpers import jit_fast
+from tests.pallas_kernels.tpu_recording import record_tpu_interpreter
 
 # fp32: kernel and reference differ only in summation order.
 TOL_F32 = dict(atol=2e-5, rtol=2e-5)
@@ -200,22 +199,7 @@ def test_dead_blocks_are_never_fetched(monkeypatch):
     no dead block is ever fetched, each live one at most once per grid row and kernel, and the
     walked grid axis is as long as the longest live run. Dead blocks come from
     ``MaskSpec.block_map``, independent of the kernel's own range math."""
-    fetched = collections.defaultdict(list)  # (grid rank, input name) -> [(grid point, block index)]
-    real_get = ipc.get
-
-    def recording_get(*args, input_name=None, **kwargs):
-        if input_name is not None:
-            block, point = tuple(int(x) for x in args[6]), tuple(int(x) for x in args[7])
-            fetched[(len(point), input_name)].append((point, block))
-        return real_get(*args, input_name=input_name, **kwargs)
-
-    points = collections.Counter()  # grid rank -> grid points run
-
-    def record_point(token, point, core):
-        points[len(point)] += 1
-        return token
-
-    monkeypatch.setattr(ipc, "get", recording_get)
+    fetched, points, record_point = record_tpu_interpreter(monkeypatch)
     B, T, S, N, K, H, bq, bk = 1, 32, 40, 1, 1, 8, 8, 8  # shapes no other test uses: a fresh trace
     mask = dict(causal=True, window=(12, None))  # dead blocks above the diagonal and left of the band
     spec = MaskSpec(**mask)

@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-# private: the TPU interpreter copies each input block into VMEM through `ipc.get`; we record them
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as ipc
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxformer.ops.attention import xla_attention
@@ -24,6 +22,7 @@ from jaxformer.ops.flash import pattern_operands
 from jaxformer.ops.masks import MaskSpec, RandomBlocks
 from pallas_kernels.flash_attention.common import BlockSizes
 from pallas_kernels.flash_attention.tpu import flash_attention_tpu
+from tests.pallas_kernels.tpu_recording import record_tpu_interpreter
 from tests.pallas_kernels.test_flash_tpu import mosaic_custom_calls
 
 # fp32: kernel and reference differ only in summation order (values O(1)).
@@ -74,22 +73,7 @@ def test_longformer_matches_dense_and_fetches_only_listed_blocks(monkeypatch):
     dq, no q block outside a kv block's column in dk/dv, and nothing at or past a sequence's
     kv length. Grid points: forward + dq walk ``max live per row`` steps, dk/dv ``max per column``.
     """
-    fetched = collections.defaultdict(list)  # (grid rank, input name) -> [(grid point, block index)]
-    real_get = ipc.get
-
-    def recording_get(*args, input_name=None, **kwargs):
-        if input_name is not None:
-            block, point = tuple(int(x) for x in args[6]), tuple(int(x) for x in args[7])
-            fetched[(len(point), input_name)].append((point, block))
-        return real_get(*args, input_name=input_name, **kwargs)
-
-    points = collections.Counter()
-
-    def record_point(token, point, core):
-        points[len(point)] += 1
-        return token
-
-    monkeypatch.setattr(ipc, "get", recording_get)
+    fetched, points, record_point = record_tpu_interpreter(monkeypatch)
     B, T, S, N, K, H, b = 2, 37, 37, 1, 1, 8, 8
     lens = np.array([37, 21])
     spec = MaskSpec(window=(4, 4), global_tokens=[[0, 19], [3, -1]], kv_lengths=jnp.asarray(lens))
