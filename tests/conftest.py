@@ -8,8 +8,11 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests compile many tiny programs: cheap XLA CPU optimisation halves the suite's time and
 # changes no result beyond float rounding (every tolerance in the suite allows for that).
+# JAXFORMER_FAST_COMPILE=0 keeps XLA's default optimisation (tests/test_cpu_isa_matrix.py runs
+# the gradient checks both ways).
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+if (os.environ.get("JAXFORMER_FAST_COMPILE", "1") != "0"
+        and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
 
 import jax  # noqa: E402

@@ -22,7 +22,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jaxformer.ops.masks import MaskSpec
+from jaxformer.ops.masks import MaskSpec, masked_softmax
 
 Impl = Literal["auto", "xla", "blockwise", "pallas", "sparse"]
 IMPLS = ("auto", "xla", "blockwise", "pallas", "sparse")
@@ -95,12 +95,7 @@ def xla_attention(q, k, v, *, mask: MaskSpec | None = None, bias=None, scale=Non
         s = s + attention_logits_bias(mask, slopes, T, S)
 
     allowed = mask.dense_heads(T, S)  # [B|1, N|1, T, S]
-    s = jnp.where(allowed, s, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    w = p / jnp.where(denom == 0.0, 1.0, denom)  # fully masked rows: all zeros
+    w = masked_softmax(s, allowed)  # fully masked rows: all zeros
 
     out = jnp.einsum("BKGTS,BSKH->BTKGH", w.reshape(B, K, G, T, S).astype(v.dtype), v,
                      preferred_element_type=jnp.float32)

@@ -464,3 +464,19 @@ def kv_block_lists(live: np.ndarray, sentinel: int) -> tuple[np.ndarray, np.ndar
     order = np.argsort(~live, axis=-1, kind="stable")[..., :width]
     idx = np.where(np.arange(width) < count[..., None], order, sentinel)
     return idx.astype(np.int32), count.astype(np.int32)
+
+
+def masked_softmax(s, allowed):
+    """Softmax of fp32 logits ``s`` over the last axis, restricted to ``allowed`` (broadcastable bool).
+
+    Rows with nothing allowed give zeros. Finite by construction, gradients included: ``exp`` only
+    ever sees finite arguments (masked logits are replaced *before* it and zeroed *after* it), and the
+    row max is a constant (``stop_gradient``; softmax does not depend on the shift), so no ``-inf``
+    and no max-location gradient reaches the backward pass on any CPU or compiler setting.
+    """
+    allowed = jnp.broadcast_to(allowed, s.shape)
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(allowed, jnp.exp(jnp.where(allowed, s - m, 0.0)), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(denom == 0.0, 1.0, denom)

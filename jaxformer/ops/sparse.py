@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.ops.attention import check_mask_heads, check_qkv, check_slopes
-from jaxformer.ops.masks import MaskSpec, kv_block_lists
+from jaxformer.ops.masks import MaskSpec, kv_block_lists, masked_softmax
 
 DEFAULT_BLOCK_SIZE = 64
 
@@ -81,16 +80,6 @@ def _logits(s, scale, softcap):
     return s
 
 
-def _masked_softmax(s, allowed):
-    """Softmax over the last axis of ``s`` restricted to ``allowed``; rows with nothing allowed give zeros."""
-    s = jnp.where(allowed, s, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    return p / jnp.where(denom == 0.0, 1.0, denom)
-
-
 def _pad_axis1(x, n: int, value=0):
     pad = [(0, 0)] * x.ndim
     pad[1] = (0, n - x.shape[1])
@@ -128,7 +117,7 @@ def _blocked(q, k, v, mask: MaskSpec, slopes, idx: np.ndarray, bs: int, offset: 
         dist = jnp.abs(qpos - kpos).astype(jnp.float32)
         s = s - slopes.reshape(-1, K, G, 1, 1, 1) * dist
     allowed = _blocked_allowed(mask, qpos, kpos, qpos_np, kpos_np, idx, bs, T, S)
-    wts = _masked_softmax(s, allowed).astype(v.dtype)
+    wts = masked_softmax(s, allowed).astype(v.dtype)
     if Nh == 1:
         out = jnp.einsum("BKGiqW,BKiWH->BiqKGH", wts, vg, preferred_element_type=jnp.float32)
     else:
@@ -237,7 +226,7 @@ def _global_rows(out, q, k, v, mask: MaskSpec, slopes, offset: int, scale, softc
         allowed = allowed & (qseg == jnp.asarray(kv_seg).reshape(B, 1, 1, 1, S))
     if mask.kv_lengths is not None:
         allowed = allowed & (kpos < jnp.asarray(mask.kv_lengths, jnp.int32).reshape(-1, 1, 1, 1, 1))
-    wts = _masked_softmax(s, allowed).astype(v.dtype)
+    wts = masked_softmax(s, allowed).astype(v.dtype)
     out_g = jnp.einsum("BKGgS,BSKH->BgKGH", wts, v, preferred_element_type=jnp.float32)
     target = np.broadcast_to(np.where(valid, rows, T), (B, ng))
     return out.at[bidx, target].set(out_g.reshape(B, ng, N, H).astype(out.dtype), mode="drop")

@@ -56,10 +56,12 @@ def reference(q, k, v, *, causal: bool = False, window=None, q_segment_ids=None,
     if kv_lengths is not None:
         ok = ok & (kpos[None, None] < jnp.asarray(kv_lengths)[:, None, None, None])
 
-    s = jnp.where(ok, s, -jnp.inf)
-    row_max = jnp.max(s, axis=-1, keepdims=True)
+    # The row max is a constant (softmax ignores the shift) and masked logits are replaced before
+    # exp and zeroed after it: exp never sees -inf, so gradients are finite by construction.
+    ok = jnp.broadcast_to(ok, s.shape)
+    row_max = jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1, keepdims=True)
     row_max = jax.lax.stop_gradient(jnp.where(jnp.isinf(row_max), 0.0, row_max))
-    e = jnp.where(ok, jnp.exp(s - row_max), 0.0)
+    e = jnp.where(ok, jnp.exp(jnp.where(ok, s - row_max, 0.0)), 0.0)
     z = jnp.sum(e, axis=-1, keepdims=True)
     w = e / jnp.where(z > 0, z, 1.0)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", w.reshape(B, K, G, T, S), v.astype(jnp.float32),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 
@@ -48,10 +49,11 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *, sca
         dist = (lengths[:, None] - 1 - pos[None, :]).astype(jnp.float32)  # [B, S]
         s = s - slopes * dist[:, None, None, :]
     valid = pos[None, :] < lengths[:, None]  # [B, S]
-    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
+    # Row max as a constant, masked logits replaced before exp and zeroed after: finite gradients.
+    ok = jnp.broadcast_to(valid[:, None, None, :], s.shape)
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1, keepdims=True))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m)
+    p = jnp.where(ok, jnp.exp(jnp.where(ok, s - m, 0.0)), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     w = p / jnp.where(denom == 0.0, 1.0, denom)
     out = jnp.einsum("BKGML,KBMLH->BKGH", w.reshape(B, K, G, M, L).astype(v.dtype), v,

@@ -69,9 +69,13 @@ def ref_attention(xp, p, x, ctx=None, *, position="none", causal=False, softcap=
     if position == "alibi":  # slopes 2^(-8i/N), i = 1..N (N a power of two)
         slopes = 2.0 ** (-8.0 * np.arange(1, N + 1) / N)
         s = s - slopes[None, :, None, None] * np.abs(np.arange(T)[:, None] - np.arange(S)[None, :])
-    if causal:
-        s = xp.where(np.tril(np.ones((T, S), bool), S - T), s, -np.inf)
-    w = xp.exp(s - s.max(-1, keepdims=True))
+    # Softmax with the row max as a constant (softmax ignores the shift; a max differentiated
+    # through its argmax is 0/0 when a compile recomputes s with other rounding) and the mask
+    # applied after exp, so exp never sees -inf: forward and gradients finite by construction.
+    allowed = np.broadcast_to(np.tril(np.ones((T, S), bool), S - T) if causal else True, s.shape)
+    stop = jax.lax.stop_gradient if xp is jnp else (lambda a: a)
+    m = stop(xp.where(allowed, s, -np.inf).max(-1, keepdims=True))
+    w = xp.where(allowed, xp.exp(xp.where(allowed, s - m, 0.0)), 0.0)
     w = w / w.sum(-1, keepdims=True)
     y = xp.einsum("btnh,nhd->btd", xp.einsum("bnts,bsnh->btnh", w, v), p["w_o"])
     return y + p["b_o"][None, None] if "b_o" in p else y

@@ -73,9 +73,10 @@ def _dense_blocked(q, k, v, allowed):
     N, K = q.shape[2], k.shape[2]
     kr, vr = jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2)
     s = jnp.einsum("BTNH,BSNH->BNTS", q, kr, precision="highest") / np.sqrt(q.shape[-1])
-    s = jnp.where(allowed[None], s, -jnp.inf)
-    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-    e = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    ok = jnp.broadcast_to(allowed[None], s.shape)
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(ok, jnp.exp(jnp.where(ok, s - m, 0.0)), 0.0)  # exp never sees -inf
     z = jnp.sum(e, axis=-1, keepdims=True)
     return jnp.einsum("BNTS,BSNH->BTNH", e / jnp.where(z > 0, z, 1.0), vr, precision="highest")
 

@@ -1,0 +1,45 @@
+"""The attention gradient checks under several CPU instruction sets, with and without fast compiles.
+
+XLA's CPU code differs between machines: the same jitted reference once gave NaN gradients on an
+AMD EPYC (AVX-512) under the fast-compile flags of tests/conftest.py and finite ones elsewhere
+(a softmax whose row max was differentiated through its argmax: recomputed logits rounded
+differently, no element equalled the max, 0/0). XLA flags are per process, so each cell of the
+matrix runs the family in a fresh pytest subprocess. ``--xla_cpu_max_isa`` caps the vector
+instructions XLA may emit (a cap above what the CPU has changes nothing, so AVX512 on an AVX2
+machine repeats the AVX2 cell).
+
+The family: every attention path's forward and gradients with softcap + ALiBi + causal + GQA and
+empty rows, against its independent reference.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAMILY = [
+    "tests/nn/test_modules.py::test_attention_matches_reference_forward_and_grad",
+    "tests/ops/test_attention.py::test_gradients_match_float64_reference",
+    "tests/ops/test_attention.py::test_fully_masked_rows_are_zero_with_zero_gradients",
+    "tests/ops/test_attention_impls.py::test_impls_agree",
+    "tests/ops/test_blockwise.py::test_causal_mqa_window_alibi_softcap",
+    "tests/ops/test_blockwise.py::test_segments_lengths_and_empty_rows",
+    "tests/ops/test_sparse.py::test_matches_dense_forward_and_gradients",
+    "tests/pallas_kernels/test_flash_api.py::test_reference_matches_xla_attention",
+]
+
+
+@pytest.mark.parametrize("fast_compile", [True, False], ids=["fast-compile", "default-compile"])
+@pytest.mark.parametrize("isa", ["SSE4_2", "AVX2", "AVX512"])
+def test_attention_gradients_under_cpu_isa(isa, fast_compile):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_FLAGS"))}
+    env.update(XLA_FLAGS=f"--xla_cpu_max_isa={isa}", JAXFORMER_FAST_COMPILE="1" if fast_compile else "0",
+               # The ISA is what varies here; the drawn cases are the in-process tests' job.
+               HYPOTHESIS_MAX_EXAMPLES="4")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:xdist", *FAMILY],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"XLA_FLAGS={env['XLA_FLAGS']} fast_compile={fast_compile}:\n{proc.stdout[-6000:]}"
