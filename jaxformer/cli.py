@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 
@@ -17,6 +18,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides (values parsed as YAML)")
     t.add_argument("--run-dir", help="default: runs/<config name>; an existing run directory resumes")
     t.add_argument("--steps", type=int, help="total number of steps (overrides the config)")
+    t.add_argument("--json", action="store_true", help="end with the final metrics as one JSON line")
 
     e = sub.add_parser("eval", help="validation loss and bits per byte of a run's newest checkpoint")
     e.add_argument("run_dir")
@@ -26,8 +28,10 @@ def _parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="parameters, FLOPs/token and memory per device")
     i.add_argument("target", help="an experiment YAML or a preset name")
-    i.add_argument("overrides", nargs="*", help="key.sub=value overrides")
-    i.add_argument("--devices", type=int, help="plan for this many devices (default: those present)")
+    i.add_argument("overrides", nargs="*", help="key.sub=value overrides; for a preset, experiment keys "
+                   "(mesh.fsdp=8, batch_size=64, seq_len=4096) or model keys (n_layers=4, model.n_layers=4)")
+    i.add_argument("--devices", type=int, help="plan for this many devices, none need be present "
+                   "(default: those present); the mesh must use all of them")
 
     g = sub.add_parser("generate", help="sample from a run's newest checkpoint (continuous-batching engine, paged KV cache)")
     add_generate_args(g)
@@ -48,6 +52,8 @@ def add_generate_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--num-pages", type=int, help="KV pages per layer (default: max-batch full-length sequences)")
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--max-batch", type=int, default=8)
+    g.add_argument("--window", type=int, help="sliding KV window W <= the model's context (RoPE/ALiBi models): "
+                                              "generate past the context, each new token seeing the last W positions")
 
 
 def cmd_train(args) -> int:
@@ -58,8 +64,38 @@ def cmd_train(args) -> int:
     cfg = C.load(args.config, overrides)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / Path(args.config).stem
     summary = train(cfg, run_dir)
-    print(json.dumps({k: v for k, v in summary.items() if k != "sample"}))
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "sample"}))
+    else:
+        print(format_summary(summary, run_dir))
     return 0
+
+
+def format_summary(summary: dict, run_dir: Path) -> str:
+    """The end of a training run in a few lines: the results, then where everything was written."""
+    head = [f"step {summary['step']:,}"]
+    if summary.get("loss") is not None:
+        head.append(f"train loss {summary['loss']:.4f}")
+    if "val_loss" in summary:
+        head.append(f"val loss {summary['val_loss']:.4f}")
+    if "val_bpb" in summary:
+        bpb = f"val {summary['val_bpb']:.4f} bits/byte"
+        if "gzip9_bpb" in summary:
+            bpb += f" (gzip -9 {summary['gzip9_bpb']:.4f}, xz -9e {summary['xz9e_bpb']:.4f})"
+        head.append(bpb)
+    if "wall_s" in summary:
+        m, s = divmod(round(summary["wall_s"]), 60)
+        head.append(f"{m} min {s:02d} s")
+    ckpts = sorted((p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()), key=lambda p: int(p.name))
+    lines = ["done: " + " · ".join(head),
+             f"  run directory  {run_dir}",
+             f"  config         {run_dir / 'config.yaml'}",
+             f"  metrics        {run_dir / 'metrics.jsonl'}" + (
+                 f"  (TensorBoard: tensorboard --logdir {run_dir / 'tb'})" if (run_dir / "tb").exists() else ""),
+             f"  checkpoints    {run_dir / 'checkpoints'}" + (
+                 f"  (steps {', '.join(p.name for p in ckpts)})" if ckpts else ""),
+             f"  next           jaxformer eval {run_dir}  ·  jaxformer generate {run_dir} --prompt 'def '"]
+    return "\n".join(lines)
 
 
 def cmd_eval(args) -> int:
@@ -71,25 +107,32 @@ def cmd_eval(args) -> int:
 
 
 def cmd_info(args) -> int:
+    import difflib
+
     from jaxformer.model import presets
     from jaxformer.train import config as C
-    from jaxformer.train.info import describe, describe_experiment, format_info
+    from jaxformer.train.info import describe_experiment, format_info, preset_config
 
     if args.target in presets.names():
-        model = presets.get(args.target)
-        if args.overrides:
-            model = C.from_dict({"model": {"preset": args.target}, "seq_len": 2}, args.target,
-                                [f"model.{o}" for o in args.overrides]).model
-        d = describe(model, mesh_shape={"data": 1, "fsdp": 1, "tensor": 1}, batch_size=1,
-                     seq_len=min(model.max_seq_len, 2048))
+        cfg = preset_config(args.target, args.overrides, args.devices)
+    elif Path(args.target).exists():
+        cfg = C.load(args.target, args.overrides, planning=True)
     else:
-        d = describe_experiment(C.load(args.target, args.overrides), args.devices)
-    print(format_info(args.target, d))
+        close = difflib.get_close_matches(args.target, presets.names(), n=5)
+        which = f"closest presets: {', '.join(close)}" if close else f"presets: {', '.join(presets.names())}"
+        raise FileNotFoundError(f"no such file or preset: {args.target!r}; {which}")
+    print(format_info(args.target, describe_experiment(cfg, args.devices)))
     return 0
 
 
 def cmd_generate(args) -> int:
-    """Continue prompts on the continuous-batching engine over a paged KV cache."""
+    """Continue prompts on the continuous-batching engine over a paged KV cache.
+
+    Several ``--prompt`` completions print under ``----- completion i of n -----`` lines; a
+    completion cut by the model's context gets a note on stderr; ``--window`` (RoPE/ALiBi
+    models) continues past the context with a sliding KV window, said once on stderr.
+    """
+    from jaxformer.decode.engine import RELATIVE_POSITIONS, check_window
     from jaxformer.decode.serve import read_prompts_file, run_prompts, write_jsonl
     from jaxformer.train.loop import load_run
 
@@ -98,38 +141,65 @@ def cmd_generate(args) -> int:
     cfg, trainer, params, tok, _ = load_run(args.run_dir)
     if tok is None:
         raise ValueError(f"{args.run_dir}: source='bin' has no text tokenizer to encode prompts")
+    model, window = cfg.model, check_window(args.window, cfg.model)  # ValueError: exit 2, saying why
+    if window is not None:
+        print(f"note: generating past the model's {model.max_seq_len}-token context with a sliding "
+              f"{window}-token window (each new token sees the last {window} positions)", file=sys.stderr)
     prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
-    records = run_prompts(trainer.graphdef, params, cfg.model, tok, prompts, max_new_tokens=args.max_new_tokens,
+    records = run_prompts(trainer.graphdef, params, model, tok, prompts, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          num_pages=args.num_pages, page_size=args.page_size, max_batch=args.max_batch)
-    if args.prompts_file:
+                          num_pages=args.num_pages, page_size=args.page_size, max_batch=args.max_batch,
+                          window=window)
+    jsonl = bool(args.prompts_file)
+    if jsonl:
         write_jsonl(records, args.output or sys.stdout)
-    else:
-        for r in records:
+    for r in records:
+        name = f"request index={r['index']}" if jsonl else f"prompt {r['index'] + 1}"
+        if not jsonl:
+            if len(records) > 1:
+                print(f"----- completion {r['index'] + 1} of {len(records)} -----", flush=True)
             if r["error"] is None:
-                print(r["prompt"] + r["completion"])
+                print(r["prompt"] + r["completion"], flush=True)
             else:
                 print(f"error: {r['error']}", file=sys.stderr)
+        if r["stopped_by"] == "context":
+            hint = (f"pass --window N (N <= {model.max_seq_len}) to continue with a sliding window"
+                    if model.position in RELATIVE_POSITIONS else
+                    f"this model's position={model.position!r} cannot go past it")
+            print(f"note: {name} stopped at the model's {model.max_seq_len}-token context after "
+                  f"{len(r['tokens'])} new tokens; {hint}", file=sys.stderr)
     return 1 if any(r["error"] for r in records) else 0
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "info": cmd_info, "generate": cmd_generate}
 
 
+def _one_line_warning(command: str):
+    """``warnings.showwarning`` for the command line: the message alone, not a source excerpt."""
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"jaxformer {command}: warning: {message}", file=sys.stderr)
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
-    bad = [x for x in extra if "=" not in x or x.startswith("-") or not hasattr(args, "overrides")]
+    # overrides after an option land in `extra`; anything else there is a stray flag or argument
+    bad = [x for x in extra if x.startswith("-") or not hasattr(args, "overrides")]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:
         args.overrides = list(args.overrides) + extra
     from jaxformer.train.checkpoint import IncompatibleCheckpointError
-    from jaxformer.train.config import ConfigError
+    from jaxformer.train.config import ConfigError, parse_override
     from jaxformer.train.loop import NonFiniteError
 
     try:
-        return COMMANDS[args.command](args)
+        for text in getattr(args, "overrides", ()):
+            parse_override(text)  # "override 'optimizer.lr' is not key.sub=value (...)" before any work
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warning(args.command)  # restored on exit
+            return COMMANDS[args.command](args)
     except (ConfigError, NonFiniteError, IncompatibleCheckpointError, FileNotFoundError, ValueError) as e:
         print(f"jaxformer {args.command}: error: {e}", file=sys.stderr)
         return 2

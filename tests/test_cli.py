@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -90,3 +91,70 @@ def test_config_errors_exit_2_naming_file_and_key(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", str(cfg), "--bogus-flag"])
     assert main(["eval", str(tmp_path / "nowhere")]) == 2
+
+
+def _memory(out: str, row: str) -> float:
+    """GiB in the `memory per device` row named ``row`` of `jaxformer info`'s output."""
+    value, unit = re.search(rf"^\s+{row}\s+([\d,.]+) (MiB|GiB)$", out, re.MULTILINE).groups()
+    return float(value.replace(",", "")) / (1024 if unit == "MiB" else 1)
+
+
+def test_info_plans_a_preset_on_devices_with_a_mesh(capsys):
+    assert main(["info", "llama_7b", "--devices", "1"]) == 0
+    one = capsys.readouterr().out
+    assert main(["info", "llama_7b", "--devices", "8", "mesh.fsdp=8"]) == 0
+    fsdp = capsys.readouterr().out
+    assert "data=1 fsdp=1 tensor=1  batch/device 1  (batch_size 1)" in one
+    assert "data=1 fsdp=8 tensor=1  batch/device 1  (batch_size 8)" in fsdp
+    assert _memory(one, "parameters") == pytest.approx(25.10, abs=0.01)  # 6.74e9 fp32
+    for row in ("parameters", "gradients", "adamw state"):
+        assert _memory(fsdp, row) == pytest.approx(_memory(one, row) / 8, rel=0.01)
+    assert _memory(fsdp, "activations") == _memory(one, "activations")
+    assert main(["info", "llama_7b", "--devices", "8"]) == 0  # default mesh: data takes every device
+    assert "data=8 fsdp=1 tensor=1  batch/device 1  (batch_size 8)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["mesh.data=2", "mesh.fsdp=8"], "mesh data=2 fsdp=8 tensor=1 needs 16 devices, --devices 8"),
+    (["mesh.fsdp=8", "batch_size=4"], "batch_size=4 not divisible by data*fsdp=8 on mesh data=1 fsdp=8 tensor=1"),
+    (["model.mesh.fsdp=8"], "llama_7b: model.mesh: unknown key"),
+])
+def test_info_refuses_impossible_layouts(argv, message, capsys):
+    assert main(["info", "llama_7b", "--devices", "8", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"jaxformer info: error: {message}")
+
+
+def test_info_on_a_config_plans_devices_and_overrides(tmp_path, capsys):
+    cfg = write_config(tmp_path / "c.yaml", tiny_raw(tmp_path))  # batch_size 8, mesh data=1
+    assert main(["info", str(cfg), "--devices", "8"]) == 2
+    assert "mesh data=1 fsdp=1 tensor=1 needs 1 device, --devices 8" in capsys.readouterr().err
+    assert main(["info", str(cfg), "--devices", "8", "mesh.data=-1"]) == 0
+    assert "data=8 fsdp=1 tensor=1  batch/device 1  (batch_size 8)" in capsys.readouterr().out
+    assert main(["info", str(cfg), "--devices", "16", "mesh.data=-1"]) == 2
+    assert "batch_size=8 not divisible by data*fsdp=16" in capsys.readouterr().err
+
+
+def test_info_on_an_unknown_target_names_the_closest_presets(tmp_path, capsys):
+    assert main(["info", "llama7b"]) == 2
+    err = capsys.readouterr().err
+    assert err == "jaxformer info: error: no such file or preset: 'llama7b'; closest presets: llama_7b, llama3_1b\n"
+    assert main(["info", str(tmp_path / "nope.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"no such file or preset: '{tmp_path / 'nope.yaml'}'; presets: vaswani_base, gpt2_small" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["info", "llama_7b", "optimizer.lr"],
+    ["info", "llama_7b", "--devices", "8", "optimizer.lr"],
+    ["info", "CFG", "optimizer.lr"],
+    ["train", "CFG", "optimizer.lr", "--run-dir", "RUN"],
+    ["train", "CFG", "--run-dir", "RUN", "--steps", "1", "optimizer.lr"],  # after an option: argparse's extras
+])
+def test_override_without_equals_says_key_sub_value(argv, tmp_path, capsys):
+    cfg = write_config(tmp_path / "c.yaml", tiny_raw(tmp_path))
+    argv = [str(cfg) if a == "CFG" else str(tmp_path / "run") if a == "RUN" else a for a in argv]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (f"jaxformer {argv[0]}: error: override 'optimizer.lr' is not key.sub=value "
+                                       "(e.g. optimizer.lr=3e-4)\n")
+    assert not (tmp_path / "run").exists()  # refused before any work

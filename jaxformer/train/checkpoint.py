@@ -12,6 +12,7 @@ target shardings come from the current mesh.
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 import time
@@ -22,6 +23,21 @@ import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+class _RoutineNotices(logging.Filter):
+    """Drops absl warnings that describe normal operation and that a user cannot act on: orbax announcing a
+    read-only manager (``eval`` / ``generate`` open checkpoints read-only on purpose), and grain replaying
+    its packing buffer to the restored position on resume (exact, it only costs a few elements)."""
+
+    PREFIXES = ("Given directory is read only", "CheckpointManagerOptions.read_only=True",
+                "[elements_from_buffer_after_checkpoint]")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.PREFIXES)
+
+
+logging.getLogger("absl").addFilter(_RoutineNotices())
+
 
 def fingerprint(params) -> list[float]:
     """Per-leaf sum of |x| (float64 on the host): a cheap integrity check for restored params."""

@@ -25,11 +25,13 @@ field, no preset) that a run directory keeps.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from jaxformer.model import ModelConfig, presets
 
@@ -202,9 +204,10 @@ class ExperimentConfig(_Section):
         return v
 
     @model_validator(mode="after")
-    def _check(self):
+    def _check(self, info: ValidationInfo):
         m = self.model
-        if m.kind != "decoder":
+        planning = bool(info.context and info.context.get("planning"))
+        if m.kind != "decoder" and not planning:
             raise ValueError(f"training supports model.kind='decoder' (a causal LM), got {m.kind!r}")
         if self.seq_len > m.max_seq_len:
             raise ValueError(f"seq_len={self.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
@@ -243,7 +246,7 @@ def format_errors(err: ValidationError, source: str) -> str:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"optimizer.lr=3e-4"`` -> ``(["optimizer", "lr"], 3e-4)``; the value is parsed as YAML."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected key.sub=value")
+        raise ConfigError(f"override {text!r} is not key.sub=value (e.g. optimizer.lr=3e-4)")
     key, _, raw = text.partition("=")
     parts = key.strip().split(".")
     if not all(parts):
@@ -280,19 +283,23 @@ def _deepcopy(x):
     return x
 
 
-def from_dict(raw: Any, source: str = "<config>", overrides=()) -> ExperimentConfig:
-    """Validate a raw mapping (plus overrides); errors name ``source`` and the dotted key."""
+def from_dict(raw: Any, source: str = "<config>", overrides=(), *, planning: bool = False) -> ExperimentConfig:
+    """Validate a raw mapping (plus overrides); errors name ``source`` and the dotted key.
+
+    ``planning``: for ``jaxformer info``, which sizes encoder and encoder-decoder models too;
+    only training needs ``model.kind='decoder'``.
+    """
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(raw).__name__}")
     raw = apply_overrides(raw, list(overrides))
     try:
-        return ExperimentConfig.model_validate(raw)
+        return ExperimentConfig.model_validate(raw, context={"planning": planning})
     except ValidationError as e:
         raise ConfigError(format_errors(e, source)) from None
 
 
-def load(path: str | Path, overrides=()) -> ExperimentConfig:
-    """Read and validate a YAML experiment file."""
+def load(path: str | Path, overrides=(), *, planning: bool = False) -> ExperimentConfig:
+    """Read and validate a YAML experiment file (``planning``: as :func:`from_dict`)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -302,7 +309,7 @@ def load(path: str | Path, overrides=()) -> ExperimentConfig:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    return from_dict(raw, str(path), overrides)
+    return from_dict(raw, str(path), overrides, planning=planning)
 
 
 def to_dict(cfg: ExperimentConfig) -> dict:
@@ -311,7 +318,12 @@ def to_dict(cfg: ExperimentConfig) -> dict:
 
 
 def dump(cfg: ExperimentConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Write the resolved config atomically (a temporary file renamed over ``path``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    os.replace(tmp, path)
 
 
 def diff(a: ExperimentConfig, b: ExperimentConfig) -> list[str]:

@@ -98,7 +98,7 @@ class BPETokenizer:
             from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
         except ImportError:
             raise ValueError("data.tokenizer='bpe' needs the optional `tokenizers` package "
-                             "(pip install tokenizers)") from None
+                             "(pip install 'jaxformer[bpe]', or tokenizers)") from None
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()

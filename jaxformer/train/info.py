@@ -1,5 +1,11 @@
 """``jaxformer info``: parameter count, FLOPs per token, and a per-device memory estimate on the mesh.
 
+It plans for ``--devices N`` devices (none need be present) on the mesh training would build
+(:func:`plan_mesh`) and refuses what training would refuse: a mesh that is not N devices, a
+batch that does not split over ``data x fsdp`` (:func:`~jaxformer.train.sharding.check_batch`).
+A preset is planned as an experiment (:func:`preset_config`), so ``mesh.fsdp=8`` or
+``batch_size=64`` apply to it as they would to a YAML file.
+
 Memory per device (bytes), from the shapes alone (nothing is allocated):
 
 * parameters, gradients (parameter dtype) and the optimiser's moments (fp32: two
@@ -22,8 +28,9 @@ from flax import nnx
 
 from jaxformer.model import ModelConfig, abstract_init, count_params, flops_per_token
 from jaxformer.nn.params import as_dtype
+from jaxformer.train import config as C
 from jaxformer.train import sharding as shd
-from jaxformer.train.config import ExperimentConfig
+from jaxformer.train.config import ExperimentConfig, MeshConfig
 from jaxformer.train.optim import muon_dimensions
 
 
@@ -65,7 +72,8 @@ def describe(model: ModelConfig, *, mesh_shape: dict, batch_size: int, seq_len: 
     n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(params))
     p_bytes = _sharded_bytes(params, axes, mesh_shape)
     opt_bytes = _sharded_bytes(params, axes, mesh_shape, itemsize=4, copies=_moments(params, optimizer))
-    b_local = max(1, batch_size // grad_accum // (mesh_shape["data"] * mesh_shape["fsdp"]))
+    shd.check_batch(batch_size, grad_accum, mesh_shape)
+    b_local = batch_size // grad_accum // (mesh_shape["data"] * mesh_shape["fsdp"])
     tp = mesh_shape["tensor"]
     D, F, N, V, L = (model.d_model, model.resolved_d_ff, model.n_heads, model.vocab_size, model.n_layers)
     c = as_dtype(model.compute_dtype).itemsize
@@ -86,18 +94,68 @@ def describe(model: ModelConfig, *, mesh_shape: dict, batch_size: int, seq_len: 
         "bytes_optimizer": opt_bytes,
         "bytes_activations": int(act),
         "bytes_total": int(2 * p_bytes + opt_bytes + act),
+        "batch_size": batch_size,
+        "grad_accum": grad_accum,
         "batch_per_device": b_local,
         "optimizer": optimizer,
         "seq_len": seq_len,
     }
 
 
-def describe_experiment(cfg: ExperimentConfig, n_devices: int | None = None) -> dict:
+def plan_mesh(mesh: MeshConfig, n_devices: int | None = None) -> dict:
+    """``{"data", "fsdp", "tensor"}`` sizes for ``n_devices`` planned devices (None: those present).
+
+    As training sizes it (:meth:`MeshConfig.shape`: one axis may be -1, the rest of the devices),
+    but planned devices must all be used: a mesh whose product is not ``n_devices`` is refused
+    (training on the devices present would silently leave the extra ones idle).
+    """
+    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
+    text = " ".join(f"{a}={v}" for a, v in sizes.items())
+    if n_devices is not None and n_devices < 1:
+        raise ValueError(f"--devices must be at least 1, got {n_devices}")
     n = jax.device_count() if n_devices is None else n_devices
-    data, fsdp, tensor = cfg.mesh.shape(n)
-    return describe(cfg.model, mesh_shape={"data": data, "fsdp": fsdp, "tensor": tensor},
+    where = f"--devices {n}" if n_devices is not None else f"{n} device{'s' * (n > 1)} present"
+    known = math.prod(v for v in sizes.values() if v != -1)
+    free = [a for a, v in sizes.items() if v == -1]
+    if free:
+        if n % known:
+            raise ValueError(f"mesh {text} does not fit {where}: {n} is not a multiple of {known}, "
+                             f"the product of the other axes")
+        sizes[free[0]] = n // known
+    elif known > n or (n_devices is not None and known != n):
+        need = f"{known} device{'s' * (known > 1)}"
+        raise ValueError(f"mesh {text} needs {need}, {where} (give axes whose product is {n}, "
+                         f"or -1 for the one that takes the rest)")
+    return sizes
+
+
+def describe_experiment(cfg: ExperimentConfig, n_devices: int | None = None) -> dict:
+    """:func:`describe` for ``cfg`` on ``n_devices`` planned devices (None: those present)."""
+    return describe(cfg.model, mesh_shape=plan_mesh(cfg.mesh, n_devices),
                     batch_size=cfg.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.optimizer.grad_accum,
                     optimizer=cfg.optimizer.name)
+
+
+def preset_config(name: str, overrides=(), n_devices: int | None = None) -> ExperimentConfig:
+    """An experiment around preset ``name`` to plan with :func:`describe_experiment`.
+
+    ``overrides`` are ``key.sub=value``: keys of the experiment (``mesh.fsdp=8``, ``batch_size=64``,
+    ``seq_len=4096``, ``optimizer.name=muon``, ``model.n_layers=4``) or, unqualified, of the
+    model (``n_layers=4``). Unless given, ``seq_len`` is ``min(model.max_seq_len, 2048)`` and
+    ``batch_size`` one sequence per device along ``data x fsdp`` (times ``grad_accum``) on the
+    mesh planned for ``n_devices``. Any model kind is accepted (only training needs a decoder).
+    """
+    top = set(ExperimentConfig.model_fields)
+    qualified = [o if o.partition("=")[0].strip().split(".")[0] in top else f"model.{o}" for o in overrides]
+    raw = C.apply_overrides({"model": {"preset": name}}, qualified)
+    accum = raw.get("optimizer", {}).get("grad_accum", 1) if isinstance(raw.get("optimizer"), dict) else 1
+    accum = accum if isinstance(accum, int) and accum > 0 else 1
+    # a first pass with sizes that always validate, to learn the model's context and the mesh
+    first = C.from_dict({"seq_len": 2, "batch_size": accum, **raw}, name, planning=True)
+    mesh = plan_mesh(first.mesh, n_devices)
+    defaults = {"seq_len": min(first.model.max_seq_len, 2048),
+                "batch_size": mesh["data"] * mesh["fsdp"] * first.optimizer.grad_accum}
+    return C.from_dict({**defaults, **raw}, name, planning=True)
 
 
 def _gib(n: float) -> str:
@@ -119,4 +177,6 @@ def format_info(name: str, d: dict) -> str:
         f"    activations     {_gib(d['bytes_activations'])}",
         f"    total           {_gib(d['bytes_total'])}",
     ]
+    accum = f", grad_accum {d['grad_accum']}" if d["grad_accum"] > 1 else ""
+    lines[3] += f"  (batch_size {d['batch_size']}{accum})"
     return "\n".join(lines)

@@ -10,6 +10,7 @@ checkpoint is written after it.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import lzma
 import math
@@ -22,9 +23,9 @@ import jax
 
 from jaxformer.train import config as C
 from jaxformer.train import sharding as shd
-from jaxformer.train.checkpoint import Checkpointer
+from jaxformer.train.checkpoint import Checkpointer, IncompatibleCheckpointError
 from jaxformer.train.data import BPETokenizer, ByteTokenizer, build_corpus, eval_windows, TrainIterator
-from jaxformer.train.metrics import MetricsWriter, ProgressBar
+from jaxformer.train.metrics import MetricsWriter, ProgressBar, read_metrics
 from jaxformer.train.step import Trainer, make_trainer
 
 LN2 = math.log(2.0)
@@ -98,22 +99,21 @@ def sample_text(trainer: Trainer, params, tokenizer, *, prompt: str, max_new_tok
 
 def train(cfg: C.ExperimentConfig, run_dir: str | Path, *,
           on_step: Callable[[int, dict], None] | None = None, console=None) -> dict:
-    """Train (or resume) ``cfg`` in ``run_dir``; returns the final metrics (train, eval, baselines)."""
+    """Train (or resume) ``cfg`` in ``run_dir``; returns the final metrics (train, eval, baselines).
+
+    Nothing is written into an existing run directory until its checkpoint is known to fit ``cfg``
+    and ``cfg.steps`` lies at or beyond the run's step; a run that already reached ``cfg.steps``
+    (and has its final evaluation) is left as it is.
+    """
+    t0 = time.perf_counter()
     run_dir = Path(run_dir)
     shd.maybe_initialize_distributed(cfg.mesh)
     main = jax.process_index() == 0
-    run_dir.mkdir(parents=True, exist_ok=True)
-    saved = run_dir / "config.yaml"
-    if saved.exists():
-        changed = [k for k in C.diff(C.load(saved), cfg) if k.split(".")[0] in _TRAJECTORY]
-        if changed:
-            warnings.warn(f"{run_dir}: config differs from the saved run in {', '.join(changed)}; "
-                          f"continuing with the new values", RuntimeWarning, stacklevel=2)
-    if main:
-        C.dump(cfg, saved)
+    changed = _changed_keys(cfg, run_dir)
 
     mesh = shd.make_mesh(cfg.mesh)
-    corpus = build_corpus(cfg.data, tokenizer_path=_tokenizer_path(cfg, run_dir))
+    tok_path = _tokenizer_path(cfg, run_dir)
+    corpus = build_corpus(cfg.data, tokenizer_path=tok_path if tok_path and tok_path.exists() else None)
     tok = corpus.tokenizer
     _check_vocab(cfg, tok)
     it = TrainIterator(corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
@@ -121,75 +121,119 @@ def train(cfg: C.ExperimentConfig, run_dir: str | Path, *,
                        process_count=jax.process_count())
     trainer = make_trainer(cfg, mesh)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
-    restored = ckpt.restore_latest(trainer.abstract_state, trainer.state_shardings, it)
-    if restored is not None:
-        state, meta = restored
-        start = int(meta["step"])
-    else:
-        state, start = trainer.init_state(cfg.seed), 0
+    try:
+        try:
+            restored = ckpt.restore_latest(trainer.abstract_state, trainer.state_shardings, it)
+        except IncompatibleCheckpointError as e:
+            if not changed:
+                raise
+            shaping = [k for k, _, _ in changed if k.split(".")[0] in ("model", "optimizer")] or None
+            raise IncompatibleCheckpointError(
+                f"{run_dir} holds a run whose arrays do not fit this config, which differs from the run's "
+                f"config.yaml in {_describe_changes(changed, shaping)}; nothing was changed. Use a new --run-dir, "
+                f"or resume with the run's own config.") from e
+        start = int(restored[1]["step"]) if restored is not None else 0
+        trajectory = [k for k, _, _ in changed if k.split(".")[0] in _TRAJECTORY and k != "steps"]
+        if restored is not None and trajectory:
+            warnings.warn(f"{run_dir}: config differs from the saved run in {_describe_changes(changed, trajectory)}; "
+                          f"continuing with the new values", RuntimeWarning, stacklevel=2)
+        if restored is not None and start >= cfg.steps:
+            finished = _finished_summary(cfg, run_dir, start)
+            if finished is not None:
+                if main:
+                    (console or _plain_console()).print(
+                        f"{run_dir} already finished at step {start} (steps={cfg.steps}): nothing to do. "
+                        f"Give --steps above {start} to train further; `jaxformer eval {run_dir}` re-evaluates.",
+                        highlight=False)
+                return finished
+        # The checkpoint fits and the step count is sane: from here on the run directory is ours.
+        if main:
+            C.dump(cfg, run_dir / "config.yaml")
+            if tok_path is not None and not tok_path.exists():
+                tok.save(tok_path)
+        state = restored[0] if restored is not None else trainer.init_state(cfg.seed)
+        return _run(cfg, run_dir, trainer, corpus, it, ckpt, state, start, on_step=on_step, console=console,
+                    resumed=restored is not None, t0=t0)
+    finally:
+        ckpt.close()
+
+
+def _plain_console():
+    from rich.console import Console
+
+    return Console(soft_wrap=True)
+
+
+def _changed_keys(cfg: C.ExperimentConfig, run_dir: Path) -> list[tuple[str, object, object]]:
+    """``(dotted key, saved value, new value)`` where ``cfg`` differs from ``RUN_DIR/config.yaml`` (if any)."""
+    saved = run_dir / "config.yaml"
+    if not saved.exists():
+        return []
+    old = C.load(saved)
+    a, b = C.to_dict(old), C.to_dict(cfg)
+
+    def get(d, key):
+        for part in key.split("."):
+            d = d.get(part) if isinstance(d, dict) else None
+        return d
+    return [(k, get(a, k), get(b, k)) for k in C.diff(old, cfg)]
+
+
+def _describe_changes(changed, keys=None) -> str:
+    return ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, a, b in changed if keys is None or k in keys)
+
+
+def _finished_summary(cfg: C.ExperimentConfig, run_dir: Path, step: int) -> dict | None:
+    """The recorded results of a run at ``step >= cfg.steps``, or None if its final evaluation is missing.
+
+    A run past ``cfg.steps`` is refused (training cannot go backwards, and its files stay as they are).
+    """
+    if step > cfg.steps:
+        raise ValueError(f"{run_dir} is already at step {step}, past steps={cfg.steps}; nothing was changed. "
+                         f"Give --steps above {step} to train further, or a new --run-dir to start over.")
+    rows = read_metrics(run_dir)
+    train_rows = [r for r in rows if "loss" in r and r.get("step") == step]
+    eval_rows = [r for r in rows if "val_loss" in r and r.get("step") == step]
+    if cfg.eval.at_end and not eval_rows:
+        return None  # stopped between the last checkpoint and the final evaluation: do that evaluation now
+    out = {"step": step}
+    for r in train_rows[-1:] + eval_rows[-1:]:
+        out.update({k: v for k, v in r.items() if k != "step"})
+    return out
+
+
+def _run(cfg: C.ExperimentConfig, run_dir: Path, trainer: Trainer, corpus, it, ckpt: Checkpointer, state,
+         start: int, *, on_step, console, resumed: bool, t0: float) -> dict:
+    """Steps ``start .. cfg.steps``, periodic evaluations and checkpoints, the final evaluation and sample."""
+    main = jax.process_index() == 0
+    tok = corpus.tokenizer
     writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, resume_step=start, enabled=main)
     bar = ProgressBar(cfg.steps, start, enabled=cfg.logging.progress and main, show=main, console=console)
-    if start:
-        bar.print(f"resumed {run_dir} at step {start}")
-    evalset = _eval_set(cfg, corpus, cfg.eval.max_tokens)
-    eval_bs = _eval_batch(cfg, mesh)
-    meta = {"config": C.to_dict(cfg)}
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-
-    last_saved = start if restored is not None else None
-    pending: list[tuple[int, dict]] = []
-    timer = {"t": None, "step": start}
-    last: dict = {}
-
-    def drain(keep: int) -> None:
-        nonlocal last
-        while len(pending) > keep:
-            s, m = pending.pop(0)
-            m = {k: float(v) for k, v in jax.device_get(m).items()}
-            if not all(math.isfinite(m[k]) for k in ("loss", "grad_norm", "param_norm")):
-                ckpt.wait()
-                where = f"step {last_saved}" if last_saved is not None else "none"
-                raise NonFiniteError(
-                    f"non-finite training at step {s}: loss={m['loss']} grad_norm={m['grad_norm']} "
-                    f"param_norm={m['param_norm']}; last good checkpoint: {where} in {ckpt.directory}")
-            now = time.perf_counter()
-            tps = None
-            if timer["t"] is not None and s > timer["step"]:
-                tps = tokens_per_step * (s - timer["step"]) / (now - timer["t"])
-            if timer["t"] is None or s % cfg.logging.every == 0:
-                timer["t"], timer["step"] = now, s
-            log = s % cfg.logging.every == 0 or s == cfg.steps
-            row = {"step": s, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
-                   "tokens_per_s": tps, "param_norm": m["param_norm"]}
-            if log:
-                writer.write(row)
-            bar.update(s, m["loss"], tps, log)
-            last = row
-            if on_step is not None:
-                on_step(s, row)
-
     try:
+        bar.print(start_line(cfg, trainer.mesh, run_dir, start if resumed else None))
+        evalset = _eval_set(cfg, corpus, cfg.eval.max_tokens)
+        eval_bs = _eval_batch(cfg, trainer.mesh)
+        meta = {"config": C.to_dict(cfg)}
+        log = _StepLog(cfg, writer, bar, on_step, ckpt, last_saved=start if resumed else None)
         for step in range(start, cfg.steps):
-            state, m = trainer.train_step(state, shd.put_batch(next(it), mesh))
+            state, m = trainer.train_step(state, shd.put_batch(next(it), trainer.mesh))
             s = step + 1
-            pending.append((s, m))
-            drain(keep=1)
-            paused = time.perf_counter()
+            log.push(s, m)
             if s % cfg.checkpoint.every == 0 or s == cfg.steps:
-                drain(keep=0)
-                paused = time.perf_counter()
-                ckpt.save(s, state, it, meta)
-                last_saved = s
+                log.flush()
+                with log.paused():
+                    ckpt.save(s, state, it, meta)
+                log.saved(s)
             if cfg.eval.every and s % cfg.eval.every == 0 and s != cfg.steps and evalset is not None:
-                ev = evaluate(trainer, state["params"], evalset, batch_size=eval_bs, token_bytes=tok.token_bytes)
-                writer.write({"step": s, **ev}, prefix="eval")
-                bar.print(_eval_line(s, ev))
-            if timer["t"] is not None:
-                timer["t"] += time.perf_counter() - paused
-        drain(keep=0)
+                with log.paused():
+                    ev = evaluate(trainer, state["params"], evalset, batch_size=eval_bs,
+                                  token_bytes=tok.token_bytes)
+                    writer.write({"step": s, **ev}, prefix="eval")
+                    bar.print(_eval_line(s, ev))
+        log.flush()
         ckpt.wait()
         bar.close()
-        summary = {"step": max(start, cfg.steps), **{k: v for k, v in last.items() if k != "step"}}
+        summary = {"step": max(start, cfg.steps), **{k: v for k, v in log.last.items() if k != "step"}}
         if cfg.eval.at_end and evalset is not None:
             final = _eval_set(cfg, corpus, cfg.eval.final_max_tokens)
             ev = evaluate(trainer, state["params"], final, batch_size=eval_bs, token_bytes=tok.token_bytes)
@@ -205,11 +249,85 @@ def train(cfg: C.ExperimentConfig, run_dir: str | Path, *,
                                             max_new_tokens=n_new, temperature=sp.temperature,
                                             top_k=sp.top_k, top_p=sp.top_p, seed=cfg.seed)
             bar.print("--- sample ---\n" + summary["sample"] + "\n--------------")
+        summary["wall_s"] = time.perf_counter() - t0
         return summary
     finally:
         bar.close()
-        ckpt.close()
         writer.close()
+
+
+def start_line(cfg: C.ExperimentConfig, mesh, run_dir: Path, resumed_at: int | None) -> str:
+    """One line on what is about to run: model size, devices and mesh, tokens per step, where it goes."""
+    from jaxformer.model import count_params
+
+    n = count_params(cfg.model)
+    devices = f"{mesh.size} {jax.default_backend()} device{'s' if mesh.size > 1 else ''}"
+    layout = " ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    what = f"resuming at step {resumed_at}" if resumed_at is not None else "new run"
+    return (f"train: {n / 1e6:.2f} M parameters ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}) · "
+            f"{devices}, mesh {layout} · {cfg.batch_size * cfg.seq_len:,} tokens/step "
+            f"({cfg.batch_size} x {cfg.seq_len}) · {cfg.steps:,} steps · {what} in {run_dir}")
+
+
+class _StepLog:
+    """Step metrics read back one step late (the host never waits on the device except at a checkpoint):
+    non-finite values stop the run, rows go to metrics.jsonl / TensorBoard / the progress bar."""
+
+    def __init__(self, cfg: C.ExperimentConfig, writer: MetricsWriter, bar: ProgressBar, on_step,
+                 ckpt: Checkpointer, *, last_saved: int | None):
+        self.cfg, self.writer, self.bar, self.on_step, self.ckpt = cfg, writer, bar, on_step, ckpt
+        self.last_saved = last_saved
+        self.pending: list[tuple[int, dict]] = []
+        self.last: dict = {}
+        self.t, self.t_step = None, None
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len
+
+    def push(self, step: int, metrics) -> None:
+        self.pending.append((step, metrics))
+        self._drain(keep=1)
+
+    def flush(self) -> None:
+        self._drain(keep=0)
+
+    def saved(self, step: int) -> None:
+        self.last_saved = step
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside (checkpoints, evaluations) does not count against tokens/s."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.t is not None:
+                self.t += time.perf_counter() - t
+
+    def _drain(self, keep: int) -> None:
+        every = self.cfg.logging.every
+        while len(self.pending) > keep:
+            s, m = self.pending.pop(0)
+            m = {k: float(v) for k, v in jax.device_get(m).items()}
+            if not all(math.isfinite(m[k]) for k in ("loss", "grad_norm", "param_norm")):
+                self.ckpt.wait()
+                where = f"step {self.last_saved}" if self.last_saved is not None else "none"
+                raise NonFiniteError(
+                    f"non-finite training at step {s}: loss={m['loss']} grad_norm={m['grad_norm']} "
+                    f"param_norm={m['param_norm']}; last good checkpoint: {where} in {self.ckpt.directory}")
+            now = time.perf_counter()
+            tps = None
+            if self.t is not None and s > self.t_step:
+                tps = self.tokens_per_step * (s - self.t_step) / (now - self.t)
+            if self.t is None or s % every == 0:
+                self.t, self.t_step = now, s
+            log = s % every == 0 or s == self.cfg.steps
+            row = {"step": s, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+                   "tokens_per_s": tps, "param_norm": m["param_norm"]}
+            if log:
+                self.writer.write(row)
+            self.bar.update(s, m["loss"], tps, log)
+            self.last = row
+            if self.on_step is not None:
+                self.on_step(s, row)
 
 
 def _eval_line(step: int, ev: dict) -> str:

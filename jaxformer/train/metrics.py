@@ -78,7 +78,8 @@ class ProgressBar:
     def __init__(self, total: int, start: int, *, enabled: bool, show: bool = True,
                  console: Console | None = None):
         self.show = show
-        self.console = console or Console()
+        # soft_wrap: a line longer than the terminal (or a log file's 80 columns) is never split mid-number
+        self.console = console or Console(soft_wrap=True)
         self.rich = enabled and self.console.is_terminal
         self.enabled = enabled
         self._bar = None

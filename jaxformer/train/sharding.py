@@ -111,6 +111,22 @@ def batch_shards(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+def check_batch(batch_size: int, grad_accum: int, mesh_shape) -> None:
+    """Raise ValueError unless every micro-batch (``batch_size // grad_accum``) splits over ``data x fsdp``.
+
+    ``mesh_shape``: ``{"data": .., "fsdp": .., "tensor": ..}``. The trainer and ``jaxformer info``
+    both call this, so a plan that ``info`` accepts is one training accepts.
+    """
+    shards = mesh_shape["data"] * mesh_shape["fsdp"]
+    where = " ".join(f"{a}={mesh_shape[a]}" for a in MESH_AXES)
+    if batch_size % shards:
+        raise ValueError(f"batch_size={batch_size} not divisible by data*fsdp={shards} on mesh {where}")
+    micro = batch_size // grad_accum
+    if micro % shards:
+        raise ValueError(f"micro-batch batch_size/grad_accum={batch_size}/{grad_accum}={micro} "
+                         f"not divisible by data*fsdp={shards} on mesh {where}")
+
+
 def put_batch(batch: dict, mesh: Mesh) -> dict:
     """Host-local numpy ``[B_local, T]`` arrays -> global sharded jax arrays ``[B, T]``."""
     sh = batch_sharding(mesh)

@@ -94,13 +94,8 @@ def make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
 def _make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
     total_steps = cfg.steps
     mcfg: ModelConfig = cfg.model
-    shards = shd.batch_shards(mesh)
-    if cfg.batch_size % shards:
-        raise ValueError(f"batch_size={cfg.batch_size} not divisible by data*fsdp={shards} "
-                         f"on mesh {dict(mesh.shape)}")
     accum = cfg.optimizer.grad_accum
-    if (cfg.batch_size // accum) % shards:
-        raise ValueError(f"micro-batch {cfg.batch_size}//{accum} not divisible by data*fsdp={shards}")
+    shd.check_batch(cfg.batch_size, accum, mesh.shape)
 
     graphdef, abstract_model = abstract_init(mcfg)
     abstract_params = nnx.to_pure_dict(abstract_model)

@@ -77,7 +77,7 @@ def test_overrides_are_yaml_parsed_and_validated(tmp_path):
     assert cfg.schedule.kind == "linear"
     with pytest.raises(C.ConfigError, match=r"x.yaml: optimizer.lr: Input should be a valid number"):
         C.load(p, ["optimizer.lr=abc"])
-    with pytest.raises(C.ConfigError, match="expected key.sub=value"):
+    with pytest.raises(C.ConfigError, match=r"override .optimizer.lr. is not key.sub=value \(e.g. optimizer.lr=3e-4\)"):
         C.load(p, ["optimizer.lr"])
 
 

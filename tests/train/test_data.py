@@ -170,8 +170,8 @@ def test_bin_source_memmap(tmp_path):
             assert b["segment_ids"][r][i] != b["segment_ids"][r][i - 1] and not b["mask"][r][i - 1]
 
 
-def test_bpe_tokenizer_when_installed(tmp_path):
-    pytest.importorskip("tokenizers")
+def test_bpe_tokenizer(tmp_path):
+    """`tokenizers` comes with the test extra (and the `bpe` extra): this test is never skipped."""
     root = make_corpus(tmp_path / "c", n_files=30)
     cfg = C.DataConfig(source="text", path=str(root), tokenizer="bpe", bpe_vocab_size=300, val_fraction=0.2)
     corpus = D.build_corpus(cfg, tokenizer_path=tmp_path / "tok.json")

@@ -1,0 +1,144 @@
+"""The run directory survives what a user types: a refused resume, --steps below the run, a finished run re-run.
+
+Nothing may be written into an existing run directory until the new config is known to fit it; a run that
+already reached its steps is left as it is; metric rows are never duplicated. Driven through
+``jaxformer.cli.main`` as a user would.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from jaxformer.cli import main
+from jaxformer.train import config as C
+from jaxformer.train.metrics import read_metrics
+from tests.train.helpers import make_corpus, tiny_raw, write_config
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` (relative path -> bytes)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A 4-step run with a final evaluation: (config path, run dir)."""
+    tmp = tmp_path_factory.mktemp("rundir")
+    cfg = write_config(tmp / "cfg.yaml", tiny_raw(make_corpus(tmp / "corpus"), eval={"at_end": True}))
+    run = tmp / "run"
+    assert main(["train", str(cfg), "--run-dir", str(run)]) == 0
+    return cfg, run
+
+
+def test_refused_resume_leaves_the_run_dir_byte_identical(finished, tmp_path, capsys):
+    cfg, run = finished
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--run-dir", str(run), "model.d_model=64"]) == 2
+    err = capsys.readouterr().err
+    assert "model.d_model (saved 32, now 64)" in err and "nothing was changed" in err
+    assert snapshot(run) == before
+    # eval and generate read the untouched config; resuming is silent about config changes
+    assert main(["eval", str(run), "--max-tokens", "64"]) == 0
+    assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "3"]) == 0
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--run-dir", str(run)]) == 0
+    out = capsys.readouterr()
+    assert "differs" not in out.err and "already finished at step 4" in out.out
+    assert snapshot(run) == before
+
+
+def test_steps_below_the_run_are_refused_and_change_nothing(finished, capsys):
+    cfg, run = finished
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--run-dir", str(run), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "already at step 4, past steps=2" in err and "nothing was changed" in err
+    assert snapshot(run) == before
+
+
+def test_a_finished_run_rerun_writes_nothing_and_duplicates_no_rows(finished, capsys):
+    cfg, run = finished
+    before = snapshot(run)
+    for _ in range(2):
+        assert main(["train", str(cfg), "--run-dir", str(run), "--steps", "4"]) == 0
+    assert snapshot(run) == before
+    steps = [(r["step"], "val_loss" in r) for r in read_metrics(run)]
+    assert steps == [(1, False), (2, False), (3, False), (4, False), (4, True)]
+
+
+def test_a_missing_final_evaluation_is_done_once(tmp_path, capsys):
+    """A run stopped after its last checkpoint but before its final evaluation gets it on the next call."""
+    cfg = write_config(tmp_path / "cfg.yaml", tiny_raw(make_corpus(tmp_path / "corpus"), eval={"at_end": False}))
+    run = tmp_path / "run"
+    assert main(["train", str(cfg), "--run-dir", str(run)]) == 0
+    assert not [r for r in read_metrics(run) if "val_loss" in r]
+    for _ in range(2):
+        assert main(["train", str(cfg), "--run-dir", str(run), "eval.at_end=true"]) == 0
+    assert [r["step"] for r in read_metrics(run) if "val_loss" in r] == [4]
+
+
+def test_start_line_and_summary_say_what_runs_and_where_it_went(tmp_path, capsys):
+    cfg = write_config(tmp_path / "cfg.yaml", tiny_raw(make_corpus(tmp_path / "corpus"), steps=2,
+                                                       eval={"at_end": True, "compare_compressors": True}))
+    run = tmp_path / "run"
+    assert main(["train", str(cfg), "--run-dir", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    start = out[0]
+    for part in ("M parameters", "mesh data=1 fsdp=1 tensor=1", "256 tokens/step (8 x 32)", "2 steps",
+                 f"new run in {run}"):
+        assert part in start, start
+    # the final eval line is long; non-interactive output must not split it
+    ev = [line for line in out if line.startswith("eval @ 2:")]
+    assert len(ev) == 1 and "gzip -9" in ev[0] and "xz -9e" in ev[0] and len(ev[0]) > 80
+    done = out.index(next(line for line in out if line.startswith("done: step 2")))
+    tail = "\n".join(out[done:])
+    for path in (run / "config.yaml", run / "metrics.jsonl", run / "checkpoints"):
+        assert str(path) in tail
+    assert "(steps 2)" in tail
+
+
+def test_config_dump_is_atomic(tmp_path):
+    cfg = C.from_dict(tiny_raw(tmp_path), "<test>")
+    path = tmp_path / "run" / "config.yaml"
+    C.dump(cfg, path)
+    C.dump(cfg, path)  # over an existing file
+    assert C.load(path) == cfg and [p.name for p in path.parent.iterdir()] == ["config.yaml"]
+
+
+def test_eval_prints_no_routine_library_notices(finished, caplog, capsys):
+    """orbax's read-only notices (eval opens checkpoints read-only on purpose) are not shown."""
+    _, run = finished
+    with caplog.at_level(logging.WARNING):
+        assert main(["eval", str(run), "--max-tokens", "64"]) == 0
+    shown = [r.getMessage() for r in caplog.records if r.name == "absl" and r.levelno >= logging.WARNING]
+    assert not shown, shown
+
+
+def test_routine_notices_filter_drops_only_the_named_messages():
+    from jaxformer.train.checkpoint import _RoutineNotices
+
+    def rec(msg):
+        return logging.LogRecord("absl", logging.WARNING, __file__, 1, msg, (), None)
+    f = _RoutineNotices()
+    assert not f.filter(rec("[elements_from_buffer_after_checkpoint] While restoring the last checkpoint, "
+                            "we had to advance %d elements from the buffer."))
+    assert not f.filter(rec("Given directory is read only=%s"))
+    assert f.filter(rec("Checkpoint step 3 failed to save"))
+
+
+def test_a_bpe_run_keeps_its_tokenizer_and_resumes(tmp_path, capsys):
+    """The trained BPE is saved in the run directory (after the fit check) and reused by resume and eval."""
+    cfg = write_config(tmp_path / "cfg.yaml", tiny_raw(make_corpus(tmp_path / "corpus"), steps=2,
+                                                       data={"tokenizer": "bpe", "bpe_vocab_size": 300},
+                                                       model={"vocab_size": 304}))
+    run = tmp_path / "run"
+    assert main(["train", str(cfg), "--run-dir", str(run)]) == 0
+    saved = (run / "tokenizer.json").read_bytes()
+    assert main(["train", str(cfg), "--run-dir", str(run), "--steps", "3"]) == 0
+    assert (run / "tokenizer.json").read_bytes() == saved
+    assert main(["eval", str(run), "--max-tokens", "64"]) == 0
