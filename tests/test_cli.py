@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -32,7 +33,18 @@ def test_pulse(trained, capsys):
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3]
     for r in train_rows:
-        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(r) and r["loss"] > 0
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "param_norm"} <= set(r)
+    # an untrained model predicts ~uniformly: loss ~ ln V at step 1 (measured 5.58 vs ln 264 = 5.576);
+    # 3 steps at lr 3e-3 move it by < 0.1 but do move it
+    losses = [r["loss"] for r in train_rows]
+    assert abs(losses[0] - math.log(264)) < 0.05 and len(set(losses)) == 3 and max(losses) < math.log(264) + 0.1
+    from jaxformer.train import config as C
+    from jaxformer.train.optim import make_schedule
+    c = C.load(run / "config.yaml")
+    lr = make_schedule(c.optimizer, c.schedule, c.steps)
+    for r in train_rows:  # the row of step s reports the learning rate that step s used
+        assert r["lr"] == pytest.approx(float(lr(r["step"] - 1)), rel=1e-6)
+        assert 0 < r["grad_norm"] < 100 and r["param_norm"] > 0
     ev = [r for r in rows if "val_loss" in r]
     assert ev and {"step", "val_loss", "val_bpb", "gzip9_bpb", "xz9e_bpb"} <= set(ev[-1])
     assert (run / "config.yaml").exists() and "keep: 4" in (run / "config.yaml").read_text()
@@ -158,3 +170,42 @@ def test_override_without_equals_says_key_sub_value(argv, tmp_path, capsys):
     assert capsys.readouterr().err == (f"jaxformer {argv[0]}: error: override 'optimizer.lr' is not key.sub=value "
                                        "(e.g. optimizer.lr=3e-4)\n")
     assert not (tmp_path / "run").exists()  # refused before any work
+
+
+def test_generate_says_when_the_context_cut_a_completion_and_separates_completions(trained, tmp_path, capsys):
+    """Context 32: 40 new tokens are cut, with a note per prompt on stderr; two prompts print under
+    separator lines; --window 32 goes on past the context and says so once; --window 33 is refused."""
+    _, run, _ = trained
+    capsys.readouterr()
+    args = ["generate", str(run), "--max-new-tokens", "40", "--temperature", "0"]
+    assert main([*args, "--prompt", "def ", "--prompt", "import os"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("----- completion 1 of 2 -----\ndef ")
+    assert "\n----- completion 2 of 2 -----\nimport os" in out
+    for i in (1, 2):
+        assert (f"note: prompt {i} stopped at the model's 32-token context after " in err
+                and "new tokens; pass --window N (N <= 32) to continue with a sliding window" in err), err
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def \n", encoding="utf-8")
+    rows = {}
+    for window in (None, 32):
+        out_path = tmp_path / f"w{window}.jsonl"
+        extra = [] if window is None else ["--window", str(window)]
+        assert main([*args, "--prompts-file", str(prompts), "--output", str(out_path), *extra]) == 0
+        rows[window] = json.loads(out_path.read_text(encoding="utf-8"))
+        err = capsys.readouterr().err
+        if window is None:
+            cut = rows[None]
+            assert cut["stopped_by"] == "context" and cut["finish_reason"] == "length"
+            assert len(cut["tokens"]) == 32 - cut["num_prompt_tokens"] + 1
+            assert (f"note: request index=0 stopped at the model's 32-token context after {len(cut['tokens'])} "
+                    "new tokens") in err
+        else:
+            assert err.count("note: generating past the model's 32-token context with a sliding 32-token window") == 1
+            assert "stopped at" not in err
+    assert rows[32]["stopped_by"] == "max_new_tokens" and len(rows[32]["tokens"]) == 40
+    assert rows[32]["tokens"][: len(rows[None]["tokens"])] == rows[None]["tokens"]
+
+    assert main([*args, "--prompt", "def ", "--window", "33"]) == 2
+    assert "window=33 must be an int in [1, max_seq_len=32]" in capsys.readouterr().err

@@ -198,9 +198,9 @@ def test_fp32_params_bf16_compute_close_to_fp32(tiny_models, japply):
     out = japply(gd16, st, toks)  # same fp32 parameters
     assert out.dtype == jnp.float32 and all(x.dtype == jnp.float32 for x in jax.tree.leaves(st))
     # bf16 keeps 8 mantissa bits (relative 2^-8 ~ 0.4% per rounding); through 2 blocks and the
-    # head the logits stay within 5% of their own scale.
+    # head the logits differ by 0.57% of their own scale (measured); bound 2%.
     err = float(jnp.abs(out - ref).max())
-    assert err < 0.05 * float(jnp.abs(ref).max()), err
+    assert err < 0.02 * float(jnp.abs(ref).max()), err
     assert err > 0.0  # bf16 really was used
     all16 = nnx.eval_shape(lambda: Transformer(cfg.model_copy(update=dict(param_dtype="bfloat16",
                                                                            compute_dtype="bfloat16"))))

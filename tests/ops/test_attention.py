@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from jaxformer.ops import MaskSpec, dot_product_attention
@@ -44,16 +44,21 @@ def rand(shape, seed):
 TOL = dict(rtol=2e-5, atol=2e-5)
 
 
+@example(B=2, T=7, S=9, K=2, G=3, H=8, causal=True, window=(3, 0), use_seg=True, use_len=True, use_alibi=True,
+         softcap=5.0, seed=1)  # every feature at once
+@example(B=1, T=9, S=5, K=1, G=3, H=4, causal=False, window=(None, 1), use_seg=False, use_len=True, use_alibi=True,
+         softcap=None, seed=2)  # one-sided window, T > S (queries aligned to the end of the keys)
 @given(B=st.integers(1, 2), T=st.integers(1, 9), S=st.integers(1, 9), K=st.sampled_from([1, 2]),
        G=st.sampled_from([1, 3]), H=st.sampled_from([4, 8]), causal=st.booleans(),
-       use_window=st.booleans(), use_seg=st.booleans(), use_len=st.booleans(),
-       use_alibi=st.booleans(), softcap=st.sampled_from([None, 5.0]), seed=st.integers(0, 1000))
-def test_forward_matches_float64(B, T, S, K, G, H, causal, use_window, use_seg, use_len, use_alibi, softcap, seed):
+       window=st.sampled_from([None, (2, 1), (0, 0), (3, None), (None, 1), (1, 4)]), use_seg=st.booleans(),
+       use_len=st.booleans(), use_alibi=st.booleans(), softcap=st.sampled_from([None, 5.0]),
+       seed=st.integers(0, 1000))
+def test_forward_matches_float64(B, T, S, K, G, H, causal, window, use_seg, use_len, use_alibi, softcap, seed):
     N = K * G
     rng = np.random.default_rng(seed)
     q, k, v = rand((B, T, N, H), seed), rand((B, S, K, H), seed + 1), rand((B, S, K, H), seed + 2)
     mask = MaskSpec(
-        causal=causal, window=(2, 1) if use_window else None,
+        causal=causal, window=window,
         q_segment_ids=rng.integers(0, 2, (B, T)) if use_seg else None,
         kv_segment_ids=rng.integers(0, 2, (B, S)) if use_seg else None,
         kv_lengths=rng.integers(0, S + 1, (B,)) if use_len else None,
@@ -133,8 +138,10 @@ def test_scaling_keeps_score_variance_near_one():
     logits = jnp.log(w)
     logits = logits - logits.mean(-1, keepdims=True)
     np.testing.assert_allclose(logits, (raw - raw.mean(-1, keepdims=True)) / math.sqrt(H), atol=1e-3)
-    assert 0.85 < float(jnp.var(raw / math.sqrt(H))) < 1.15
-    assert 0.85 * H < float(jnp.var(raw)) < 1.15 * H
+    # the claim, read off the library's own weights: its scores have variance ~1, where q.k has ~H
+    ours = float(jnp.var(logits))
+    assert 0.85 < ours < 1.15
+    assert float(jnp.var(raw - raw.mean(-1, keepdims=True))) / ours == pytest.approx(H, rel=1e-3)
 
 
 def test_causal_output_ignores_future_tokens():
@@ -179,7 +186,9 @@ def test_jit_and_bf16():
     out = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, mask=MaskSpec(causal=True)))(q, k, v)
     assert out.dtype == jnp.bfloat16
     want = numpy_attention(q, k, v, MaskSpec(causal=True).dense(16, 16))
-    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=3e-2)  # bf16 inputs/outputs: ~2^-8 relative
+    # The reference sees the same bf16-rounded inputs; the error is p and the output rounded to bf16
+    # (2^-9 relative): measured 6.1e-3, bound 1.2e-2.
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=1.2e-2)
 
 
 @pytest.mark.parametrize("shapes, match", [

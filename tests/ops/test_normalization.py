@@ -60,6 +60,39 @@ def test_rms_norm_equals_layer_norm_on_zero_mean(data):
                            np.asarray(layer_norm(jnp.asarray(x), jnp.asarray(scale))), atol=1e-2)
 
 
+@pytest.mark.parametrize("magnitude", [1e-4, 1e-3, 3e-3])
+def test_eps_inside_the_root_on_tiny_inputs(magnitude):
+    """Activations near eps: mean(x^2) ~ eps, so where eps sits decides the output.
+
+    ``1/(sqrt(ms) + eps)`` or no eps at all differ from ``rsqrt(ms + eps)`` by up to ~0.85 here;
+    fp32 vs float64 is ~1e-6 relative.
+    """
+    rng = np.random.default_rng(4)
+    D = 32
+    x = (magnitude * rng.standard_normal((3, D))).astype(np.float32)
+    scale = (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(D)).astype(np.float32)
+    for eps in (1e-6, 1e-5):
+        np.testing.assert_allclose(np.asarray(rms_norm(jnp.asarray(x), jnp.asarray(scale), eps=eps)),
+                                   rms_ref(x, scale, eps), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(layer_norm(jnp.asarray(x), jnp.asarray(scale), jnp.asarray(bias),
+                                                         eps=eps)), ln_ref(x, scale, bias, eps), rtol=1e-5, atol=1e-5)
+
+
+def test_default_eps_and_zero_input():
+    """The defaults are the papers' (LayerNorm 1e-5, RMSNorm 1e-6), and an all-zero row gives 0 (+ bias)."""
+    rng = np.random.default_rng(5)
+    x = (1e-3 * rng.standard_normal((2, 16))).astype(np.float32)
+    s = np.ones(16, np.float32)
+    np.testing.assert_allclose(np.asarray(rms_norm(jnp.asarray(x), jnp.asarray(s))), rms_ref(x, s, 1e-6),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(layer_norm(jnp.asarray(x), jnp.asarray(s))), ln_ref(x, s, None, 1e-5),
+                               rtol=1e-5, atol=1e-5)
+    z = jnp.zeros((1, 16))
+    assert np.all(np.asarray(rms_norm(z, jnp.asarray(s))) == 0)
+    np.testing.assert_array_equal(np.asarray(layer_norm(z, jnp.asarray(s), jnp.full((16,), 0.5))), 0.5)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_inputs_use_fp32_statistics(dtype):
     rng = np.random.default_rng(1)

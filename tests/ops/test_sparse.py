@@ -8,7 +8,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from jaxformer.ops import MaskSpec, dot_product_attention, xla_attention
@@ -77,6 +77,12 @@ def float64_attention_and_grads(q, k, v, ct, allowed, q_pos, *, slopes=None, sof
     return out, (dq, dk, dv)
 
 
+@example(B=2, T=33, S=37, K=2, G=2, block=8, causal=True, left=5, right=None, globals_kind="per_batch",
+         random_kind="per_head", random_block=5, num_random=2, use_len=True, use_seg=True, offset=4,
+         use_alibi=True, softcap=4.0, seed=11)  # every feature at once
+@example(B=1, T=20, S=29, K=1, G=2, block=4, causal=False, left=3, right=2, globals_kind="shared",
+         random_kind="shared", random_block=8, num_random=3, use_len=False, use_seg=False, offset=None,
+         use_alibi=False, softcap=None, seed=12)  # two-sided window, shared patterns
 @given(
     B=st.integers(1, 2), T=st.integers(1, 37), S=st.integers(1, 37), K=st.sampled_from([1, 2]),
     G=st.sampled_from([1, 2]), block=st.sampled_from([4, 8]), causal=st.booleans(),
@@ -142,12 +148,14 @@ def test_dispatch_and_bf16():
     def run(q, k, v):
         low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
         return (xla_attention(q, k, v, mask=mask), dot_product_attention(q, k, v, mask=mask, impl="sparse"),
-                sparse_attention(*low, mask=mask))
+                sparse_attention(*low, mask=mask), xla_attention(*(x.astype(jnp.float32) for x in low), mask=mask))
 
-    want, got, low = run(q, k, v)
+    want, got, low, want_low = run(q, k, v)
     np.testing.assert_allclose(got, want, **TOL)
     assert low.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(low, np.float32), want, atol=5e-2)  # bf16 inputs: ~2^-8 relative
+    # Against dense fp32 attention on the same bf16-rounded inputs: the error is p and the output
+    # rounded to bf16 (2^-9 relative): measured 5.6e-3, bound 1.2e-2.
+    np.testing.assert_allclose(np.asarray(low, np.float32), want_low, atol=1.2e-2)
 
 
 def test_global_query_rows_alone():

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxformer.ops import MaskSpec, xla_attention
@@ -75,7 +75,6 @@ def test_block_ranges_traced_equal_static():
             assert tuple(int(x) for x in traced) == tuple(static)
 
 
-@settings(max_examples=6)
 @given(T=st.integers(1, 12), S=st.integers(1, 12), causal=st.booleans(), window=windows, offset=offsets,
        use_seg=st.booleans(), use_len=st.booleans(), seed=st.integers(0, 99))
 def test_tile_allowed_matches_dense(T, S, causal, window, offset, use_seg, use_len, seed):
@@ -127,7 +126,11 @@ FWD_TOL = dict(rtol=1e-5, atol=1e-5)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-4)
 
 
+# 8 drawn examples: each jits two differentiated programs (~1 s); the pinned example turns every
+# feature on at once, so coverage does not hang on the draw.
 @settings(max_examples=8)
+@example(T=7, S=9, K=2, G=2, causal=True, window=(2, 1), offset=3, use_seg=True, use_len=True, use_alibi=True,
+         softcap=3.0, seed=4)
 @given(T=st.integers(1, 9), S=st.integers(1, 9), K=st.sampled_from([1, 2]), G=st.sampled_from([1, 2]),
        causal=st.booleans(), window=st.sampled_from([None, (2, 1), (None, 0)]), offset=offsets,
        use_seg=st.booleans(), use_len=st.booleans(), use_alibi=st.booleans(),

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxformer.ops import MaskSpec, xla_attention
@@ -146,7 +146,14 @@ class FlashGpuBase:
         _close(dk[:, 16:], dk_r[:, 16:], 1e-4, "dk of kv blocks not seeing q block 0")
         _close(dv[:, 16:], dv_r[:, 16:], 1e-4, "dv of kv blocks not seeing q block 0")
 
+    # 3 drawn examples: each runs the kernel in interpret mode (seconds). The pinned examples reach
+    # every feature at once (causal + window + offset + segments + lengths + ALiBi + softcap + GQA)
+    # and a non-causal two-sided window with ALiBi, so coverage does not hang on the draw.
     @settings(max_examples=3)
+    @example(B=2, T=37, S=29, K=2, G=3, H=16, causal=True, window=(6, 2), offset=-3, use_seg=True, use_len=True,
+             use_alibi=True, softcap=4.0, blocks=MIXED, seed=1)
+    @example(B=1, T=21, S=40, K=1, G=3, H=20, causal=False, window=(4, None), offset=5, use_seg=False,
+             use_len=False, use_alibi=True, softcap=None, blocks=SMALL, seed=2)
     @given(B=st.integers(1, 2), T=st.integers(1, 40), S=st.integers(1, 40), K=st.sampled_from([1, 2]),
            G=st.sampled_from([1, 3]), H=st.sampled_from([8, 16, 20]), causal=st.booleans(),
            window=st.sampled_from([None, (4, None), (6, 2)]), offset=st.sampled_from([None, 0, -3, 5]),
