@@ -15,7 +15,14 @@ Each :meth:`Engine.step`:
    index, so it continues exactly as before);
 4. samples per request (temperature, top-k, top-p, seed), appends, and retires
    finished sequences at once (max tokens, a stop token, or a full context),
-   freeing their pages.
+   freeing their pages; ``Result.stopped_by`` says which.
+
+Sliding window (``window=W``, models with relative positions only: RoPE, ALiBi):
+every token attends to its last ``W`` positions, so a sequence may run past the
+context; positions keep counting. Before each step a sequence's pages whose tokens
+all lie behind its next token's window go back to the free list, so in decode it
+holds at most ``ceil(W / L) + 1`` pages, however long it runs. A preempted sequence is
+recomputed the same way (windowed prefill, dropping pages as it goes).
 
 A bad request (empty prompt, prompt longer than the context, out-of-vocabulary
 ids, invalid sampling parameters, more pages than the pool has) gets a
@@ -44,7 +51,9 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 
 @dataclasses.dataclass
 class Result:
-    """What became of one request. ``finish_reason``: "stop" | "length" | "error"."""
+    """What became of one request. ``finish_reason``: "stop" | "length" | "error";
+    ``stopped_by``, the finer cause: "stop_token" | "max_new_tokens" | "context" (the
+    sequence filled ``max_context``; a sliding window never does) | "error"."""
 
     request_id: Hashable
     prompt: list[int]
@@ -52,6 +61,7 @@ class Result:
     finish_reason: str
     error: str | None = None
     num_preemptions: int = 0
+    stopped_by: str = "error"
 
 
 @dataclasses.dataclass
@@ -67,17 +77,41 @@ class _Req:
         return self.prompt + self.generated
 
 
-@functools.partial(jax.jit, static_argnums=(0, 11, 12), donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 11, 12, 13), donate_argnums=2)
 def engine_step(graphdef, state, pools, tokens, positions, tables, lengths, num_new, seeds, steps, sampling,
-                backend, interpret):
+                backend, interpret, window=None):
     """One batched model call over paged caches; returns each row's next token and the new pools."""
     TRACE_COUNTS[f"step_T{tokens.shape[1]}"] += 1
-    caches = [PagedKVCache(k, v, tables, lengths, num_new, backend, interpret) for k, v in pools]
+    caches = [PagedKVCache(k, v, tables, lengths, num_new, backend, interpret, window) for k, v in pools]
     logits, caches = nnx.merge(graphdef, state)(tokens, positions=positions, cache=caches)
     last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
     temperature, top_k, top_p = sampling
     nxt = sample(last, request_keys(seeds, steps), temperature, top_k, top_p)
     return nxt, [(c.k_pages, c.v_pages) for c in caches]
+
+
+RELATIVE_POSITIONS = ("rope", "alibi")
+
+
+def pages_per_sequence(max_context: int, page_size: int, window: int | None = None) -> int:
+    """Most pages one sequence holds at once (the block-table width ``M``): its context, or with
+    a sliding window also the window's pages plus the one the next token starts."""
+    full = -(-max_context // page_size)
+    return full if window is None else max(full, -(-window // page_size) + 1)
+
+
+def check_window(window: int | None, config) -> int | None:
+    """``window`` if a sliding KV window fits the model: an int in [1, max_seq_len] and relative
+    positions (RoPE, ALiBi); else ValueError naming the reason."""
+    if window is None:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= config.max_seq_len:
+        raise ValueError(f"window={window!r} must be an int in [1, max_seq_len={config.max_seq_len}] "
+                         "(the model was trained on no longer distances)")
+    if config.position not in RELATIVE_POSITIONS:
+        raise ValueError(f"a sliding window needs relative positions (rope or alibi); this model has "
+                         f"position={config.position!r}, which stops at its {config.max_seq_len}-token context")
+    return window
 
 
 class Engine:
@@ -91,11 +125,13 @@ class Engine:
       max_context: longest sequence (default ``config.max_seq_len``).
       prefix_sharing: reuse computed pages of equal prompt prefixes.
       backend, interpret: passed to ``paged_attention`` for decode steps.
+      window: a sliding KV window of this many positions (see the module docstring);
+        ``max_context`` then bounds prompts only.
     """
 
     def __init__(self, graphdef, state, config, *, num_pages: int, page_size: int = 16, max_batch: int = 8,
                  chunk_size: int = 64, max_context: int | None = None, prefix_sharing: bool = True,
-                 backend: str = "auto", interpret: bool = False):
+                 backend: str = "auto", interpret: bool = False, window: int | None = None):
         self.graphdef, self.state, self.config = graphdef, state, config
         self.max_context = config.max_seq_len if max_context is None else max_context
         if not 0 < self.max_context <= config.max_seq_len:
@@ -104,8 +140,9 @@ class Engine:
             raise ValueError(f"max_batch={max_batch} must be >= 1 and chunk_size={chunk_size} >= 2")
         self.max_batch, self.chunk_size = max_batch, chunk_size
         self.backend, self.interpret = backend, interpret
+        self.window = check_window(window, config)
         self.manager = BlockManager(num_pages, page_size, prefix_sharing=prefix_sharing)
-        self.max_pages_per_seq = -(-self.max_context // page_size)
+        self.max_pages_per_seq = pages_per_sequence(self.max_context, page_size, self.window)
         self.pools = init_page_pools(config, num_pages, page_size)
         self.waiting: collections.deque[_Req] = collections.deque()
         self.running: list[_Req] = []
@@ -126,9 +163,10 @@ class Engine:
                 raise ValueError(f"prompt of {len(prompt)} tokens is longer than the context "
                                  f"max_context={self.max_context}")
             params.validate(self.config.vocab_size)
-            longest = min(len(prompt) + params.max_new_tokens - 1, self.max_context)
-            if self.manager.pages_for(longest) > self.manager.num_pages:
-                raise ValueError(f"request needs {self.manager.pages_for(longest)} pages of "
+            longest = len(prompt) + params.max_new_tokens - 1
+            need = min(self.manager.pages_for(longest), self._peak_pages(len(prompt)))
+            if need > self.manager.num_pages:
+                raise ValueError(f"request needs {need} pages of "
                                  f"{self.manager.page_size} tokens; the pool has {self.manager.num_pages}")
         except (ValueError, TypeError) as e:
             self.results[rid] = Result(rid, list(prompt) if isinstance(prompt, Iterable) else [], [],
@@ -148,13 +186,25 @@ class Engine:
         return self.results
 
     # -- scheduling
+    def _peak_pages(self, prompt_len: int) -> int:
+        """Most pages a request holds at once: its context, or with a window its prompt's pages
+        or the window's (plus the page the next token starts), whichever is more."""
+        if self.window is None:
+            return self.max_pages_per_seq
+        return max(self.manager.pages_for(prompt_len), self.manager.pages_for(self.window) + 1)
+
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
             req = self.waiting[0]
+            # pages up front for the prompt; a windowed sequence recomputed after preemption gets
+            # the pages of its generated tokens chunk by chunk, dropping those behind the window
+            cut = len(req.prompt) if self.window is not None else len(req.tokens)
+            head, tail = req.tokens[:cut], req.tokens[cut:]
             # keep a page of growth per running sequence, so admitting never forces a preemption at once
-            if self.manager.pages_needed_to_add(req.tokens) > self.manager.num_free - len(self.running):
+            if self.manager.pages_needed_to_add(head) > self.manager.num_free - len(self.running):
                 break
-            self.manager.add(req.rid, req.tokens)
+            self.manager.add(req.rid, head)
+            self.manager.append(req.rid, tail)
             self.running.append(self.waiting.popleft())
 
     def _preempt_newest(self) -> _Req:
@@ -171,7 +221,13 @@ class Engine:
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            n = min(len(req.tokens) - self.manager.num_computed(req.rid), self.chunk_size)
+            start = self.manager.num_computed(req.rid)
+            n = min(len(req.tokens) - start, self.chunk_size)
+            if self.window is not None:
+                # free the pages behind the first new token's window; keep the chunk within its peak pages
+                self.stats["pages_dropped"] += self.manager.drop_before(req.rid, max(0, start - self.window + 1))
+                local = start - self.manager.num_dropped(req.rid) * self.manager.page_size
+                n = min(n, self._peak_pages(len(req.prompt)) * self.manager.page_size - local)
             try:
                 copies += self.manager.prepare_write(req.rid, n)
             except OutOfPages:
@@ -194,11 +250,11 @@ class Engine:
             width //= 2
         return width
 
-    def _finish(self, req: _Req, reason: str) -> None:
+    def _finish(self, req: _Req, reason: str, stopped_by: str) -> None:
         self.running.remove(req)
         self.manager.finish(req.rid)
         self.results[req.rid] = Result(req.rid, req.prompt, list(req.generated), reason,
-                                       num_preemptions=req.preemptions)
+                                       num_preemptions=req.preemptions, stopped_by=stopped_by)
 
     def step(self) -> None:
         """Admit, schedule, run one batched model call, sample and retire finished sequences."""
@@ -222,6 +278,7 @@ class Engine:
         tables = np.zeros((B, M), np.int32)
         lengths = np.zeros(B, np.int32)
         num_new = np.zeros(B, np.int32)
+        offsets = np.zeros(B, np.int32)  # absolute position of each table's first page
         seeds, steps = np.zeros(B, np.uint32), np.zeros(B, np.int32)
         temperature, top_k, top_p = np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32)
         for b, (req, n) in enumerate(plan):
@@ -229,15 +286,18 @@ class Engine:
             tokens[b, :n] = req.tokens[start:start + n]
             table = self.manager.block_table(req.rid)
             tables[b, : len(table)] = table
-            lengths[b], num_new[b] = start, n
+            offsets[b] = self.manager.num_dropped(req.rid) * self.manager.page_size
+            lengths[b], num_new[b] = start - offsets[b], n  # lengths count from the table's first page
             seeds[b], steps[b] = req.params.seed, len(req.generated)
             temperature[b], top_k[b], top_p[b] = req.params.temperature, req.params.top_k, req.params.top_p
-        positions = np.minimum(lengths[:, None] + np.arange(T, dtype=np.int32)[None, :], self.max_context - 1)
+        positions = (offsets + lengths)[:, None] + np.arange(T, dtype=np.int32)[None, :]
+        if self.window is None:  # padding columns past the context (learned positions stop there)
+            positions = np.minimum(positions, self.max_context - 1)
         nxt, self.pools = engine_step(
             self.graphdef, self.state, self.pools, jnp.asarray(tokens), jnp.asarray(positions),
             jnp.asarray(tables), jnp.asarray(lengths), jnp.asarray(num_new), jnp.asarray(seeds),
             jnp.asarray(steps), (jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p)),
-            self.backend, self.interpret)
+            self.backend, self.interpret, self.window)
         nxt = np.asarray(nxt)
         self.stats["steps"] += 1
         self.stats["tokens_computed"] += int(num_new.sum())
@@ -249,9 +309,11 @@ class Engine:
             req.generated.append(tok)
             self.manager.append(req.rid, [tok])
             if tok in req.params.stop_tokens:
-                self._finish(req, "stop")
-            elif len(req.generated) >= req.params.max_new_tokens or len(req.tokens) > self.max_context:
-                self._finish(req, "length")
+                self._finish(req, "stop", "stop_token")
+            elif len(req.generated) >= req.params.max_new_tokens:
+                self._finish(req, "length", "max_new_tokens")
+            elif self.window is None and len(req.tokens) > self.max_context:
+                self._finish(req, "length", "context")
 
 
 def serve(graphdef, state, config, requests: Iterable[tuple[Sequence[int], SamplingParams]], **engine_kwargs

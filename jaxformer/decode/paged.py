@@ -12,6 +12,13 @@ reuses the page instead of recomputing it. A write into a page held by more than
 one table first copies it (copy-on-write). Pages go back to the free list as
 soon as no table holds them.
 
+Sliding window: :meth:`BlockManager.drop_before` frees a sequence's leading pages
+once every token in them lies behind the window; its table then starts at logical
+page :meth:`BlockManager.num_dropped`, so a token at position ``pos`` sits in
+``table[pos // L - dropped]``. Attention reads such a table from position
+``dropped * L`` on; only distances matter there (RoPE is applied before the cache,
+ALiBi and the window are relative), so nothing else changes.
+
 The manager never touches device memory: :meth:`BlockManager.prepare_write`
 returns the ``(src, dst)`` page copies the caller applies (:func:`copy_pages`)
 before writing new tokens through :class:`PagedKVCache`.
@@ -48,6 +55,7 @@ class _Seq:
     table: list[int]
     computed: int = 0
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # of committed full blocks
+    dropped: int = 0  # leading logical pages freed behind a sliding window; table[0] is page `dropped`
 
 
 class BlockManager:
@@ -56,7 +64,8 @@ class BlockManager:
     Life of a sequence: :meth:`add` (pages for its tokens; a computed shared prefix is
     reused), then per step :meth:`prepare_write` (pages for the next tokens, copy-on-write)
     -> device write -> :meth:`commit`; :meth:`append` adds sampled tokens; :meth:`fork`
-    shares every page with a new sequence; :meth:`finish` releases its pages.
+    shares every page with a new sequence; :meth:`drop_before` frees pages behind a
+    sliding window; :meth:`finish` releases its pages.
     """
 
     def __init__(self, num_pages: int, page_size: int, *, prefix_sharing: bool = True):
@@ -87,7 +96,12 @@ class BlockManager:
         return list(self._seqs)
 
     def block_table(self, seq_id) -> list[int]:
+        """The pages a sequence still holds, from logical page :meth:`num_dropped` on."""
         return list(self._seqs[seq_id].table)
+
+    def num_dropped(self, seq_id) -> int:
+        """Leading logical pages freed by :meth:`drop_before` (the table starts after them)."""
+        return self._seqs[seq_id].dropped
 
     def tokens(self, seq_id) -> list[int]:
         return list(self._seqs[seq_id].tokens)
@@ -167,7 +181,10 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r}: cannot write {n} tokens at {start} "
                              f"(it has {len(seq.tokens)} tokens)")
         L = self.page_size
-        first, last = start // L, (stop - 1) // L
+        first, last = start // L - seq.dropped, (stop - 1) // L - seq.dropped  # indices into the table
+        if first < 0:
+            raise ValueError(f"sequence {seq_id!r}: cannot write at {start}, its pages before "
+                             f"{seq.dropped * L} were dropped")
         grow = max(0, last + 1 - len(seq.table))
         cow = [i for i in range(first, min(last + 1, len(seq.table))) if self._ref[seq.table[i]] > 1]
         if grow + len(cow) > self.num_free:
@@ -184,7 +201,8 @@ class BlockManager:
     def commit(self, seq_id, n: int) -> None:
         """Mark ``n`` more tokens as written; make newly completed full blocks shareable."""
         seq = self._seqs[seq_id]
-        if seq.computed + n > len(seq.tokens) or self.pages_for(seq.computed + n) > len(seq.table):
+        held = seq.dropped + len(seq.table)  # logical pages up to the table's end
+        if seq.computed + n > len(seq.tokens) or self.pages_for(seq.computed + n) > held:
             raise ValueError(f"sequence {seq_id!r}: commit of {n} tokens past its tokens or pages")
         seq.computed += n
         L = self.page_size
@@ -192,7 +210,7 @@ class BlockManager:
             i = len(seq.hashes)
             h = _chain_hash(seq.hashes[-1] if seq.hashes else b"", seq.tokens[i * L:(i + 1) * L])
             seq.hashes.append(h)
-            page = seq.table[i]
+            page = seq.table[i - seq.dropped]  # blocks are hashed at commit, before any drop
             if self.prefix_sharing and h not in self._cached and page not in self._page_hash:
                 self._cached[h] = page
                 self._page_hash[page] = h
@@ -204,7 +222,23 @@ class BlockManager:
         p = self._seqs[parent_id]
         for page in p.table:
             self._ref[page] += 1
-        self._seqs[child_id] = _Seq(list(p.tokens), list(p.table), p.computed, list(p.hashes))
+        self._seqs[child_id] = _Seq(list(p.tokens), list(p.table), p.computed, list(p.hashes), p.dropped)
+
+    def drop_before(self, seq_id, pos: int) -> int:
+        """Free the sequence's pages whose tokens all sit before position ``pos`` (behind a sliding
+        window); return how many were dropped. Only computed tokens may fall behind."""
+        seq = self._seqs[seq_id]
+        if not 0 <= pos <= seq.computed:
+            raise ValueError(f"sequence {seq_id!r}: cannot drop before {pos}; "
+                             f"{seq.computed} tokens are computed")
+        n = min(pos // self.page_size - seq.dropped, len(seq.table))
+        if n <= 0:
+            return 0
+        for page in seq.table[:n]:
+            self._release(page)
+        del seq.table[:n]
+        seq.dropped += n
+        return n
 
     def finish(self, seq_id) -> None:
         """Drop a sequence; its pages return to the free list when no other table holds them."""
@@ -223,6 +257,8 @@ class PagedKVCache:
     (the rest is padding and is not written). Decode (``T == 1``) attends through the
     paged-attention kernel; longer chunks gather the table's pages and use
     ``dot_product_attention`` with ``MaskSpec(causal, q_offset=lengths, kv_lengths=lengths+num_new)``.
+    ``window`` W (static): each query sees only its last W keys (a sliding window). Tables
+    may start past dropped pages (``lengths`` then count from the table's first page).
     """
 
     k_pages: jax.Array
@@ -232,6 +268,7 @@ class PagedKVCache:
     num_new: jax.Array
     backend: str = dataclasses.field(default="auto", metadata=dict(static=True))
     interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def page_size(self) -> int:
@@ -260,12 +297,13 @@ class PagedKVCache:
         total = self.lengths + self.num_new
         if T == 1:
             out = paged_attention(q[:, 0], new.k_pages, new.v_pages, self.block_tables, total, scale=scale,
-                                  alibi_slopes=alibi_slopes, softcap=softcap, backend=self.backend,
-                                  interpret=self.interpret)[:, None]
+                                  alibi_slopes=alibi_slopes, softcap=softcap, window=self.window,
+                                  backend=self.backend, interpret=self.interpret)[:, None]
         else:
             kc = gather_pages(new.k_pages, self.block_tables)
             vc = gather_pages(new.v_pages, self.block_tables)
-            mask = MaskSpec(causal=True, q_offset=self.lengths, kv_lengths=total)
+            band = None if self.window is None else (self.window - 1, 0)
+            mask = MaskSpec(causal=True, window=band, q_offset=self.lengths, kv_lengths=total)
             out = dot_product_attention(q, kc, vc, mask=mask, scale=scale, alibi_slopes=alibi_slopes,
                                         softcap=softcap, impl=impl)
         return out, dataclasses.replace(new, lengths=total)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from jaxformer.decode.engine import Engine
+from jaxformer.decode.engine import Engine, pages_per_sequence
 from jaxformer.decode.sampling import SamplingParams
 
 OVERRIDES = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
@@ -67,19 +67,21 @@ def _request(item: str | dict, defaults: dict, index: int) -> tuple[str, Samplin
 def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict], *, max_new_tokens: int = 200,
                 temperature: float = 0.8, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                 num_pages: int | None = None, page_size: int = 16, max_batch: int = 8, chunk_size: int = 64,
-                ) -> list[dict[str, Any]]:
+                window: int | None = None) -> list[dict[str, Any]]:
     """Generate for every prompt on one continuous-batching :class:`Engine`; one record per prompt.
 
     Request ``i`` samples with ``seed + i`` unless it sets its own. ``num_pages`` defaults
-    to enough for ``max_batch`` full-context sequences. Each record: ``index, prompt,
-    completion, tokens, finish_reason ("stop" | "length" | "error"), error,
-    num_prompt_tokens, num_preemptions``.
+    to enough for ``max_batch`` sequences each holding its most pages. ``window``: a sliding
+    KV window, so generation may run past the context (RoPE / ALiBi models; see
+    :mod:`jaxformer.decode.engine`). Each record: ``index, prompt, completion, tokens,
+    finish_reason ("stop" | "length" | "error"), stopped_by ("stop_token" |
+    "max_new_tokens" | "context" | "error"), error, num_prompt_tokens, num_preemptions``.
     """
     L = page_size
     if num_pages is None:
-        num_pages = max_batch * -(-config.max_seq_len // L)
+        num_pages = max_batch * pages_per_sequence(config.max_seq_len, L, window)
     engine = Engine(graphdef, state, config, num_pages=num_pages, page_size=L, max_batch=max_batch,
-                    chunk_size=chunk_size)
+                    chunk_size=chunk_size, window=window)
     bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
     stop = () if eos is None else (int(eos),)
     records: list[dict[str, Any]] = []
@@ -89,7 +91,7 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
                         top_p=1.0 if top_p is None else top_p, seed=seed + i, stop_tokens=stop)
         text = item.get("prompt") if isinstance(item, dict) else item
         records.append(dict(index=i, prompt=text if isinstance(text, str) else None, completion="",
-                            tokens=[], finish_reason="error", error=None, num_prompt_tokens=0,
+                            tokens=[], finish_reason="error", stopped_by="error", error=None, num_prompt_tokens=0,
                             num_preemptions=0))
         try:
             text, params = _request(item, defaults, i)
@@ -105,7 +107,7 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
         if rid is None:
             continue
         r = results[rid]
-        rec.update(finish_reason=r.finish_reason, error=r.error, tokens=r.tokens,
+        rec.update(finish_reason=r.finish_reason, stopped_by=r.stopped_by, error=r.error, tokens=r.tokens,
                    completion=tokenizer.decode([t for t in r.tokens if t != (eos if eos is not None else -1)]),
                    num_preemptions=r.num_preemptions)
     return records

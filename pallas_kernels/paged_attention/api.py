@@ -26,7 +26,7 @@ def merge_splits(acc, m, l):
     return num / jnp.where(denom == 0.0, 1.0, denom)[..., None]
 
 
-def _check(q, k_pages, v_pages, block_tables, lengths, alibi_slopes):
+def _check(q, k_pages, v_pages, block_tables, lengths, alibi_slopes, window):
     if q.ndim != 3 or k_pages.ndim != 4:
         raise ValueError(f"paged_attention expects q [B,N,H] and pages [K,P,L,H]; got {q.shape=} {k_pages.shape=}")
     if k_pages.shape != v_pages.shape:
@@ -46,6 +46,8 @@ def _check(q, k_pages, v_pages, block_tables, lengths, alibi_slopes):
         raise ValueError(f"block_tables and lengths must be integer; got {block_tables.dtype=} {lengths_dtype=}")
     if alibi_slopes is not None and jnp.shape(alibi_slopes) not in ((N,), (B, N)):
         raise ValueError(f"alibi_slopes.shape={jnp.shape(alibi_slopes)} must be [N]=({N},) or [B, N]=({B}, {N})")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"window={window!r} must be None or a Python int >= 1 (keys each query sees)")
 
 
 def default_pages_per_split(M: int, B: int, K: int, num_splits: int | None, pages_per_split: int | None) -> int:
@@ -65,7 +67,8 @@ def default_pages_per_split(M: int, B: int, K: int, num_splits: int | None, page
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float | None = None,
-                    alibi_slopes=None, softcap: float | None = None, num_splits: int | None = None,
+                    alibi_slopes=None, softcap: float | None = None, window: int | None = None,
+                    num_splits: int | None = None,
                     pages_per_split: int | None = None, backend: str = "auto", interpret: bool = False):
     """Decode attention of one query token per sequence against a paged KV cache.
 
@@ -77,6 +80,8 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float 
       scale: logits scale, default ``1/sqrt(H)``.
       alibi_slopes: ``[N]`` or ``[B, N]``; adds ``-slope * (lengths[b] - 1 - pos)``.
       softcap: logit soft-capping, applied before ALiBi.
+      window: sliding window W (static): only keys at ``pos >= lengths[b] - W`` are seen, the
+        query's last W. Positions are relative, so tables may start past dropped pages.
       num_splits / pages_per_split: split-K over pages (at most one of the two).
       backend: "gpu" (Triton), "tpu" (Mosaic), "reference", or "auto" (the kernel of
         the default device; the reference on CPU unless ``interpret``).
@@ -84,7 +89,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float 
     Returns:
       ``[B, N, H]`` in ``q.dtype``.
     """
-    _check(q, k_pages, v_pages, block_tables, lengths, alibi_slopes)
+    _check(q, k_pages, v_pages, block_tables, lengths, alibi_slopes, window)
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if softcap is not None and not softcap > 0:
@@ -99,7 +104,7 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float 
         backend = platform if platform in ("gpu", "tpu") else ("gpu" if interpret else "reference")
     if backend == "reference":
         return paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, scale=scale,
-                                         alibi_slopes=alibi_slopes, softcap=softcap)
+                                         alibi_slopes=alibi_slopes, softcap=softcap, window=window)
     pps = default_pages_per_split(M, B, K, num_splits, pages_per_split)
     slopes = None
     if alibi_slopes is not None:
@@ -110,5 +115,5 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float 
         from pallas_kernels.paged_attention.tpu import paged_attention_partials_tpu as partials
     acc, m, l = partials(q.reshape(B, K, G, H), k_pages, v_pages, block_tables, jnp.asarray(lengths),
                          slopes, scale=scale, softcap=None if softcap is None else float(softcap),
-                         pages_per_split=pps, interpret=interpret)
+                         window=window, pages_per_split=pps, interpret=interpret)
     return merge_splits(acc, m, l).reshape(B, N, H).astype(q.dtype)

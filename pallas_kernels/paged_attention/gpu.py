@@ -6,7 +6,8 @@ program holds the ``G`` query heads of its kv head as one ``[G, H]`` tile
 loading each ``[L, H]`` page of k and v straight from the pool at the row the
 block table names (no contiguous copy of the cache is ever made), and keeps an
 online softmax. It writes its unnormalised accumulator with the running max and
-sum, which the caller merges across splits by log-sum-exp (flash-decoding).
+sum, which the caller merges across splits by log-sum-exp (flash-decoding). With
+a sliding ``window`` the walk starts at the first page holding a visible key.
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ def _next_pow2(x: int) -> int:
 
 
 def _kernel(lengths_ref, tables_ref, q_ref, slopes_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
-            scale: float, softcap: float | None, use_alibi: bool, page_size: int, pages_per_split: int):
+            scale: float, softcap: float | None, use_alibi: bool, window: int | None, page_size: int,
+            pages_per_split: int):
     b = pl.program_id(0)
     split = pl.program_id(2)
     length = lengths_ref[b]
     num_pages = (length + page_size - 1) // page_size
     first = split * pages_per_split
     last = jnp.minimum(first + pages_per_split, num_pages)
+    if window is not None:  # skip pages wholly behind the window
+        first = jnp.maximum(first, jnp.maximum(length - window, 0) // page_size)
     q = q_ref[...]  # [Gp, H]
     slopes = slopes_ref[...] if use_alibi else None  # [Gp]
     offsets = jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
@@ -49,7 +53,10 @@ def _kernel(lengths_ref, tables_ref, q_ref, slopes_ref, k_ref, v_ref, acc_ref, m
         pos = i * page_size + offsets  # [1, L]
         if use_alibi:
             s = s - slopes[:, None] * (length - 1 - pos).astype(jnp.float32)
-        s = jnp.where(pos < length, s, NEG_INF)
+        visible = pos < length
+        if window is not None:
+            visible &= pos >= length - window
+        s = jnp.where(visible, s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
@@ -67,15 +74,16 @@ def _kernel(lengths_ref, tables_ref, q_ref, slopes_ref, k_ref, v_ref, acc_ref, m
     l_ref[...] = l
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "pages_per_split", "interpret", "num_warps",
-                                             "num_stages"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "window", "pages_per_split", "interpret",
+                                             "num_warps", "num_stages"))
 def paged_attention_partials_gpu(q, k_pages, v_pages, block_tables, lengths, slopes, *, scale: float,
-                                 softcap: float | None, pages_per_split: int, interpret: bool = False,
-                                 num_warps: int = 4, num_stages: int = 2):
+                                 softcap: float | None, pages_per_split: int, window: int | None = None,
+                                 interpret: bool = False, num_warps: int = 4, num_stages: int = 2):
     """Per-split partial results for ``q [B, K, G, H]`` (already grouped by kv head).
 
-    ``slopes``: ``[B, K, G]`` fp32 or None. Returns ``acc [B, K, S, G, H]`` (unnormalised,
-    fp32), ``m, l [B, K, S, G]`` (running max and sum of ``exp(s - m)``).
+    ``slopes``: ``[B, K, G]`` fp32 or None; ``window``: None or the keys each query sees.
+    Returns ``acc [B, K, S, G, H]`` (unnormalised, fp32), ``m, l [B, K, S, G]`` (running max
+    and sum of ``exp(s - m)``).
     """
     B, K, G, H = q.shape
     _, P, L, _ = k_pages.shape
@@ -86,7 +94,7 @@ def paged_attention_partials_gpu(q, k_pages, v_pages, block_tables, lengths, slo
     q = jnp.pad(q, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     slopes = (jnp.zeros((B, K, Gp), jnp.float32) if slopes is None
               else jnp.pad(slopes.astype(jnp.float32), ((0, 0), (0, 0), (0, Gp - G))))
-    kernel = functools.partial(_kernel, scale=scale, softcap=softcap, use_alibi=use_alibi,
+    kernel = functools.partial(_kernel, scale=scale, softcap=softcap, use_alibi=use_alibi, window=window,
                                page_size=L, pages_per_split=pages_per_split)
     acc, m, l = pl.pallas_call(
         kernel,

@@ -4,8 +4,12 @@ The meaning every kernel in this package must match. One query token per
 sequence, sitting at position ``lengths[b] - 1``; keys at positions
 ``0 .. lengths[b] - 1`` live in page ``block_tables[b, pos // L]`` at row
 ``pos % L``. Logit order: ``scale * q·k`` (fp32) -> ``softcap * tanh(s / softcap)``
--> ``- slope * (lengths[b] - 1 - pos)`` (ALiBi) -> mask ``pos < lengths[b]`` ->
-softmax. A sequence of length 0 gives a zero output.
+-> ``- slope * (lengths[b] - 1 - pos)`` (ALiBi) -> mask ``pos < lengths[b]`` (and,
+with a sliding ``window`` W, ``pos >= lengths[b] - W``: the query sees its last W
+keys) -> softmax. A sequence of length 0 gives a zero output.
+
+Only distances enter the logits, so a table whose leading pages were dropped (the
+sliding window's freed pages) is read as if its first page sat at position 0.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ def gather_pages(pages, block_tables):
 
 
 def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
-                              alibi_slopes=None, softcap=None):
+                              alibi_slopes=None, softcap=None, window=None):
     """``q [B, N, H]`` against paged ``k_pages, v_pages [K, P, L, H]`` -> ``[B, N, H]``.
 
-    ``alibi_slopes``: ``[N]`` or ``[B, N]``.
+    ``alibi_slopes``: ``[N]`` or ``[B, N]``; ``window``: None or an int >= 1 (keys seen).
     """
     B, N, H = q.shape
     K, _, L, _ = k_pages.shape
@@ -49,6 +53,8 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *, sca
         dist = (lengths[:, None] - 1 - pos[None, :]).astype(jnp.float32)  # [B, S]
         s = s - slopes * dist[:, None, None, :]
     valid = pos[None, :] < lengths[:, None]  # [B, S]
+    if window is not None:
+        valid &= pos[None, :] >= lengths[:, None] - window
     # Row max as a constant, masked logits replaced before exp and zeroed after: finite gradients.
     ok = jnp.broadcast_to(valid[:, None, None, :], s.shape)
     m = jax.lax.stop_gradient(jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1, keepdims=True))

@@ -5,9 +5,11 @@ tables are prefetched into SMEM, and the k/v ``BlockSpec`` index maps read the
 page id of grid step ``(b, h, s, p)`` from them, so the pipeline DMAs exactly one
 ``[L, H]`` page per step from the pool into VMEM, no contiguous copy of the
 cache. Steps past a sequence's last page repeat the index of its last page (no
-new DMA) and skip the compute. The ``G`` query heads of a kv head form one
-``[G, H]`` tile; an online softmax lives in VMEM scratch and each split writes
-its unnormalised accumulator, running max and sum for a log-sum-exp merge.
+new DMA) and skip the compute; with a sliding ``window``, steps before the first
+page holding a visible key repeat that page's index and skip too. The ``G``
+query heads of a kv head form one ``[G, H]`` tile; an online softmax lives in
+VMEM scratch and each split writes its unnormalised accumulator, running max and
+sum for a log-sum-exp merge.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ NEG_INF = float("-inf")
 
 def _kernel(lengths_ref, tables_ref, q_ref, slopes_ref, k_ref, v_ref, acc_ref, m_ref, l_ref,
             m_sc, l_sc, acc_sc, *, scale: float, softcap: float | None, use_alibi: bool,
-            page_size: int, pages_per_split: int):
+            window: int | None, page_size: int, pages_per_split: int):
     b = pl.program_id(0)
     split = pl.program_id(2)
     step = pl.program_id(3)
@@ -37,7 +39,11 @@ def _kernel(lengths_ref, tables_ref, q_ref, slopes_ref, k_ref, v_ref, acc_ref, m
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    @pl.when(j * page_size < length)
+    live = j * page_size < length
+    if window is not None:
+        live &= (j + 1) * page_size > length - window
+
+    @pl.when(live)
     def _compute():
         q = q_ref[...]  # [G, H]
         k = k_ref[...]  # [L, H]
@@ -49,7 +55,10 @@ def _kernel(lengths_ref, tables_ref, q_ref, slopes_ref, k_ref, v_ref, acc_ref, m
         pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         if use_alibi:
             s = s - slopes_ref[...] * (length - 1 - pos).astype(jnp.float32)
-        s = jnp.where(pos < length, s, NEG_INF)
+        visible = pos < length
+        if window is not None:
+            visible &= pos >= length - window
+        s = jnp.where(visible, s, NEG_INF)
         m_prev = m_sc[...]  # [G, 1]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m_prev - m_new)
@@ -66,9 +75,10 @@ def _kernel(lengths_ref, tables_ref, q_ref, slopes_ref, k_ref, v_ref, acc_ref, m
         l_ref[...] = l_sc[...]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "pages_per_split", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "window", "pages_per_split", "interpret"))
 def paged_attention_partials_tpu(q, k_pages, v_pages, block_tables, lengths, slopes, *, scale: float,
-                                 softcap: float | None, pages_per_split: int, interpret: bool = False):
+                                 softcap: float | None, pages_per_split: int, window: int | None = None,
+                                 interpret: bool = False):
     """Per-split partials for ``q [B, K, G, H]``; same contract as the GPU kernel's.
 
     ``interpret=True`` runs the TPU interpreter on CPU (as does calling under
@@ -83,7 +93,10 @@ def paged_attention_partials_tpu(q, k_pages, v_pages, block_tables, lengths, slo
 
     def page_map(b, h, s, p, lengths_ref, tables_ref):
         last = jnp.maximum((lengths_ref[b] + L - 1) // L - 1, 0)
-        j = jnp.minimum(jnp.minimum(s * pages_per_split + p, last), M - 1)
+        j = jnp.minimum(s * pages_per_split + p, last)
+        if window is not None:  # pages behind the window: repeat the first visible one
+            j = jnp.maximum(j, jnp.minimum(jnp.maximum(lengths_ref[b] - window, 0) // L, last))
+        j = jnp.minimum(j, M - 1)
         return h, tables_ref[b * M + j], 0, 0
 
     def head_map(b, h, s, p, lengths_ref, tables_ref):
@@ -92,7 +105,7 @@ def paged_attention_partials_tpu(q, k_pages, v_pages, block_tables, lengths, slo
     def out_map(b, h, s, p, lengths_ref, tables_ref):
         return b, h, s, 0, 0
 
-    kernel = functools.partial(_kernel, scale=scale, softcap=softcap, use_alibi=use_alibi,
+    kernel = functools.partial(_kernel, scale=scale, softcap=softcap, use_alibi=use_alibi, window=window,
                                page_size=L, pages_per_split=pages_per_split)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,

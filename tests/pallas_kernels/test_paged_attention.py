@@ -68,6 +68,34 @@ def test_kernel_mqa_one_split_and_unused_pages_never_read(backend):
     np.testing.assert_allclose(got, want, **TOL32)
 
 
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_kernel_sliding_window_with_dropped_leading_pages(backend):
+    """A sliding window W: the kernel on a table whose pages wholly behind the window were dropped
+    (lengths shifted by the dropped tokens) equals the reference on the full table: only
+    distances enter the logits (ALiBi included). Windows: 1, not page-aligned, page-aligned,
+    wider than the sequence; NaN in every dropped page proves none is read."""
+    L, M = 4, 5
+    q, kp, vp, tables, _, slopes = make_case(21, L=L, M=M)
+    lengths = jnp.asarray([20, 13, 9, 3], jnp.int32)
+    for window in (1, 6, 8, 30):
+        want = paged_attention_reference(q, kp, vp, tables, lengths, alibi_slopes=slopes, softcap=3.0,
+                                         window=window)
+        drop = np.maximum(np.asarray(lengths) - window, 0) // L  # pages wholly behind the window
+        t, kn, vn = np.asarray(tables).copy(), np.asarray(kp).copy(), np.asarray(vp).copy()
+        short = np.zeros_like(t)
+        for b, d in enumerate(drop):
+            kn[:, t[b, :d]] = vn[:, t[b, :d]] = np.nan
+            short[b, : M - d] = t[b, d:]
+        got = paged_attention(q, jnp.asarray(kn), jnp.asarray(vn), jnp.asarray(short),
+                              lengths - jnp.asarray(drop * L, jnp.int32), alibi_slopes=slopes, softcap=3.0,
+                              window=window, backend=backend, interpret=True, pages_per_split=2)
+        np.testing.assert_allclose(got, want, **TOL32, err_msg=f"window {window}")
+        # and the full table with the window: the kernel skips the pages behind it
+        full = paged_attention(q, kp, vp, tables, lengths, alibi_slopes=slopes, softcap=3.0, window=window,
+                               backend=backend, interpret=True, pages_per_split=2)
+        np.testing.assert_allclose(full, want, **TOL32, err_msg=f"window {window}, full table")
+
+
 def test_tpu_kernel_under_force_tpu_interpret_mode():
     q, kp, vp, tables, lengths, slopes = make_case(3, B=2, N=2, K=2, M=3, lengths=[5, 12])
     want = paged_attention_reference(q, kp, vp, tables, lengths, alibi_slopes=slopes)
@@ -98,10 +126,11 @@ def test_gpu_kernel_bf16_and_zero_length():
     M=st.integers(1, 4),
     alibi=st.booleans(),
     softcap=st.sampled_from([None, 2.0]),
+    window=st.sampled_from([None, 1, 3, 6]),
 )
-def test_reference_matches_dense_attention_on_gathered_cache(seed, B, K, G, L, M, alibi, softcap):
+def test_reference_matches_dense_attention_on_gathered_cache(seed, B, K, G, L, M, alibi, softcap, window):
     """Independent check of the reference: the query at position length-1 under
-    MaskSpec(causal, q_offset=length-1, kv_lengths=length) in xla_attention."""
+    MaskSpec(causal, window=(W-1, 0), q_offset=length-1, kv_lengths=length) in xla_attention."""
     rng = np.random.default_rng(seed)
     N, H, P = K * G, 8, B * M + 2
     q = jnp.asarray(rng.normal(size=(B, N, H)), jnp.float32)
@@ -110,12 +139,14 @@ def test_reference_matches_dense_attention_on_gathered_cache(seed, B, K, G, L, M
     tables = jnp.asarray(rng.permutation(P)[: B * M].reshape(B, M), jnp.int32)
     lengths = jnp.asarray(rng.integers(1, M * L + 1, size=B), jnp.int32)
     slopes = jnp.asarray(rng.uniform(0.1, 1.0, size=(N,)), jnp.float32) if alibi else None
-    got = paged_attention_reference(q, kp, vp, tables, lengths, alibi_slopes=slopes, softcap=softcap)
+    got = paged_attention_reference(q, kp, vp, tables, lengths, alibi_slopes=slopes, softcap=softcap,
+                                    window=window)
     # gather with numpy, independent of gather_pages
     k = np.stack([np.concatenate([np.asarray(kp)[:, p] for p in row], axis=1) for row in np.asarray(tables)])
     v = np.stack([np.concatenate([np.asarray(vp)[:, p] for p in row], axis=1) for row in np.asarray(tables)])
     k, v = np.transpose(k, (0, 2, 1, 3)), np.transpose(v, (0, 2, 1, 3))  # [B, S, K, H]
-    mask = MaskSpec(causal=True, q_offset=lengths - 1, kv_lengths=lengths)
+    mask = MaskSpec(causal=True, window=None if window is None else (window - 1, 0), q_offset=lengths - 1,
+                    kv_lengths=lengths)
     want = xla_attention(q[:, None], jnp.asarray(k), jnp.asarray(v), mask=mask, alibi_slopes=slopes,
                          softcap=softcap)[:, 0]
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
@@ -159,6 +190,8 @@ def test_bad_inputs_raise_value_error():
         paged_attention(q, kp, vp, tables, lengths, num_splits=2, pages_per_split=2, backend="gpu")
     with pytest.raises(ValueError, match="integer"):
         paged_attention(q, kp, vp, tables.astype(jnp.float32), lengths)
+    with pytest.raises(ValueError, match="window"):
+        paged_attention(q, kp, vp, tables, lengths, window=0)
 
 
 def test_auto_backend_on_cpu_is_reference_and_scale_default():
@@ -180,9 +213,10 @@ def test_gpu_kernel_lowers_through_pallas_triton():
     """Interpret mode skips Triton's constraints (power-of-two tiles, dot shapes); lowering checks them."""
     from pallas_kernels.paged_attention.gpu import paged_attention_partials_gpu
 
-    low = paged_attention_partials_gpu.trace(*_lowering_args(), scale=0.1, softcap=30.0,
-                                             pages_per_split=4).lower(lowering_platforms=("cuda",))
-    assert "paged_attention_gpu" in low.as_text()
+    for window in (None, 24):
+        low = paged_attention_partials_gpu.trace(*_lowering_args(), scale=0.1, softcap=30.0, window=window,
+                                                 pages_per_split=4).lower(lowering_platforms=("cuda",))
+        assert "paged_attention_gpu" in low.as_text()
 
 
 def test_tpu_kernel_lowers_through_mosaic(monkeypatch):
@@ -193,7 +227,7 @@ def test_tpu_kernel_lowers_through_mosaic(monkeypatch):
         pytest.skip("this jax has no tpu_info.get_device_kind to stand in for a TPU")
     monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5 lite")
     monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
-    for G, H in ((4, 128), (1, 64)):
-        low = paged_attention_partials_tpu.trace(*_lowering_args(G, H), scale=0.1, softcap=None,
+    for G, H, window in ((4, 128, None), (1, 64, 24)):
+        low = paged_attention_partials_tpu.trace(*_lowering_args(G, H), scale=0.1, softcap=None, window=window,
                                                  pages_per_split=4).lower(lowering_platforms=("tpu",))
         assert "paged_attention_tpu" in low.as_text()

@@ -1,0 +1,457 @@
+"""A whole-model oracle: every preset family's logits against a float64 numpy forward written from the papers.
+
+The oracle below reads only the parameter tree (``nnx.to_pure_dict`` of the model's state: names
+and layouts) and ``ModelConfig`` fields. It imports nothing from ``jaxformer.nn`` or
+``jaxformer.ops``: norms, RoPE, ALiBi slopes, sinusoidal tables, GELU, GQA grouping, masks,
+residual placement and DeepNorm's alpha are all written out again here, from
+
+* Vaswani et al. 2017 (post-LN, sinusoidal table sin/cos interleaved, sqrt(d) embedding scale,
+  shared source/target/output embedding, encoder-decoder cross-attention);
+* Radford et al. 2019 / GPT-2 (pre-LN, learned positions, tanh-GELU, final LN);
+* Touvron et al. 2023 / LLaMA (RMSNorm, RoPE half-split pairing, SwiGLU; Ainslie et al. 2023 GQA);
+* Press et al. 2022 / BLOOM (ALiBi slopes incl. non-power-of-two heads, LN after the embedding);
+* Su et al. 2021 (RoFormer, interleaved pairing), Shazeer 2020 (GeGLU), Xiong et al. 2020
+  and Ding et al. 2021 (sandwich norm), Wang et al. 2022 (DeepNet alpha);
+* Beltagy et al. 2020 / Zaheer et al. 2020 (Longformer band + global tokens; BigBird's random blocks
+  only in the case where they cover every key block, since the draw itself is the library's hash).
+
+Parameters are re-drawn from N(0, 0.3^2) (numpy) so norm scales and biases are far from 1 / 0,
+and two cases draw the input tables at std 1e-3 so that the first norm's mean(x^2) / variance is
+~eps (RMSNorm) or below it (LayerNorm): eps's placement then shows in the logits.
+Every parameter leaf must be consumed by the oracle (a parameter the model has and the papers do
+not is a failure, and so is one the oracle needs that the tree lacks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxformer.model import abstract_init, apply, presets
+
+# Measured (CPU, fp32 model vs this float64 oracle), max |model - oracle| / max |oracle| per case:
+# 3.5e-7 .. 8.9e-7 (worst: encoder_rope_packed; max |logit| 2.5-4.4). REL_TOL is ~11x the worst.
+# The seeded bugs tried against it gave 2.4e-5 (LayerNorm eps dropped, seen only by `bloom`) to 18
+# (final norm dropped); the one closest to the tolerance is also caught at 0.29 by
+# `gpt2_untied_tiny_inputs`.
+REL_TOL = 1e-5
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+# ---------------------------------------------------------------------------- parameters
+class Params:
+    """A nested dict of float64 leaves that records which leaves were read."""
+
+    def __init__(self, tree, prefix=(), used=None):
+        self._tree, self._prefix = tree, prefix
+        self.used = set() if used is None else used
+
+    def __contains__(self, key):
+        return str(key) in self._tree
+
+    def __getitem__(self, key):
+        v = self._tree[str(key)]
+        path = self._prefix + (str(key),)
+        if isinstance(v, dict):
+            return Params(v, path, self.used)
+        self.used.add(path)
+        return v
+
+    def keys(self):
+        return self._tree.keys()
+
+
+def leaf_paths(tree, prefix=()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from leaf_paths(v, prefix + (str(k),))
+        else:
+            yield prefix + (str(k),)
+
+
+def to_float64_dict(tree):
+    return {str(k): to_float64_dict(v) if isinstance(v, dict) else np.asarray(v, np.float64)
+            for k, v in tree.items()}
+
+
+def random_state(cfg, seed, std=0.3, small=()):
+    """``(graphdef, state)`` with every leaf from N(0, std^2) by numpy (no compiled init);
+    leaves whose dotted path starts with an entry of ``small`` get std 1e-3."""
+    graphdef, state = abstract_init(cfg)
+    rng = np.random.default_rng(seed)
+    hit = set()
+
+    def fill(path, leaf):
+        name = ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+        tiny = {p for p in small if name.startswith(p)}
+        hit.update(tiny)
+        return np.asarray((1e-3 if tiny else std) * rng.standard_normal(leaf.shape), leaf.dtype)
+
+    state = jax.tree_util.tree_map_with_path(fill, state)
+    assert hit == set(small), f"no parameter under {set(small) - hit}"
+    return graphdef, state
+
+
+# ---------------------------------------------------------------------------- the oracle (float64 numpy)
+def norm(cfg, p, x):
+    """LayerNorm (Ba et al. 2016) or RMSNorm (Zhang & Sennrich 2019) over the last axis."""
+    eps = cfg.norm_eps
+    if cfg.norm == "rmsnorm":
+        assert "bias" not in p, "RMSNorm has no bias"
+        return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * p["scale"]
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    y = (x - mu) / np.sqrt(var + eps) * p["scale"]
+    if cfg.use_bias:
+        y = y + p["bias"]
+    return y
+
+
+def gelu(x):
+    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+
+
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+ACT = {"relu": lambda x: np.maximum(x, 0.0), "gelu": gelu, "gelu_tanh": gelu_tanh, "silu": silu,
+       "swiglu": silu, "geglu": gelu}
+
+
+def sinusoid_table(pos, d):
+    """PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(p / 10000^(2i/d))  (Vaswani §3.5)."""
+    pe = np.zeros(pos.shape + (d,))
+    for i in range(d // 2):
+        angle = pos / 10000.0 ** (2 * i / d)
+        pe[..., 2 * i], pe[..., 2 * i + 1] = np.sin(angle), np.cos(angle)
+    return pe
+
+
+def rope(cfg, x, pos):
+    """Rotate ``x [B, T, n, H]``: pair j (of H/2) turns by pos * base^(-2j/H) (RoFormer eq. 15)."""
+    H = x.shape[-1]
+    theta = np.array([cfg.rope_base ** (-2.0 * j / H) for j in range(H // 2)])
+    if cfg.rope_scaling is not None:
+        assert cfg.rope_scaling.kind == "linear", "oracle knows only linear position interpolation"
+        theta = theta / cfg.rope_scaling.factor   # Chen et al. 2023: position p acts as p / s
+    ang = pos[:, :, None, None] * theta           # [B, T, 1, H/2]
+    c, s = np.cos(ang), np.sin(ang)
+    if cfg.rope_interleaved:                      # GPT-J: pairs (2j, 2j+1)
+        a, b = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
+        return out
+    a, b = x[..., : H // 2], x[..., H // 2:]      # GPT-NeoX / LLaMA: pairs (j, j + H/2)
+    return np.concatenate([a * c - b * s, a * s + b * c], -1)
+
+
+def alibi_slopes(n):
+    """Press et al.'s reference code: geometric from 2^(-8/n); non-powers of two take the
+    closest smaller power 2^k's slopes then every other slope of 2^(k+1)'s."""
+    def geometric(m):
+        start = 2.0 ** (-8.0 / m)
+        return [start ** (i + 1) for i in range(m)]
+    if math.log2(n).is_integer():
+        return np.array(geometric(n))
+    c = 2 ** math.floor(math.log2(n))
+    return np.array(geometric(c) + geometric(2 * c)[0::2][: n - c])
+
+
+def attention(cfg, p, x, ctx, *, allowed, q_pos=None, k_pos=None, self_attn=True):
+    """Multi-head / grouped-query attention; ``allowed [B, T, S]`` bool (False rows give zeros)."""
+    q = np.einsum("btd,dnh->btnh", x, p["w_q"])
+    k = np.einsum("bsd,dkh->bskh", ctx, p["w_k"])
+    v = np.einsum("bsd,dkh->bskh", ctx, p["w_v"])
+    if cfg.use_bias:
+        q, k, v = q + p["b_q"], k + p["b_k"], v + p["b_v"]
+    N, K, H = q.shape[2], k.shape[2], q.shape[3]
+    assert (N, K) == (cfg.n_heads, cfg.n_kv_heads or cfg.n_heads)
+    if self_attn and cfg.position == "rope":
+        q, k = rope(cfg, q, q_pos), rope(cfg, k, k_pos)
+    # GQA: query head n reads kv head n // (N / K) (consecutive query heads share one kv head).
+    k, v = np.repeat(k, N // K, axis=2), np.repeat(v, N // K, axis=2)
+    s = np.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(H)
+    if cfg.attn_softcap is not None:
+        s = cfg.attn_softcap * np.tanh(s / cfg.attn_softcap)
+    if self_attn and cfg.position == "alibi":
+        # |i - j| in token positions. (The library measures ALiBi distance in row indices and
+        # ignores `positions`; the two agree whenever positions are contiguous within a
+        # document, as in every case here.)
+        dist = np.abs(q_pos[:, None, :, None] - k_pos[:, None, None, :])
+        s = s - alibi_slopes(N)[None, :, None, None] * dist
+    m = allowed[:, None]
+    s = np.where(m, s, -np.inf)
+    smax = np.max(np.where(m, s, -1e300), -1, keepdims=True)
+    e = np.where(m, np.exp(s - smax), 0.0)
+    den = e.sum(-1, keepdims=True)
+    w = np.divide(e, den, out=np.zeros_like(e), where=den > 0)
+    o = np.einsum("bnts,bsnh->btnh", w, v)
+    y = np.einsum("btnh,nhd->btd", o, p["w_o"])
+    return y + p["b_o"] if cfg.use_bias else y
+
+
+def mlp(cfg, p, x):
+    act = ACT[cfg.activation]
+    if cfg.activation in ("swiglu", "geglu"):     # Shazeer 2020: act(x W) * (x V), then W2
+        g, u = x @ p["w_gate"], x @ p["w_up"]
+        if cfg.use_bias:
+            g, u = g + p["b_gate"], u + p["b_up"]
+        y = (act(g) * u) @ p["w_down"]
+        return y + p["b_down"] if cfg.use_bias else y
+    h = x @ p["w_in"]
+    h = act(h + p["b_in"] if cfg.use_bias else h)
+    y = h @ p["w_out"]
+    return y + p["b_out"] if cfg.use_bias else y
+
+
+def residual(cfg, p, x, branch, alpha):
+    """pre: x + Lb(f(Ln x)); post: Ln(x + f(x)); deepnorm: Ln(alpha x + f(x)) (Lb: sandwich only)."""
+    if cfg.norm_position == "pre":
+        h = branch(norm(cfg, p["norm"], x))
+        if cfg.sandwich_norm:
+            h = norm(cfg, p["branch_norm"], h)
+        return x + h
+    a = alpha if cfg.norm_position == "deepnorm" else 1.0
+    return norm(cfg, p["norm"], a * x + branch(x))
+
+
+def deepnet_alpha(cfg, which):
+    """DeepNet (Wang et al. 2022) Fig. 2: alpha for the encoder / decoder stack."""
+    if cfg.kind == "encoder_decoder":
+        N, M = cfg.n_encoder_layers, cfg.n_layers
+        return 0.81 * (N ** 4 * M) ** (1 / 16) if which == "encoder" else (3 * M) ** 0.25
+    return (2 * cfg.n_layers) ** 0.25
+
+
+def layer(stack, i, n):
+    """Block i of n: ``blocks.<i>`` (a list), or slice i of every leaf's leading ``[n]`` axis
+    (``scan_layers``; reads are recorded against the stacked leaf's path)."""
+    blocks = stack["blocks"]
+    if "0" in blocks:
+        assert set(blocks.keys()) == {str(k) for k in range(n)}
+        return blocks[str(i)]
+
+    def take(t):
+        if isinstance(t, dict):
+            return {k: take(v) for k, v in t.items()}
+        assert t.shape[0] == n, t.shape
+        return t[i]
+    return Params(take(blocks._tree), blocks._prefix, blocks.used)
+
+
+def embed(cfg, P, tokens, pos):
+    x = P["embed"]["embedding"][tokens]
+    if cfg.scale_embeddings:
+        x = x * math.sqrt(cfg.d_model)
+    if cfg.position == "sinusoidal":
+        x = x + sinusoid_table(pos.astype(np.float64), cfg.d_model)
+    elif cfg.position == "learned":
+        x = x + P["pos_embed"]["embedding"][np.clip(pos, 0, cfg.max_seq_len - 1)]
+    if cfg.embed_norm:
+        x = norm(cfg, P["embed_norm"], x)
+    return x
+
+
+def has_final_norm(cfg):
+    return cfg.final_norm if cfg.final_norm is not None else cfg.norm_position == "pre"
+
+
+def sparse_allowed(cfg, T):
+    """Longformer / BigBird widening of the band: band OR global query OR global key (OR random)."""
+    if cfg.attention_window is None or cfg.attention_window == (None, None):
+        return np.ones((1, T, T), bool)
+    left, right = cfg.attention_window
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    ok = np.ones((T, T), bool)
+    if left is not None:
+        ok &= j >= i - left
+    if right is not None:
+        ok &= j <= i + right
+    g = np.isin(np.arange(T), cfg.global_tokens)
+    ok |= g[:, None] | g[None, :]
+    if cfg.random_blocks is not None and cfg.random_blocks.num_blocks > 0:
+        assert cfg.random_blocks.num_blocks >= -(-T // cfg.random_blocks.block_size), \
+            "the oracle only knows random blocks that cover every key block"
+        ok[:] = True
+    return ok[None]
+
+
+def stack(cfg, P, x, *, which, allowed, pos, ctx=None, cross_allowed=None):
+    alpha = deepnet_alpha(cfg, which) if cfg.norm_position == "deepnorm" else 1.0
+    n = cfg.n_layers if which == "decoder" or cfg.kind == "encoder" else cfg.n_encoder_layers
+    for i in range(n):
+        b = layer(P, i, n)
+        x = residual(cfg, b["attn_residual"], x,
+                     lambda h, b=b: attention(cfg, b["self_attn"], h, h, allowed=allowed, q_pos=pos, k_pos=pos),
+                     alpha)
+        if ctx is not None:
+            x = residual(cfg, b["cross_residual"], x,
+                         lambda h, b=b: attention(cfg, b["cross_attn"], h, ctx, allowed=cross_allowed,
+                                                  self_attn=False),
+                         alpha)
+        x = residual(cfg, b["mlp_residual"], x, lambda h, b=b: mlp(cfg, b["mlp"], h), alpha)
+    if has_final_norm(cfg):
+        x = norm(cfg, P["final_norm"], x)
+    return x
+
+
+def _pos(positions, B, T):
+    return np.broadcast_to(np.arange(T) if positions is None else np.asarray(positions), (B, T))
+
+
+def _segments(seg, B, T):
+    return np.zeros((B, T), int) if seg is None else np.asarray(seg)
+
+
+def encode(cfg, P, tokens, positions=None, segment_ids=None, lengths=None):
+    B, S = tokens.shape
+    pos, seg = _pos(positions, B, S), _segments(segment_ids, B, S)
+    allowed = (seg[:, :, None] == seg[:, None, :]) & sparse_allowed(cfg, S)
+    if lengths is not None:
+        allowed = allowed & (np.arange(S)[None, None, :] < np.asarray(lengths)[:, None, None])
+    return stack(cfg, P["encoder"], embed(cfg, P, tokens, pos), which="encoder", allowed=allowed, pos=pos)
+
+
+def oracle_logits(cfg, tree, tokens, tgt=None, *, positions=None, segment_ids=None, lengths=None,
+                  tgt_positions=None, tgt_segment_ids=None):
+    """float64 logits [B, T, V] for ``apply(graphdef, state, tokens, tgt, ...)``; also returns
+    the set of parameter paths never read."""
+    P = Params(to_float64_dict(tree))
+    tokens = np.asarray(tokens)
+    if cfg.kind == "encoder":
+        x = encode(cfg, P, tokens, positions, segment_ids, lengths)
+    else:
+        memory, cross_allowed = None, None
+        if cfg.kind == "encoder_decoder":
+            memory = encode(cfg, P, tokens, positions, segment_ids, lengths)
+            B, S = tokens.shape
+            T = np.shape(tgt)[1]
+            cross_allowed = np.ones((B, T, S), bool)
+            if segment_ids is not None:      # a target document reads its own source document
+                cross_allowed &= (_segments(tgt_segment_ids, B, T)[:, :, None]
+                                  == np.asarray(segment_ids)[:, None, :])
+            if lengths is not None:          # source padding
+                cross_allowed &= np.arange(S)[None, None, :] < np.asarray(lengths)[:, None, None]
+            tokens, positions, segment_ids = np.asarray(tgt), tgt_positions, tgt_segment_ids
+        B, T = tokens.shape
+        pos, seg = _pos(positions, B, T), _segments(segment_ids, B, T)
+        i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+        allowed = (j <= i)[None] & (seg[:, :, None] == seg[:, None, :]) & sparse_allowed(cfg, T)
+        x = stack(cfg, P["decoder"], embed(cfg, P, tokens, pos), which="decoder", allowed=allowed,
+                  pos=pos, ctx=memory, cross_allowed=cross_allowed)
+    if cfg.tie_embeddings:
+        logits = x @ P["embed"]["embedding"].T
+    else:
+        logits = x @ P["head"]["kernel"]
+    if cfg.logits_softcap is not None:
+        logits = cfg.logits_softcap * np.tanh(logits / cfg.logits_softcap)
+    unused = set(leaf_paths(P._tree)) - P.used
+    return logits, unused
+
+
+# ---------------------------------------------------------------------------- cases
+B, T, S_SRC, T_TGT = 2, 12, 10, 8
+
+
+def _packed(lengths_per_row, T):
+    """segment ids (1, 2, ...) and positions restarting at 0 in each document."""
+    seg = np.zeros((len(lengths_per_row), T), np.int32)
+    pos = np.zeros((len(lengths_per_row), T), np.int32)
+    for b, docs in enumerate(lengths_per_row):
+        start = 0
+        for d, n in enumerate(docs):
+            seg[b, start:start + n] = d + 1
+            pos[b, start:start + n] = np.arange(n)
+            start += n
+        assert start == T
+    return seg, pos
+
+
+SEG, POS = _packed([(5, 7), (3, 4, 5)], T)
+SRC_SEG, SRC_POS = _packed([(4, 6), (7, 3)], S_SRC)
+TGT_SEG, TGT_POS = _packed([(3, 5), (6, 2)], T_TGT)
+LENGTHS = np.array([T, 7], np.int32)
+SRC_LENGTHS = np.array([S_SRC, 6], np.int32)
+
+# id: (preset, overrides, call kwargs, parameter paths drawn tiny)
+CASES = {
+    # decoder, RoPE half-split, GQA 4:2, SwiGLU, RMSNorm pre + final, untied head
+    "llama": ("llama_tiny", {}, {}, ()),
+    # same with packed documents: segment ids + positions restarting per document
+    "llama_packed": ("llama_tiny", {}, dict(segment_ids=SEG, positions=POS), ()),
+    # RoPE interleaved + base 500 + linear scaling, MQA, GeGLU, sandwich norm, attention and logit
+    # soft-caps, scanned layers, and an embedding of std 1e-3 (the first RMSNorm's mean(x^2) ~ eps)
+    "llama_variant": ("llama_tiny", dict(rope_interleaved=True, rope_base=500.0, n_kv_heads=1,
+                                         rope_scaling=dict(kind="linear", factor=2.0),
+                                         activation="geglu", sandwich_norm=True, attn_softcap=2.0,
+                                         logits_softcap=4.0, scan_layers=True), {}, ("embed.",)),
+    # decoder, learned positions, LayerNorm pre + final, tanh-GELU, tied, biases
+    "gpt2": ("gpt2_tiny", {}, {}, ()),
+    # the same untied, with token and position tables of std 1e-3: the first LayerNorm's variance
+    # (~2e-6) is below eps (1e-5), so eps's placement shows in the logits
+    "gpt2_untied_tiny_inputs": ("gpt2_tiny", dict(tie_embeddings=False), {}, ("embed.", "pos_embed.")),
+    # decoder, sinusoidal positions, DeepNorm (alpha = (2M)^1/4, no final norm), exact GELU
+    "gpt2_deepnorm_sinusoidal": ("gpt2_tiny", dict(position="sinusoidal", norm_position="deepnorm",
+                                                   activation="gelu"), {}, ()),
+    # decoder, ALiBi (4 heads), LayerNorm after the embedding
+    "bloom": ("bloom_tiny", {}, {}, ()),
+    # ALiBi with 6 heads (non-power-of-two slopes), N*H != D, packed documents
+    "bloom_6heads_packed": ("bloom_tiny", dict(n_heads=6, head_dim=8),
+                            dict(segment_ids=SEG, positions=POS), ()),
+    # encoder (bidirectional), RoPE, RMSNorm; right padding and packed documents
+    "encoder_rope_padded": ("llama_tiny", dict(kind="encoder"), dict(lengths=LENGTHS), ()),
+    "encoder_rope_packed": ("llama_tiny", dict(kind="encoder"), dict(segment_ids=SEG, positions=POS), ()),
+    # Longformer encoder: learned positions, band (3, 2) + global position 0, right padding
+    "longformer": ("longformer_tiny", dict(attention_window=(3, 2)), dict(lengths=LENGTHS), ()),
+    # BigBird encoder: band (1, 1) + global 0 + random blocks that cover every key block
+    "bigbird": ("bigbird_tiny", dict(attention_window=(1, 1),
+                                     random_blocks=dict(num_blocks=3, block_size=4)), {}, ()),
+    # encoder-decoder: sinusoidal, post-LN (no final norm), ReLU, sqrt(d) embedding scale, shared
+    # embedding; source padding
+    "vaswani": ("vaswani_tiny", {}, dict(lengths=SRC_LENGTHS), ()),
+    # encoder-decoder with DeepNorm (alpha_enc = 0.81 (N^4 M)^1/16, alpha_dec = (3M)^1/4) and packed
+    # source and target documents (cross-attention within the same document)
+    "vaswani_deepnorm_packed": ("vaswani_tiny", dict(norm_position="deepnorm"),
+                                dict(segment_ids=SRC_SEG, positions=SRC_POS, tgt_segment_ids=TGT_SEG,
+                                     tgt_positions=TGT_POS), ()),
+}
+
+_japply = jax.jit(apply, static_argnums=0)
+
+
+def run_case(name, seed=0):
+    """``(model logits, oracle logits, unused parameter paths)`` for CASES[name]."""
+    preset, overrides, kw, small = CASES[name]
+    cfg = presets.get(preset, **overrides)
+    graphdef, state = random_state(cfg, seed, small=small)
+    rng = np.random.default_rng(seed + 1)
+    if cfg.kind == "encoder_decoder":
+        src = rng.integers(0, cfg.vocab_size, (B, S_SRC)).astype(np.int32)
+        tgt = rng.integers(0, cfg.vocab_size, (B, T_TGT)).astype(np.int32)
+        args = (src, tgt)
+    else:
+        args = (rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),)
+    got = np.asarray(_japply(graphdef, state, *args, **kw), np.float64)
+    want, unused = oracle_logits(cfg, nnx.to_pure_dict(state), *args, **kw)
+    return got, want, unused
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_match_float64_oracle(name):
+    got, want, unused = run_case(name)
+    assert not unused, f"parameters the oracle (the papers) has no use for: {sorted(unused)}"
+    assert got.shape == want.shape
+    scale = np.max(np.abs(want))
+    assert scale > 0.1 and np.std(want, axis=(0, 1)).mean() > 1e-3 * scale   # a real, varying output
+    err = np.max(np.abs(got - want)) / scale
+    assert err < REL_TOL, f"{name}: max |model - oracle| / max |oracle| = {err:.2e} (tolerance {REL_TOL:.0e})"
