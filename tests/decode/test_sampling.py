@@ -91,3 +91,21 @@ def test_invalid_sampling_params(kwargs, match):
 def test_sample_shape_errors():
     with pytest.raises(ValueError, match=r"temperature.shape"):
         sample(jnp.zeros((2, 5)), request_keys(jnp.arange(2), jnp.arange(2)), jnp.zeros(3), jnp.zeros(2), jnp.ones(2))
+
+
+def test_filter_logits_keeps_exactly_the_defined_set_for_every_top_k_top_p():
+    """Top-k first, then top-p on the renormalised top-k distribution (the smallest prefix whose mass
+    reaches p): the kept set equals the float64 definition for a grid of k, p and temperatures."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(16, 12)) * 1.5
+    f = jax.jit(filter_logits)
+    for temperature in (0.5, 1.0):
+        for top_k in (0, 1, 2, 3, 5):
+            for top_p in (0.3, 0.5, 0.7, 0.9, 1.0):
+                n = logits.shape[0]
+                x = f(jnp.asarray(logits, jnp.float32), jnp.full((n,), temperature), jnp.full((n,), top_k, jnp.int32),
+                      jnp.full((n,), top_p))
+                for row in range(n):
+                    want = expected_probs(logits[row], temperature, top_k, top_p) > 0
+                    got = np.isfinite(np.asarray(x[row]))
+                    np.testing.assert_array_equal(got, want, err_msg=f"T={temperature} k={top_k} p={top_p} row {row}")

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
@@ -116,7 +116,8 @@ def test_gpu_kernel_bf16_and_zero_length():
     assert np.all(np.asarray(got[0]) == 0)
 
 
-@settings(max_examples=5)  # each example compiles new shapes
+@settings(max_examples=5)  # each example compiles new shapes; the pinned one turns every feature on
+@example(seed=3, B=3, K=2, G=3, L=4, M=4, alibi=True, softcap=2.0, window=6)
 @given(
     seed=st.integers(0, 2**16),
     B=st.integers(1, 3),
@@ -153,21 +154,33 @@ def test_reference_matches_dense_attention_on_gathered_cache(seed, B, K, G, L, M
     np.testing.assert_array_equal(gather_pages(kp, tables), k)
 
 
+def numpy_paged(q, kp, vp, tables, lengths, *, scale, slopes=None, softcap=None):
+    """float64 numpy decode attention, query b at position lengths[b]-1, key by key from the pages."""
+    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, kp, vp))
+    B, N, H = qn.shape
+    G = N // kn.shape[0]
+    out = np.zeros((B, N, H))
+    for b in range(B):
+        n = int(lengths[b])
+        pages = np.asarray(tables[b])
+        for h in range(N):
+            keys = np.concatenate([kn[h // G, p] for p in pages])[:n]
+            vals = np.concatenate([vn[h // G, p] for p in pages])[:n]
+            s = scale * keys @ qn[b, h]
+            if softcap is not None:
+                s = softcap * np.tanh(s / softcap)
+            if slopes is not None:
+                s = s - float(slopes[h]) * (n - 1 - np.arange(n))
+            w = np.exp(s - s.max())
+            out[b, h] = (w / w.sum()) @ vals
+    return out
+
+
 def test_reference_against_float64_numpy():
     q, kp, vp, tables, lengths, slopes = make_case(5, B=2, N=4, K=2, M=2, lengths=[3, 8])
     got = paged_attention_reference(q, kp, vp, tables, lengths, alibi_slopes=slopes, softcap=2.5, scale=0.7)
-    qn, kn, vn = (np.asarray(x, np.float64) for x in (q, kp, vp))
-    for b in range(2):
-        n = int(lengths[b])
-        pages = np.asarray(tables[b])
-        for h in range(4):
-            kh = h // 2
-            keys = np.concatenate([kn[kh, p] for p in pages])[:n]
-            vals = np.concatenate([vn[kh, p] for p in pages])[:n]
-            s = 0.7 * keys @ qn[b, h]
-            s = 2.5 * np.tanh(s / 2.5) - float(slopes[h]) * (n - 1 - np.arange(n))
-            w = np.exp(s - s.max())
-            np.testing.assert_allclose(got[b, h], (w / w.sum()) @ vals, atol=1e-5, rtol=1e-5)
+    want = numpy_paged(q, kp, vp, tables, lengths, scale=0.7, slopes=slopes, softcap=2.5)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_inputs_raise_value_error():
@@ -194,12 +207,14 @@ def test_bad_inputs_raise_value_error():
         paged_attention(q, kp, vp, tables, lengths, window=0)
 
 
-def test_auto_backend_on_cpu_is_reference_and_scale_default():
+def test_auto_backend_and_default_scale_against_float64_numpy():
+    """``backend="auto"`` (the reference on CPU, the kernel on a device) with the default 1/sqrt(H)."""
     q, kp, vp, tables, lengths, _ = make_case(2)
     got = paged_attention(q, kp, vp, tables, lengths)
-    want = paged_attention_reference(q, kp, vp, tables, lengths, scale=1 / math.sqrt(q.shape[-1]))
-    if jax.default_backend() == "cpu":
-        np.testing.assert_array_equal(got, want)
+    want = numpy_paged(q, kp, vp, tables, lengths, scale=1 / math.sqrt(q.shape[-1]))
+    # fp32 vs float64: 1e-5 on CPU; a device may contract in TF32 (10-bit mantissa): 2e-3
+    tol = 1e-5 if jax.default_backend() == "cpu" else 2e-3
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
 def _lowering_args(G=4, H=128):

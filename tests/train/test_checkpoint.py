@@ -49,6 +49,25 @@ def test_corrupt_latest_checkpoint_warns_and_resumes_from_previous(corpus, tmp_p
     assert (run / "checkpoints" / "6.corrupt").is_dir() and 6 in _steps(run)
 
 
+def test_checkpoint_whose_arrays_do_not_match_their_fingerprint_is_set_aside(corpus, tmp_path):
+    """Silent corruption (arrays that load but are not what was saved) is caught by the parameter
+    fingerprint: the checkpoint is moved aside and the run replays from the previous one."""
+    import json
+
+    run = tmp_path / "run"
+    cfg = _cfg(corpus, steps=4)
+    train(cfg, run)
+    ref = _losses(run)
+    meta = run / "checkpoints" / "4" / "meta" / "metadata"
+    saved = json.loads(meta.read_text())
+    saved["fingerprint"][0] *= 1.01  # as if one tensor changed on disk by 1%
+    meta.write_text(json.dumps(saved))
+    with pytest.warns(RuntimeWarning, match="checkpoint step 4 .* do not match the saved fingerprint"):
+        train(cfg, run)  # resumes at 2 and redoes 3, 4
+    assert _losses(run) == ref
+    assert (run / "checkpoints" / "4.corrupt").is_dir() and _steps(run) == [2, 4]
+
+
 def test_resume_continues_the_run(corpus, tmp_path):
     run = tmp_path / "run"
     train(_cfg(corpus, steps=3), run)

@@ -1,0 +1,291 @@
+"""Mutation check: seed realistic bugs into a copy of the library, one at a time, and see whether the tests
+of the default test command catch each.
+
+    .venv/bin/python experiments/mutation.py                 # every mutation, a table at the end
+    .venv/bin/python experiments/mutation.py --only rope_exponent causal_lt
+    .venv/bin/python experiments/mutation.py --list
+    .venv/bin/python experiments/mutation.py --out experiments/results/mutation.md
+
+Each mutation is one exact text replacement (it must match exactly once, so a refactor that moves the
+code makes the harness say so instead of silently testing nothing). The library, the kernels and the
+tests are copied to a temporary directory; the mutated copy is imported first (PYTHONPATH), and the
+mutation's test files run there under the default profile and markers (``-m 'not slow'``), stopping at
+the first failure. A baseline run of every listed test file on the unmutated copy must pass first.
+Run it when a test or the code it guards changes; the table goes in the issue note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COPIED = ("jaxformer", "pallas_kernels", "tests", "pyproject.toml")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    what: str
+
+
+ATTN = ("tests/ops/test_attention.py", "tests/ops/test_attention_impls.py")
+MODEL = ("tests/model/test_oracle.py", "tests/model/test_transformer.py")
+
+MUTATIONS = [
+    # -- ops: positions, masks, norms, activations, attention, loss
+    Mutation("rope_exponent", "jaxformer/ops/positional.py",
+             "exponent = np.arange(0, H, 2, dtype=np.float64) / H",
+             "exponent = np.arange(2, H + 2, 2, dtype=np.float64) / H",
+             ("tests/ops/test_positional.py", *MODEL), "RoPE frequency exponent one step off"),
+    Mutation("sinusoid_swap", "jaxformer/ops/positional.py",
+             "pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)",
+             "pe = jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=-1)",
+             ("tests/ops/test_positional.py", *MODEL), "sinusoidal positions: sin and cos swapped"),
+    Mutation("alibi_slopes", "jaxformer/ops/positional.py",
+             "return [2.0 ** (-8.0 * i / n) for i in range(1, n + 1)]",
+             "return [2.0 ** (-8.0 * i / n) for i in range(0, n)]",
+             ("tests/ops/test_positional.py", *MODEL), "ALiBi slopes start at 2^0 instead of 2^(-8/N)"),
+    Mutation("alibi_bias_sign", "jaxformer/ops/attention.py",
+             "return -slopes[:, :, None, None] * dist.astype(jnp.float32)",
+             "return slopes[:, :, None, None] * dist.astype(jnp.float32)",
+             (*ATTN, *MODEL), "ALiBi bias added instead of subtracted (xla path)"),
+    Mutation("causal_lt", "jaxformer/ops/masks.py",
+             "allowed = allowed & (kp <= qp)", "allowed = allowed & (kp < qp)",
+             ("tests/ops/test_masks.py", *ATTN), "causal mask excludes the diagonal"),
+    Mutation("window_left", "jaxformer/ops/masks.py",
+             "band = band & (kp >= qp - left)", "band = band & (kp > qp - left)",
+             ("tests/ops/test_masks.py", *ATTN), "window's left edge one short"),
+    Mutation("kv_lengths_le", "jaxformer/ops/masks.py",
+             "allowed = allowed & (kp < jnp.asarray(self.kv_lengths, jnp.int32)[:, None, None, None])",
+             "allowed = allowed & (kp <= jnp.asarray(self.kv_lengths, jnp.int32)[:, None, None, None])",
+             ("tests/ops/test_masks.py", *ATTN), "padding length lets one padded key through"),
+    Mutation("rms_eps_outside", "jaxformer/ops/normalization.py",
+             "xf * jax.lax.rsqrt(ms + eps)", "xf / (jnp.sqrt(ms) + eps)",
+             ("tests/ops/test_normalization.py",), "RMSNorm eps outside the square root"),
+    Mutation("rms_no_eps", "jaxformer/ops/normalization.py",
+             "xf * jax.lax.rsqrt(ms + eps)", "xf * jax.lax.rsqrt(ms)",
+             ("tests/ops/test_normalization.py",), "RMSNorm without eps"),
+    Mutation("ln_no_center", "jaxformer/ops/normalization.py",
+             "y = centred * jax.lax.rsqrt(var + eps)", "y = xf * jax.lax.rsqrt(var + eps)",
+             ("tests/ops/test_normalization.py",), "LayerNorm scales x instead of x - mean"),
+    Mutation("swiglu_gelu", "jaxformer/ops/activations.py",
+             "    return silu(gate) * up", "    return gelu(gate) * up",
+             ("tests/ops/test_activations.py", *MODEL), "SwiGLU gated by GeLU"),
+    Mutation("ffn_width", "jaxformer/ops/activations.py",
+             "hidden = 8 * d_model // 3 if is_gated(activation) else 4 * d_model",
+             "hidden = 4 * d_model",
+             ("tests/ops/test_activations.py", "tests/model/test_config.py"), "gated FFN width 4d instead of 8d/3"),
+    Mutation("attn_scale", "jaxformer/ops/attention.py",
+             "scale = 1.0 / math.sqrt(H) if scale is None else scale",
+             "scale = 1.0 / H if scale is None else scale",
+             ATTN, "attention scaled by 1/H instead of 1/sqrt(H) (xla path)"),
+    Mutation("softcap_skipped", "jaxformer/ops/attention.py",
+             "        s = softcap * jnp.tanh(s / softcap)\n    if bias is not None:",
+             "        s = s\n    if bias is not None:",
+             ATTN, "softcap ignored (xla path)"),
+    Mutation("softmax_denominator", "jaxformer/ops/masks.py",
+             "return p / jnp.where(denom == 0.0, 1.0, denom)", "return p / (denom + 1e-3)",
+             ATTN, "masked softmax denominator off"),
+    Mutation("gqa_grouping", "jaxformer/ops/attention.py",
+             'qg = q.reshape(B, T, K, G, H)\n    s = jnp.einsum("BTKGH,BSKH->BKGTS"',
+             'qg = q.reshape(B, T, G, K, H).swapaxes(2, 3)\n    s = jnp.einsum("BTKGH,BSKH->BKGTS"',
+             ATTN, "GQA: query heads grouped with the wrong kv head"),
+    Mutation("ce_mask_ignored", "jaxformer/ops/losses.py",
+             "ce = jnp.sum(jnp.where(mask, log_z - target_logit, 0.0)) / denom",
+             "ce = jnp.sum(log_z - target_logit) / denom",
+             ("tests/ops/test_losses.py",), "cross entropy counts masked tokens"),
+    # -- attention paths: blockwise, sparse, kernels' references and kernels
+    Mutation("blockwise_bwd_delta", "jaxformer/ops/blockwise.py",
+             "ds = p * (dp - delta_i) * dscale", "ds = p * dp * dscale",
+             ("tests/ops/test_blockwise.py",), "blockwise backward forgets the softmax correction"),
+    Mutation("blockwise_causal", "jaxformer/ops/blockwise.py",
+             "allowed = allowed & (k3 <= q3)", "allowed = allowed & (k3 < q3)",
+             ("tests/ops/test_blockwise.py",), "blockwise causal tile excludes the diagonal"),
+    Mutation("sparse_window_right", "jaxformer/ops/sparse.py",
+             "band = band & (kpos <= qpos + right)", "band = band & (kpos < qpos + right)",
+             ("tests/ops/test_sparse.py",), "sparse window's right edge one short"),
+    Mutation("flash_ref_causal", "pallas_kernels/flash_attention/reference.py",
+             "ok = ok & (kpos <= qpos)[None, None]", "ok = ok & (kpos < qpos)[None, None]",
+             ("tests/pallas_kernels/test_flash_api.py",), "flash reference: causal excludes the diagonal"),
+    Mutation("flash_tile_window", "pallas_kernels/flash_attention/common.py",
+             "band = k_pos >= q_pos - left", "band = k_pos >= q_pos - left + 1",
+             ("tests/pallas_kernels/test_flash_api.py", "tests/pallas_kernels/test_flash_gpu.py"),
+             "kernels' tile mask: window one short"),
+    Mutation("flash_gpu_rescale", "pallas_kernels/flash_attention/gpu.py",
+             "acc = acc * alpha[:, None] + _dot(pr.astype(v.dtype), v, (1, 0))",
+             "acc = acc + _dot(pr.astype(v.dtype), v, (1, 0))",
+             ("tests/pallas_kernels/test_flash_gpu.py",), "GPU flash forward: accumulator not rescaled"),
+    Mutation("flash_tpu_rescale", "pallas_kernels/flash_attention/tpu.py",
+             "acc_sc[...] = alpha * acc_sc[...] + pv", "acc_sc[...] = acc_sc[...] + pv",
+             ("tests/pallas_kernels/test_flash_tpu.py",), "TPU flash forward: accumulator not rescaled"),
+    Mutation("paged_ref_length", "pallas_kernels/paged_attention/reference.py",
+             "valid = pos[None, :] < lengths[:, None]", "valid = pos[None, :] <= lengths[:, None]",
+             ("tests/pallas_kernels/test_paged_attention.py",), "paged reference reads one token past the length"),
+    # -- decode: sampling
+    Mutation("top_k_off_by_one", "jaxformer/decode/sampling.py",
+             "desc = jnp.where(rank < k[:, None], desc, -jnp.inf)",
+             "desc = jnp.where(rank <= k[:, None], desc, -jnp.inf)",
+             ("tests/decode/test_sampling.py",), "top-k keeps k+1 tokens"),
+    Mutation("temperature_inverted", "jaxformer/decode/sampling.py",
+             "x = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)[:, None]",
+             "x = logits.astype(jnp.float32) * jnp.where(t > 0, t, 1.0)[:, None]",
+             ("tests/decode/test_sampling.py",), "temperature multiplies the logits"),
+    Mutation("top_p_strict", "jaxformer/decode/sampling.py",
+             "n_keep = jnp.sum((before < top_p) | (top_p >= 1.0), axis=-1)",
+             "n_keep = jnp.sum((before + probs < top_p) | (top_p >= 1.0), axis=-1)",
+             ("tests/decode/test_sampling.py",), "top-p drops the token that crosses p"),
+    # -- decode: paged block manager, caches, engine
+    Mutation("cow_skipped", "jaxformer/decode/paged.py",
+             "cow = [i for i in range(first, min(last + 1, len(seq.table))) if self._ref[seq.table[i]] > 1]",
+             "cow = []",
+             ("tests/decode/test_block_manager.py", "tests/decode/test_paged_cache.py"),
+             "a write into a shared page does not copy it first"),
+    Mutation("release_leaks", "jaxformer/decode/paged.py",
+             "        if self._ref[page] == 0:\n            h = self._page_hash.pop(page, None)",
+             "        if self._ref[page] == -1:\n            h = self._page_hash.pop(page, None)",
+             ("tests/decode/test_block_manager.py",), "freed pages never return to the free list"),
+    Mutation("prefix_hash_blind", "jaxformer/decode/paged.py",
+             "h = _chain_hash(h, tokens[i * L:(i + 1) * L])", "h = _chain_hash(h, tokens[i * L:(i + 1) * L - 1])",
+             ("tests/decode/test_block_manager.py", "tests/decode/test_engine.py"),
+             "prefix sharing ignores the last token of each block"),
+    Mutation("out_of_pages_partial", "jaxformer/decode/paged.py",
+             "        if need > self.num_free:\n", "        if need > self.num_free + 1:\n",
+             ("tests/decode/test_block_manager.py",), "admission checks one page too few"),
+    Mutation("window_drop_early", "jaxformer/decode/paged.py",
+             "n = min(pos // self.page_size - seq.dropped, len(seq.table))",
+             "n = min(pos // self.page_size + 1 - seq.dropped, len(seq.table))",
+             ("tests/decode/test_window.py",), "sliding window frees a page still inside the window"),
+    Mutation("kv_cache_offset", "jaxformer/decode/kv_cache.py",
+             "mask = MaskSpec(causal=True, q_offset=self.lengths, kv_lengths=self.lengths + T)",
+             "mask = MaskSpec(causal=True, q_offset=self.lengths + 1, kv_lengths=self.lengths + T)",
+             ("tests/decode/test_kv_cache.py", "tests/model/test_transformer.py"),
+             "KV cache: new queries placed one position late"),
+    # -- train: optimiser, schedule, checkpoints, metrics
+    Mutation("clip_x100", "jaxformer/train/optim.py",
+             "optax.clip_by_global_norm(opt.clip_norm)", "optax.clip_by_global_norm(opt.clip_norm * 100)",
+             ("tests/train/test_optim.py",), "gradient clipping threshold x100"),
+    Mutation("decay_norms", "jaxformer/train/optim.py",
+             '"norm": opt.decay_norms,', '"norm": True,',
+             ("tests/train/test_optim.py",), "weight decay applied to norm scales"),
+    Mutation("warmup_from_peak", "jaxformer/train/optim.py",
+             "optax.linear_schedule(0.0, peak, warm)", "optax.linear_schedule(peak, peak, warm)",
+             ("tests/train/test_optim.py",), "no warmup (starts at the peak)"),
+    Mutation("resume_without_data_state", "jaxformer/train/checkpoint.py",
+             'items["data"] = grain.checkpoint.CheckpointRestore(data_iter)', "pass",
+             ("tests/train/test_checkpoint.py", "tests/train/test_resume.py"),
+             "resume restores the weights but not the data iterator"),
+    Mutation("fingerprint_ignored", "jaxformer/train/checkpoint.py",
+             'if not _matches(fingerprint(state["params"]), meta.get("fingerprint", [])):',
+             "if False:",
+             ("tests/train/test_checkpoint.py",), "a corrupt checkpoint is restored as if good"),
+    Mutation("metrics_not_truncated", "jaxformer/train/metrics.py",
+             "keep = [r for r in rows if _row_step(r) is not None and _row_step(r) <= resume_step]",
+             "keep = rows",
+             ("tests/train/test_checkpoint.py", "tests/train/test_resume.py"),
+             "resume keeps the interrupted run's rows after the checkpoint"),
+]
+
+
+def _copy_tree(dst: Path) -> None:
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
+        else:
+            shutil.copy2(src, dst / name)
+
+
+def _pytest(work: Path, tests, timeout: float) -> tuple[str, float, str]:
+    env = dict(os.environ, PYTHONPATH=str(work), JAX_PLATFORMS="cpu", PYTHONDONTWRITEBYTECODE="1")
+    env.pop("PYTEST_XDIST_WORKER", None)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:xdist", "-p", "no:cacheprovider",
+                               *tests], cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.perf_counter() - t0, ""
+    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    last = tail[-1] if tail else ""
+    if proc.returncode == 0:
+        return "survived", time.perf_counter() - t0, last
+    if proc.returncode in (2, 3, 4):  # interrupted, internal error, usage error: not a test verdict
+        return "error", time.perf_counter() - t0, last
+    return "caught", time.perf_counter() - t0, last
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", help="mutation names")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run (when it just passed)")
+    ap.add_argument("--out", help="also write the table (markdown) here")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:28s} {m.path:45s} {m.what}")
+        return 0
+    unknown = set(args.only or ()) - {m.name for m in MUTATIONS}
+    if unknown:
+        ap.error(f"unknown mutations: {sorted(unknown)}")
+
+    for m in chosen:  # every mutation must still apply: exactly one match in today's code
+        n = (ROOT / m.path).read_text().count(m.old)
+        if n != 1:
+            print(f"{m.name}: the text to mutate occurs {n} times in {m.path}; update the harness", file=sys.stderr)
+            return 2
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="jaxformer-mutation-") as tmp:
+        work = Path(tmp)
+        _copy_tree(work)
+        if not args.no_baseline:
+            tests = sorted({t for m in chosen for t in m.tests})
+            verdict, secs, last = _pytest(work, tests, args.timeout * 3)
+            print(f"baseline ({len(tests)} test files): {verdict} in {secs:.0f} s  {last}", flush=True)
+            if verdict != "survived":
+                print("the unmutated copy must pass its tests first", file=sys.stderr)
+                return 2
+        for m in chosen:
+            target = work / m.path
+            original = target.read_text()
+            target.write_text(original.replace(m.old, m.new))
+            try:
+                compile(target.read_text(), str(target), "exec")
+                verdict, secs, last = _pytest(work, m.tests, args.timeout)
+            except SyntaxError as e:
+                verdict, secs, last = "error", 0.0, f"mutation does not compile: {e}"
+            finally:
+                target.write_text(original)
+            rows.append((m, verdict, secs))
+            print(f"{m.name:28s} {verdict:9s} {secs:6.1f} s  {last}", flush=True)
+
+    caught = sum(v == "caught" for _, v, _ in rows)
+    lines = ["| mutation | file | what | tests run | verdict | seconds |", "|---|---|---|---|---|---|"]
+    for m, v, s in rows:
+        tests = ", ".join(Path(t).name for t in m.tests)
+        lines.append(f"| `{m.name}` | `{m.path}` | {m.what} | {tests} | **{v}** | {s:.0f} |")
+    lines.append(f"\n{caught} of {len(rows)} caught ({100 * caught / max(len(rows), 1):.0f}%).")
+    table = "\n".join(lines)
+    print("\n" + table)
+    if args.out:
+        Path(args.out).write_text(f"# Mutation check\n\n`{' '.join(['python', 'experiments/mutation.py'] + (argv or sys.argv[1:]))}`\n\n"
+                                  + table + "\n")
+    return 0 if caught == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
