@@ -93,8 +93,8 @@ def test_gradients_match_float64_reference():
             w = jax.nn.softmax(jnp.where(allowed[:, None], s, -1e30), axis=-1)
             return jnp.sum(jnp.einsum("bnts,bsnh->btnh", w, vr) * jnp.asarray(ct, jnp.float64))
 
-        want = jax.grad(naive, argnums=(0, 1, 2))(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
-    got = jax.grad(ours, argnums=(0, 1, 2))(q, k, v)
+        want = jax.jit(jax.grad(naive, argnums=(0, 1, 2)))(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
+    got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(q, k, v)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, np.asarray(w), rtol=1e-4, atol=1e-5)  # fp32 backward vs fp64
 
@@ -104,10 +104,10 @@ def test_fully_masked_rows_are_zero_with_zero_gradients():
     q, k, v = rand((B, T, N, H), 0), rand((B, S, N, H), 1), rand((B, S, N, H), 2)
     # query 0 has segment 7, which no key has: its row is fully masked.
     mask = MaskSpec(q_segment_ids=np.array([[7, 1, 1, 1]]), kv_segment_ids=np.array([[1, 1, 1, 1]]))
-    out = dot_product_attention(q, k, v, mask=mask, impl="xla")
+    out = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, mask=mask, impl="xla"))(q, k, v)
     assert np.all(np.asarray(out[:, 0]) == 0)
-    dq, dk, dv = jax.grad(lambda q, k, v: jnp.sum(dot_product_attention(q, k, v, mask=mask, impl="xla")),
-                          argnums=(0, 1, 2))(q, k, v)
+    dq, dk, dv = jax.jit(jax.grad(lambda q, k, v: jnp.sum(dot_product_attention(q, k, v, mask=mask, impl="xla")),
+                                  argnums=(0, 1, 2)))(q, k, v)
     for g in (dq, dk, dv):
         assert np.isfinite(np.asarray(g)).all()
     assert np.all(np.asarray(dq[:, 0]) == 0)
