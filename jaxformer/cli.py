@@ -9,7 +9,8 @@ import warnings
 from pathlib import Path
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``jaxformer`` parser (its help lists the commands) and each command's own parser."""
     p = argparse.ArgumentParser(prog="jaxformer", description="Train, evaluate and sample Transformers.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -32,10 +33,12 @@ def _parser() -> argparse.ArgumentParser:
                    "(mesh.fsdp=8, batch_size=64, seq_len=4096) or model keys (n_layers=4, model.n_layers=4)")
     i.add_argument("--devices", type=int, help="plan for this many devices, none need be present "
                    "(default: those present); the mesh must use all of them")
+    i.add_argument("--compile", action="store_true", help="also compile the train step on the devices present "
+                   "and show XLA's memory analysis beside the estimate (seconds for small models)")
 
     g = sub.add_parser("generate", help="sample from a run's newest checkpoint (continuous-batching engine, paged KV cache)")
     add_generate_args(g)
-    return p
+    return p, sub.choices
 
 
 def add_generate_args(g: argparse.ArgumentParser) -> None:
@@ -99,7 +102,7 @@ def format_summary(summary: dict, run_dir: Path) -> str:
 
 
 def cmd_eval(args) -> int:
-    from jaxformer.train.loop import evaluate_run
+    from jaxformer.train.evaluation import evaluate_run
 
     limit = None if args.all else args.max_tokens
     print(json.dumps(evaluate_run(args.run_dir, max_tokens=limit, compressors=args.compressors)))
@@ -111,7 +114,12 @@ def cmd_info(args) -> int:
 
     from jaxformer.model import presets
     from jaxformer.train import config as C
-    from jaxformer.train.info import describe_experiment, format_info, preset_config
+    from jaxformer.train.info import (
+        compiled_memory,
+        describe_experiment,
+        format_info,
+        preset_config,
+    )
 
     if args.target in presets.names():
         cfg = preset_config(args.target, args.overrides, args.devices)
@@ -121,7 +129,10 @@ def cmd_info(args) -> int:
         close = difflib.get_close_matches(args.target, presets.names(), n=5)
         which = f"closest presets: {', '.join(close)}" if close else f"presets: {', '.join(presets.names())}"
         raise FileNotFoundError(f"no such file or preset: {args.target!r}; {which}")
-    print(format_info(args.target, describe_experiment(cfg, args.devices)))
+    info = describe_experiment(cfg, args.devices)
+    if args.compile:
+        info["xla"] = compiled_memory(cfg, args.devices)
+    print(format_info(args.target, info))
     return 0
 
 
@@ -133,8 +144,8 @@ def cmd_generate(args) -> int:
     models) continues past the context with a sliding KV window, said once on stderr.
     """
     from jaxformer.decode.engine import RELATIVE_POSITIONS, check_window
-    from jaxformer.decode.serve import read_prompts_file, run_prompts, write_jsonl
-    from jaxformer.train.loop import load_run
+    from jaxformer.decode.prompts import read_prompts_file, run_prompts, write_jsonl
+    from jaxformer.train.run_dir import load_run
 
     if not args.prompt and not args.prompts_file:
         raise ValueError("generate: give --prompt TEXT (repeatable) or --prompts-file FILE")
@@ -182,14 +193,12 @@ def _one_line_warning(command: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args, extra = parser.parse_known_args(argv)
-    # overrides after an option land in `extra`; anything else there is a stray flag or argument
-    bad = [x for x in extra if x.startswith("-") or not hasattr(args, "overrides")]
-    if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)}")
-    if extra:
-        args.overrides = list(args.overrides) + extra
+    parser, commands = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in commands:
+        parser.parse_args(argv[:1])  # exits: the help for -h, else argparse's "invalid choice" error
+    # intermixed: key.sub=value overrides may come before or after the command's options
+    args = commands[argv[0]].parse_intermixed_args(argv[1:], argparse.Namespace(command=argv[0]))
     from jaxformer.train.checkpoint import IncompatibleCheckpointError
     from jaxformer.train.config import ConfigError, parse_override
     from jaxformer.train.loop import NonFiniteError

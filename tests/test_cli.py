@@ -91,6 +91,16 @@ def test_info_on_a_config_uses_its_mesh(tmp_path, capsys):
     assert "data=2 fsdp=2 tensor=2" in out and "batch/device 2" in out
 
 
+def test_info_compile_shows_xlas_memory_analysis_beside_the_estimate(tmp_path, capsys):
+    cfg = write_config(tmp_path / "c.yaml", tiny_raw(tmp_path, mesh={"data": 1}))
+    assert main(["info", "--compile", str(cfg), "--devices", "2", "mesh.data=-1"]) == 2
+    assert "--compile compiles on the 8 devices present (mesh data=8 " in capsys.readouterr().err
+    assert main(["info", "--compile", str(cfg), "--devices", "1", "model.n_layers=1"]) == 0  # intermixed
+    out = capsys.readouterr().out
+    assert "memory per device (estimate):" in out and "memory per device (XLA, the compiled train step on cpu):" in out
+    assert "arguments" in out and "temporaries" in out and "peak" in out
+
+
 def test_config_errors_exit_2_naming_file_and_key(tmp_path, capsys):
     raw = tiny_raw(tmp_path)
     raw["optimizer"]["lr"] = "fast"

@@ -1,10 +1,10 @@
 """The attention gradient checks under several CPU instruction sets, with and without fast compiles.
 
-XLA's CPU code differs between machines: the same jitted reference once gave NaN gradients on an
-AMD EPYC (AVX-512) under the fast-compile flags of tests/conftest.py and finite ones elsewhere
-(a softmax whose row max was differentiated through its argmax: recomputed logits rounded
-differently, no element equalled the max, 0/0). XLA flags are per process, so each cell of the
-matrix runs the family in a fresh pytest subprocess. ``--xla_cpu_max_isa`` caps the vector
+XLA's CPU code differs between machines and compile flags, and a gradient that is finite on one
+can be NaN on another: e.g. a softmax whose row max is differentiated through its argmax gives NaN
+where recomputed logits round differently and no element equals the max (0/0), as on an AMD EPYC
+(AVX-512) under the fast-compile flags of tests/conftest.py. XLA flags are per process, so each
+cell of the matrix runs the family in a fresh pytest subprocess. ``--xla_cpu_max_isa`` caps the vector
 instructions XLA may emit (a cap above what the CPU has changes nothing, so AVX512 on an AVX2
 machine repeats the AVX2 cell).
 

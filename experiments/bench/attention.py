@@ -28,30 +28,14 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 from procmem import proc_kb, reset_hwm
+from timing import median_seconds, timed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU_TS = (1024, 2048, 4096, 8192, 16384)
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _time(fn, args, repeats: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 # --------------------------------------------------------------------------- CPU worker
@@ -78,13 +62,11 @@ def cpu_worker(case: dict) -> dict:
         fn = attn
     else:
         fn = jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v) * do), argnums=(0, 1, 2))
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(q, k, v).compile()
-    compile_s = time.perf_counter() - t0
+    compiled, compile_s = timed(lambda: jax.jit(fn).lower(q, k, v).compile())
     temp = compiled.memory_analysis().temp_size_in_bytes
     hwm_ok = reset_hwm()
     rss0 = proc_kb("VmRSS")
-    seconds = _time(compiled, (q, k, v), case["repeats"])
+    seconds = median_seconds(compiled, q, k, v, repeats=case["repeats"])
     rss_peak = (proc_kb("VmHWM") - rss0) * 1024 if hwm_ok else -1
     return dict(case, seconds=seconds, temp_bytes=temp, rss_bytes=rss_peak, compile_s=compile_s)
 
@@ -225,7 +207,7 @@ def run_gpu(args) -> str:
                         impl(q, k, v, causal).astype(jnp.float32) * do), argnums=(0, 1, 2)))
                     for mode, fn, mult in (("fwd", fwd, 1.0), ("fwd+bwd", bwd, 3.5)):
                         try:
-                            sec = _time(fn, (q, k, v), args.repeats)
+                            sec = median_seconds(fn, q, k, v, repeats=args.repeats)
                             row[(name, mode)] = flops * mult / sec / 1e12
                         except Exception as e:  # noqa: BLE001 -- a baseline may not support a shape
                             row[(name, mode)] = None

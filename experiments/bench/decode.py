@@ -25,6 +25,9 @@ with the cache's mask).
 
     python experiments/bench/decode.py                  # print tables
     python experiments/bench/decode.py --write          # also experiments/results/decode_{cpu,gpu}.md
+
+Like every benchmark it runs as a script with ``jaxformer`` installed (``pip install -e .``);
+timings come from the shared :mod:`timing` helpers beside it.
 """
 
 from __future__ import annotations
@@ -34,33 +37,20 @@ import math
 import os
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_seconds, timed
+
+from jaxformer.decode.block_manager import BlockManager, OutOfPages
+from jaxformer.decode.engine import Engine
+from jaxformer.decode.generate import decode_step, generate, prefill_step
+from jaxformer.decode.kv_cache import init_caches
+from jaxformer.decode.sampling import SamplingParams
+from jaxformer.model import ModelConfig, apply, init
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-
-from jaxformer.decode.generate import decode_step, generate, prefill_step  # noqa: E402
-from jaxformer.decode.engine import Engine  # noqa: E402
-from jaxformer.decode.kv_cache import init_caches  # noqa: E402
-from jaxformer.decode.paged import BlockManager, OutOfPages  # noqa: E402
-from jaxformer.decode.sampling import SamplingParams  # noqa: E402
-from jaxformer.model import ModelConfig, apply, init  # noqa: E402
-
-
-def timeit(fn, *, warmup: int = 1, reps: int = 5) -> float:
-    """Median seconds of ``fn()`` (which must block until its result is ready)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 # --------------------------------------------------------------------------- (a) memory
@@ -101,27 +91,27 @@ def bench_cache_vs_recompute(context: int = 1024, new: int = 16):
     samp = dict(seeds=jnp.zeros(1, jnp.uint32), temperature=jnp.zeros(1), top_k=jnp.zeros(1, jnp.int32),
                 top_p=jnp.ones(1))
 
+    def decode(tok, caches):
+        for i in range(new):
+            tok, caches = decode_step(graphdef, state, caches, tok, jnp.full((1,), i + 1), **samp)
+        return tok
+
     def cached():
         caches = init_caches(cfg, 1, context + new)
         tok, caches = prefill_step(graphdef, state, caches, prompt, jnp.asarray([context]), **samp)
-        tok.block_until_ready()
-        t = time.perf_counter()
-        for i in range(new):
-            tok, caches = decode_step(graphdef, state, caches, tok, jnp.full((1,), i + 1), **samp)
-        tok.block_until_ready()
-        return time.perf_counter() - t
+        return timed(decode, jax.block_until_ready(tok), caches)[1]
 
     width = context + new
     full = jax.jit(lambda s, t, i: jnp.argmax(apply(graphdef, s, t)[0, i]))
 
-    def recompute():
-        seq = jnp.zeros((1, width), jnp.int32).at[:, :context].set(prompt)
-        t = time.perf_counter()
+    def extend(seq):
         for i in range(new):
             nxt = full(state, seq, context - 1 + i)
             seq = seq.at[0, context + i].set(nxt)
-        seq.block_until_ready()
-        return time.perf_counter() - t
+        return seq
+
+    def recompute():
+        return timed(extend, jnp.zeros((1, width), jnp.int32).at[:, :context].set(prompt))[1]
 
     cached(), recompute()  # compile
     t_cache, t_full = [], []
@@ -160,10 +150,10 @@ def bench_engine(n_requests: int = 32, new: int = 32, slots: int = 32):
     assert out_engine == out_alone, "engine and one-by-one outputs differ"
     t_engine, t_alone = [], []
     for _ in range(3):  # alternate, so a busy machine slows both alike
-        t_engine.append(timeit(lambda: engine(slots), warmup=0, reps=1))
-        t_alone.append(timeit(alone, warmup=0, reps=1))
+        t_engine.append(timed(engine, slots)[1])
+        t_alone.append(timed(alone)[1])
     t_engine, t_alone = statistics.median(t_engine), statistics.median(t_alone)
-    t_engine1 = timeit(lambda: engine(1), warmup=0, reps=1)
+    t_engine1 = timed(engine, 1)[1]
     tokens = n_requests * new
     rows = [(f"engine, {slots} slots", f"{tokens / t_engine:,.0f}", f"{t_engine:.2f}"),
             ("generate() one by one", f"{tokens / t_alone:,.0f}", f"{t_alone:.2f}"),
@@ -199,15 +189,15 @@ def bench_gpu():
         if err > 3e-2:
             raise SystemExit(f"paged kernel mismatch on the GPU at ctx {ctx}: max abs error {err}")
         nbytes = 2 * k_pages.size * k_pages.dtype.itemsize
-        t_kernel = timeit(lambda: kernel(q, k_pages, v_pages, tables, lengths).block_until_ready(), reps=20)
+        t_kernel = median_seconds(kernel, q, k_pages, v_pages, tables, lengths, repeats=20)
         copy = jax.jit(lambda a, b: (a + 0, b + 0))
-        t_copy = timeit(lambda: jax.block_until_ready(copy(k_pages, v_pages)), reps=20)
+        t_copy = median_seconds(copy, k_pages, v_pages, repeats=20)
         bw_kernel, bw_copy = nbytes / t_kernel, 2 * nbytes / t_copy  # a copy reads and writes
         kc = jnp.asarray(rng.normal(size=(B, ctx, K, H)), jnp.bfloat16)
         vc = jnp.asarray(rng.normal(size=(B, ctx, K, H)), jnp.bfloat16)
         contiguous = jax.jit(lambda q, k, v, n: dot_product_attention(
             q[:, None], k, v, mask=MaskSpec(causal=True, q_offset=n - 1, kv_lengths=n)))
-        t_contig = timeit(lambda: contiguous(q, kc, vc, lengths).block_until_ready(), reps=20)
+        t_contig = median_seconds(contiguous, q, kc, vc, lengths, repeats=20)
         rows.append((ctx, f"{1e6 * t_kernel:.0f}", f"{bw_kernel / 1e9:,.0f}", f"{bw_copy / 1e9:,.0f}",
                      f"{bw_kernel / bw_copy:.0%}", f"{1e6 * t_contig:.0f}", f"{t_contig / t_kernel:.2f}x"))
     return rows

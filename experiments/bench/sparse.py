@@ -26,12 +26,11 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 from procmem import proc_kb, reset_hwm
+from timing import median_seconds, timed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TS = (1024, 2048, 4096, 8192, 16384)
@@ -77,22 +76,15 @@ def worker(case: dict) -> dict:
         attn = lambda q, k, v: blockwise_attention(q, k, v, mask=MaskSpec())  # noqa: E731
     fn = attn if case["mode"] == "fwd" else jax.grad(
         lambda q, k, v: jnp.sum(attn(q, k, v) * do), argnums=(0, 1, 2))
-    t0 = time.perf_counter()
-    compiled = jax.jit(fn).lower(q, k, v).compile()
-    compile_s = time.perf_counter() - t0
+    compiled, compile_s = timed(lambda: jax.jit(fn).lower(q, k, v).compile())
     temp = compiled.memory_analysis().temp_size_in_bytes
     if temp > case["mem_limit_gb"] * 2**30:
         return dict(case, temp_bytes=temp, compile_s=compile_s, skipped=f"temp {temp / 2**30:.1f} GiB > limit")
     hwm_ok = reset_hwm()
     rss0 = proc_kb("VmRSS")
-    jax.block_until_ready(compiled(q, k, v))
-    times = []
-    for _ in range(case["repeats"]):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(q, k, v))
-        times.append(time.perf_counter() - t0)
+    seconds = median_seconds(compiled, q, k, v, repeats=case["repeats"])
     rss = (proc_kb("VmHWM") - rss0) * 1024 if hwm_ok else -1
-    return dict(case, seconds=statistics.median(times), temp_bytes=temp, rss_bytes=rss, compile_s=compile_s)
+    return dict(case, seconds=seconds, temp_bytes=temp, rss_bytes=rss, compile_s=compile_s)
 
 
 def run_case(case: dict) -> dict:
@@ -170,18 +162,6 @@ def table(results, args) -> str:
     return "\n".join(out)
 
 
-def _gpu_time(fn, args, repeats: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def run_gpu(args) -> str:
     """Pallas block-sparse kernel vs cuDNN (and XLA) given the same mask as an explicit dense matrix.
 
@@ -234,7 +214,7 @@ def run_gpu(args) -> str:
                     f = jax.jit(fn) if mode == "fwd" else fwd_bwd(fn)
                     a = (q, k, v) if mode == "fwd" else (q, k, v, do)
                     try:
-                        secs[name] = _gpu_time(f, a, args.repeats)
+                        secs[name] = median_seconds(f, *a, repeats=args.repeats)
                     except Exception as e:  # noqa: BLE001 -- a baseline may not support a mask or shape
                         secs[name] = None
                         print(f"  {name} {wl} T={T} {mode}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)

@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from timing import timed, wall_times
 
 from jaxformer.model import flops_per_token
 from jaxformer.train import config as C
-from jaxformer.train import data as D
 from jaxformer.train import sharding as S
+from jaxformer.train.corpus import build_corpus
 from jaxformer.train.optim import decay_mask
+from jaxformer.train.pipeline import TrainIterator
 from jaxformer.train.step import make_trainer
 
 
@@ -118,14 +119,7 @@ def measured_peak_flops() -> float:
     """FLOP/s of a large fp32 matmul on the default device (the CPU 'peak' for MFU)."""
     n = 2048
     a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+    return 2 * n**3 / min(wall_times(jax.jit(lambda x: x @ x), a, repeats=5))
 
 
 def main(argv=None):
@@ -145,8 +139,8 @@ def main(argv=None):
     mesh = S.make_mesh(cfg.mesh)
     trainer = make_trainer(cfg, mesh)
     state = trainer.init_state()
-    corpus = D.build_corpus(C.DataConfig())
-    it = D.TrainIterator(corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=0)
+    corpus = build_corpus(C.DataConfig())
+    it = TrainIterator(corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=0)
     batches = [S.put_batch(next(it), mesh) for _ in range(args.steps)]
 
     hand_params = jax.tree.map(jnp.copy, state["params"])
@@ -165,18 +159,23 @@ def main(argv=None):
         state, m = trainer.train_step(state, b)
         hand_params, hand_opt, hand_l = hand_step(hand_params, hand_opt, b)
     jax.block_until_ready((m, hand_l))
+
+    def library_round(state):
+        for b in batches:
+            state, _ = trainer.train_step(state, b)
+        return state
+
+    def hand_round(params, opt_state):
+        for b in batches:
+            params, opt_state, _ = hand_step(params, opt_state, b)
+        return params, opt_state
+
     lib_t, hand_t = [], []
-    for _ in range(args.rounds):
-        t = time.perf_counter()
-        for b in batches:
-            state, m = trainer.train_step(state, b)
-        jax.block_until_ready(m)
-        lib_t.append((time.perf_counter() - t) / len(batches))
-        t = time.perf_counter()
-        for b in batches:
-            hand_params, hand_opt, hand_l = hand_step(hand_params, hand_opt, b)
-        jax.block_until_ready(hand_l)
-        hand_t.append((time.perf_counter() - t) / len(batches))
+    for _ in range(args.rounds):  # alternate, so a busy machine slows both alike
+        state, seconds = timed(library_round, state)
+        lib_t.append(seconds / len(batches))
+        (hand_params, hand_opt), seconds = timed(hand_round, hand_params, hand_opt)
+        hand_t.append(seconds / len(batches))
 
     tokens = cfg.batch_size * cfg.seq_len
     fpt = flops_per_token(cfg.model, cfg.seq_len)

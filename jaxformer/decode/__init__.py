@@ -1,9 +1,13 @@
-"""jaxformer.decode: KV caches (contiguous and paged), sampling, generation and the batching engine."""
+"""jaxformer.decode: KV caches (contiguous and paged), sampling, generation and the batching engine.
 
+``serve`` here is the function (:func:`jaxformer.decode.engine.serve`); text prompts in, JSON records out
+is the module :mod:`jaxformer.decode.prompts`."""
+
+from jaxformer.decode.block_manager import BlockManager, OutOfPages
 from jaxformer.decode.engine import Engine, Result, serve
 from jaxformer.decode.generate import generate
 from jaxformer.decode.kv_cache import KVCache, init_caches, set_lengths
-from jaxformer.decode.paged import BlockManager, OutOfPages, PagedKVCache, copy_pages, init_page_pools
+from jaxformer.decode.paged_cache import PagedKVCache, copy_pages, init_page_pools
 from jaxformer.decode.sampling import SamplingParams, sample
 
 __all__ = [

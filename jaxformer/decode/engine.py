@@ -42,8 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxformer.decode.block_manager import BlockManager, OutOfPages
 from jaxformer.decode.generate import check_prompt
-from jaxformer.decode.paged import BlockManager, OutOfPages, PagedKVCache, copy_pages, init_page_pools
+from jaxformer.decode.paged_cache import PagedKVCache, copy_pages, init_page_pools
 from jaxformer.decode.sampling import SamplingParams, request_keys, sample
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -77,16 +78,49 @@ class _Req:
         return self.prompt + self.generated
 
 
-@functools.partial(jax.jit, static_argnums=(0, 11, 12, 13), donate_argnums=2)
-def engine_step(graphdef, state, pools, tokens, positions, tables, lengths, num_new, seeds, steps, sampling,
-                backend, interpret, window=None):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """One engine step's device inputs, a row per batch slot (``B`` slots, step width ``T``).
+
+    tokens, positions: ``[B, T]`` int32, each row's new tokens (zero-padded) and their positions.
+    tables: ``[B, M]`` int32 block tables. lengths: ``[B]`` tokens already cached, counted from
+    the table's first page. num_new: ``[B]`` new tokens per row (0: an idle slot).
+    seeds ``[B]`` uint32 and steps ``[B]`` (tokens generated so far): the sampling keys.
+    temperature, top_k, top_p: ``[B]`` sampling parameters.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    tables: jax.Array
+    lengths: jax.Array
+    num_new: jax.Array
+    seeds: jax.Array
+    steps: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """What an engine step is compiled for: ``paged_attention``'s backend and interpret flag, and the
+    sliding KV window (None: none)."""
+
+    backend: str = "auto"
+    interpret: bool = False
+    window: int | None = None
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)
+def engine_step(graphdef, state, pools, inputs: StepInputs, options: StepOptions):
     """One batched model call over paged caches; returns each row's next token and the new pools."""
-    TRACE_COUNTS[f"step_T{tokens.shape[1]}"] += 1
-    caches = [PagedKVCache(k, v, tables, lengths, num_new, backend, interpret, window) for k, v in pools]
-    logits, caches = nnx.merge(graphdef, state)(tokens, positions=positions, cache=caches)
-    last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    temperature, top_k, top_p = sampling
-    nxt = sample(last, request_keys(seeds, steps), temperature, top_k, top_p)
+    TRACE_COUNTS[f"step_T{inputs.tokens.shape[1]}"] += 1
+    caches = [PagedKVCache(k, v, inputs.tables, inputs.lengths, inputs.num_new, options.backend,
+                           options.interpret, options.window) for k, v in pools]
+    logits, caches = nnx.merge(graphdef, state)(inputs.tokens, positions=inputs.positions, cache=caches)
+    last = jnp.take_along_axis(logits, jnp.maximum(inputs.num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    nxt = sample(last, request_keys(inputs.seeds, inputs.steps), inputs.temperature, inputs.top_k, inputs.top_p)
     return nxt, [(c.k_pages, c.v_pages) for c in caches]
 
 
@@ -139,8 +173,8 @@ class Engine:
         if max_batch < 1 or chunk_size < 2:
             raise ValueError(f"max_batch={max_batch} must be >= 1 and chunk_size={chunk_size} >= 2")
         self.max_batch, self.chunk_size = max_batch, chunk_size
-        self.backend, self.interpret = backend, interpret
         self.window = check_window(window, config)
+        self.options = StepOptions(backend, interpret, self.window)
         self.manager = BlockManager(num_pages, page_size, prefix_sharing=prefix_sharing)
         self.max_pages_per_seq = pages_per_sequence(self.max_context, page_size, self.window)
         self.pools = init_page_pools(config, num_pages, page_size)
@@ -293,11 +327,9 @@ class Engine:
         positions = (offsets + lengths)[:, None] + np.arange(T, dtype=np.int32)[None, :]
         if self.window is None:  # padding columns past the context (learned positions stop there)
             positions = np.minimum(positions, self.max_context - 1)
-        nxt, self.pools = engine_step(
-            self.graphdef, self.state, self.pools, jnp.asarray(tokens), jnp.asarray(positions),
-            jnp.asarray(tables), jnp.asarray(lengths), jnp.asarray(num_new), jnp.asarray(seeds),
-            jnp.asarray(steps), (jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p)),
-            self.backend, self.interpret, self.window)
+        inputs = StepInputs(tokens, positions, tables, lengths, num_new, seeds, steps, temperature, top_k, top_p)
+        nxt, self.pools = engine_step(self.graphdef, self.state, self.pools, jax.tree.map(jnp.asarray, inputs),
+                                      self.options)
         nxt = np.asarray(nxt)
         self.stats["steps"] += 1
         self.stats["tokens_computed"] += int(num_new.sum())

@@ -10,23 +10,27 @@ Both trace cleanly, so they work inside ``jax.jit``; the graphdef is static
 
 from __future__ import annotations
 
-import jax
+from collections.abc import Mapping
+
 from flax import nnx
+from jaxtyping import Array, Float
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.transformer import Transformer
+from jaxformer.typing import AnyTokens, PRNGKey
 
 
-def init(config: ModelConfig, key: jax.Array):
+def init(config: ModelConfig, key: PRNGKey) -> tuple[nnx.GraphDef, Mapping]:
     """Build the model's parameters from ``key``; returns ``(graphdef, state)``."""
     return nnx.split(Transformer(config, rngs=nnx.Rngs(params=key)))
 
 
-def abstract_init(config: ModelConfig):
+def abstract_init(config: ModelConfig) -> tuple[nnx.GraphDef, Mapping]:
     """``(graphdef, state)`` with ``jax.ShapeDtypeStruct`` leaves; nothing is allocated."""
     return nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
 
 
-def apply(graphdef, state, tokens, *args, **kwargs):
+def apply(graphdef: nnx.GraphDef, state: Mapping, tokens: AnyTokens, *args,
+          **kwargs) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:
     """``Transformer.__call__`` on ``nnx.merge(graphdef, state)``; same arguments and results."""
     return nnx.merge(graphdef, state)(tokens, *args, **kwargs)

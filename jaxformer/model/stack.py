@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import jax
 from flax import nnx
+from jaxtyping import Array, Float
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.nn.attention import Attention
@@ -19,6 +20,7 @@ from jaxformer.nn.mlp import make_mlp
 from jaxformer.nn.norms import make_norm
 from jaxformer.nn.params import xavier_std
 from jaxformer.ops.masks import MaskSpec
+from jaxformer.typing import Activations, Memory, Positions
 
 
 def make_norm_for(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
@@ -82,8 +84,9 @@ class Stack(nnx.Module):
                                     for _ in range(n)])
         self.final_norm = make_norm_for(cfg, rngs) if cfg.resolved_final_norm else None
 
-    def __call__(self, x, *, positions=None, mask: MaskSpec | None = None, context=None,
-                 context_mask: MaskSpec | None = None, caches: Sequence | None = None):
+    def __call__(self, x: Activations, *, positions: Positions | None = None, mask: MaskSpec | None = None,
+                 context: Memory | None = None, context_mask: MaskSpec | None = None,
+                 caches: Sequence | None = None) -> tuple[Float[Array, "B T D"], list | None]:
         """``x [B, T, D] -> (y [B, T, D], new_caches or None)``; ``caches`` one per block."""
         kw = dict(positions=positions, mask=mask, context=context, context_mask=context_mask)
         new_caches = None

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 from flax import nnx
+from jaxtyping import Array, Float
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.stack import Stack, make_norm_for
@@ -30,6 +31,20 @@ from jaxformer.nn.embedding import Embed, LearnedPositions, LMHead
 from jaxformer.ops.masks import MaskSpec
 from jaxformer.ops.normalization import DeepNormConstants, deepnorm_constants
 from jaxformer.ops.positional import sinusoidal_positions
+from jaxformer.typing import (
+    Activations,
+    AnyPositions,
+    AnyTokens,
+    KvPositions,
+    KvSegmentIds,
+    Lengths,
+    Logits,
+    Memory,
+    Positions,
+    SegmentIds,
+    SourceTokens,
+    Tokens,
+)
 
 
 def _check_tokens(name: str, tokens) -> None:
@@ -75,7 +90,7 @@ class Transformer(nnx.Module):
                      else LMHead(cfg.d_model, cfg.vocab_size, std=cfg.init_std, rngs=rngs, **dtypes))
 
     # -- pieces
-    def embed_tokens(self, tokens, positions=None):
+    def embed_tokens(self, tokens: Tokens, positions: Positions | None = None) -> Float[Array, "B T D"]:
         """``tokens [B, T] -> x [B, T, D]``: token embedding (+ absolute positions) (+ norm)."""
         cfg = self.config
         T = tokens.shape[1]
@@ -97,13 +112,14 @@ class Transformer(nnx.Module):
             x = self.embed_norm(x)
         return x
 
-    def logits(self, x):
+    def logits(self, x: Activations) -> Logits:
         """Final hidden states ``[B, T, D] -> logits float32 [B, T, V]`` (soft-capped if configured)."""
         out = self.embed.attend(x) if self.head is None else self.head(x)
         cap = self.config.logits_softcap
         return out if cap is None else cap * jnp.tanh(out / cap)
 
-    def encode(self, tokens, *, positions=None, segment_ids=None, lengths=None):
+    def encode(self, tokens: SourceTokens, *, positions: KvPositions | None = None,
+               segment_ids: KvSegmentIds | None = None, lengths: Lengths | None = None) -> Float[Array, "B S D"]:
         """Bidirectional encoder: ``tokens [B, S] -> hidden [B, S, D]``.
 
         ``segment_ids [B, S]`` (packed sequences) and/or ``lengths [B]`` (right padding) mask keys.
@@ -118,8 +134,9 @@ class Transformer(nnx.Module):
         x, _ = self.encoder(x, positions=positions, mask=mask)
         return x
 
-    def decode(self, tokens, memory=None, *, positions=None, segment_ids=None,
-               memory_segment_ids=None, memory_lengths=None, cache: Sequence | None = None):
+    def decode(self, tokens: Tokens, memory: Memory | None = None, *, positions: Positions | None = None,
+               segment_ids: SegmentIds | None = None, memory_segment_ids: KvSegmentIds | None = None,
+               memory_lengths: Lengths | None = None, cache: Sequence | None = None) -> Logits | tuple[Logits, list]:
         """Causal decoder: ``tokens [B, T] -> logits [B, T, V]`` (``, new_caches`` with ``cache``).
 
         ``memory [B, S, D]`` is the encoder output (encoder-decoder only), masked by
@@ -163,8 +180,11 @@ class Transformer(nnx.Module):
         return logits if cache is None else (logits, new_caches)
 
     # -- entry point
-    def __call__(self, tokens, tgt_tokens=None, *, positions=None, segment_ids=None, lengths=None,
-                 tgt_positions=None, tgt_segment_ids=None, cache: Sequence | None = None):
+    def __call__(self, tokens: AnyTokens, tgt_tokens: AnyTokens | None = None, *,
+                 positions: AnyPositions | None = None, segment_ids: AnyTokens | None = None,
+                 lengths: Lengths | None = None, tgt_positions: AnyPositions | None = None,
+                 tgt_segment_ids: AnyTokens | None = None,
+                 cache: Sequence | None = None) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:
         """Logits ``float32 [B, T, V]``, or ``(logits, new_caches)`` when ``cache`` is given.
 
         decoder:          ``model(tokens, positions=, segment_ids=, cache=)``

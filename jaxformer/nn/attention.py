@@ -22,11 +22,13 @@ from typing import Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jaxtyping import Array, Float
 
 from jaxformer.nn.params import add_bias, as_dtype, normal, param, zeros
 from jaxformer.ops.attention import dot_product_attention
 from jaxformer.ops.masks import MaskSpec
 from jaxformer.ops.positional import RopeScaling, alibi_slopes, apply_rope
+from jaxformer.typing import Activations, ArrayLike, KvPositions, Positions
 
 ATTENTION_POSITIONS = ("rope", "alibi", "none")
 
@@ -112,8 +114,10 @@ class Attention(nnx.Module):
         y = jnp.einsum(spec, x.astype(self.dtype), w[...].astype(self.dtype))
         return add_bias(y, b, self.dtype)
 
-    def __call__(self, x, context=None, *, positions=None, kv_positions=None,
-                 mask: MaskSpec | None = None, cache: KVCacheLayer | None = None):
+    def __call__(self, x: Activations, context: Float[ArrayLike, "B S _"] | None = None, *,
+                 positions: Positions | None = None, kv_positions: KvPositions | None = None,
+                 mask: MaskSpec | None = None, cache: KVCacheLayer | None = None,
+                 ) -> Float[Array, "B T D"] | tuple[Float[Array, "B T D"], KVCacheLayer]:
         """Attend ``x [B, T, D]`` to itself (``context=None``) or to ``context [B, S, D_kv]``.
 
         Args:

@@ -16,9 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from flax import nnx
+from jaxtyping import Array, Float
 
 from jaxformer.nn.attention import Attention, KVCacheLayer
 from jaxformer.ops.masks import MaskSpec
+from jaxformer.typing import Activations, ArrayLike, Memory, Positions
 
 NORM_POSITIONS = ("post", "pre", "deepnorm")
 
@@ -37,7 +39,7 @@ class Residual(nnx.Module):
         self.norm_position = norm_position
         self.alpha = float(alpha)
 
-    def __call__(self, x, branch: Callable):
+    def __call__(self, x: Float[ArrayLike, "*B D"], branch: Callable) -> Float[Array, "*B D"]:
         if self.norm_position == "pre":
             h = branch(self.norm(x))
             return x + (h if self.branch_norm is None else self.branch_norm(h))
@@ -61,8 +63,9 @@ class Block(nnx.Module):
         self.cross_attn, self.cross_residual = cross_attn, cross_residual
         self.mlp, self.mlp_residual = mlp, mlp_residual
 
-    def __call__(self, x, *, positions=None, mask: MaskSpec | None = None, context=None,
-                 context_mask: MaskSpec | None = None, cache: KVCacheLayer | None = None):
+    def __call__(self, x: Activations, *, positions: Positions | None = None, mask: MaskSpec | None = None,
+                 context: Memory | None = None, context_mask: MaskSpec | None = None,
+                 cache: KVCacheLayer | None = None) -> tuple[Float[Array, "B T D"], KVCacheLayer | None]:
         """``x [B, T, D] -> (y [B, T, D], new_cache or None)``.
 
         ``context [B, S, D]`` (the encoder output) is required iff the block has

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
+from jaxtyping import Array, Float, Integer
 
 from jaxformer.nn.params import as_dtype, normal, param
+from jaxformer.typing import Activations, ArrayLike, Logits
 
 
 class Embed(nnx.Module):
@@ -17,10 +19,10 @@ class Embed(nnx.Module):
         self.dtype = as_dtype(dtype)
         self.embedding = param(rngs, normal(std), (vocab_size, d_model), ("vocab", "embed"), param_dtype)
 
-    def __call__(self, tokens):
+    def __call__(self, tokens: Integer[ArrayLike, "*B"]) -> Float[Array, "*B D"]:
         return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
 
-    def attend(self, x):
+    def attend(self, x: Activations) -> Logits:
         """Tied output head: ``x [B, T, D] @ E^T -> logits float32 [B, T, V]``."""
         return jnp.einsum("BTD,VD->BTV", x.astype(self.dtype), self.embedding[...].astype(self.dtype),
                           preferred_element_type=jnp.float32)
@@ -34,7 +36,7 @@ class LMHead(nnx.Module):
         self.dtype = as_dtype(dtype)
         self.kernel = param(rngs, normal(std), (d_model, vocab_size), ("embed", "vocab"), param_dtype)
 
-    def __call__(self, x):
+    def __call__(self, x: Activations) -> Logits:
         return jnp.einsum("BTD,DV->BTV", x.astype(self.dtype), self.kernel[...].astype(self.dtype),
                           preferred_element_type=jnp.float32)
 
@@ -48,6 +50,6 @@ class LearnedPositions(nnx.Module):
         self.dtype = as_dtype(dtype)
         self.embedding = param(rngs, normal(std), (max_len, d_model), (None, "embed"), param_dtype)
 
-    def __call__(self, positions):
+    def __call__(self, positions: Integer[ArrayLike, "*B"]) -> Float[Array, "*B D"]:
         """``positions`` int ``[T]`` or ``[B, T]`` -> ``[..., T, D]`` (out-of-range positions clip)."""
         return jnp.take(self.embedding[...], positions, axis=0, mode="clip").astype(self.dtype)

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
+from jaxtyping import Array, Float
 
 from jaxformer.nn.params import add_bias, as_dtype, normal, param, zeros
 from jaxformer.ops.activations import activation_fn, geglu, is_gated, swiglu
+from jaxformer.typing import ArrayLike
 
 _GLU = {"swiglu": swiglu, "geglu": geglu}
+_IN, _OUT = "...D,DF->...F", "...F,FD->...D"  # into the FFN width and back
 
 
-def dense(x, w, b, dtype):
-    """``x [..., I] @ w [I, O] (+ b [O])`` in ``dtype``."""
-    y = jnp.einsum("...i,io->...o", x.astype(dtype), w[...].astype(dtype))
+def dense(x, w, b, dtype, spec: str):
+    """``einsum(spec, x, w) (+ b)`` in ``dtype``: ``_IN`` (``[..., D] -> [..., F]``) or ``_OUT`` (back)."""
+    y = jnp.einsum(spec, x.astype(dtype), w[...].astype(dtype))
     return add_bias(y, b, dtype)
 
 
@@ -32,9 +35,9 @@ class MLP(nnx.Module):
         self.b_in = param(rngs, zeros, (d_ff,), ("mlp",), param_dtype) if use_bias else None
         self.b_out = param(rngs, zeros, (d_model,), ("embed",), param_dtype) if use_bias else None
 
-    def __call__(self, x):
-        h = activation_fn(self.activation)(dense(x, self.w_in, self.b_in, self.dtype))
-        return dense(h, self.w_out, self.b_out, self.dtype)
+    def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
+        h = activation_fn(self.activation)(dense(x, self.w_in, self.b_in, self.dtype, _IN))
+        return dense(h, self.w_out, self.b_out, self.dtype, _OUT)
 
 
 class GatedMLP(nnx.Module):
@@ -54,10 +57,10 @@ class GatedMLP(nnx.Module):
         self.b_up = param(rngs, zeros, (d_ff,), ("mlp",), param_dtype) if use_bias else None
         self.b_down = param(rngs, zeros, (d_model,), ("embed",), param_dtype) if use_bias else None
 
-    def __call__(self, x):
-        gate = dense(x, self.w_gate, self.b_gate, self.dtype)
-        up = dense(x, self.w_up, self.b_up, self.dtype)
-        return dense(_GLU[self.activation](gate, up), self.w_down, self.b_down, self.dtype)
+    def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
+        gate = dense(x, self.w_gate, self.b_gate, self.dtype, _IN)
+        up = dense(x, self.w_up, self.b_up, self.dtype, _IN)
+        return dense(_GLU[self.activation](gate, up), self.w_down, self.b_down, self.dtype, _OUT)
 
 
 def make_mlp(d_model: int, d_ff: int, activation: str, **kwargs):

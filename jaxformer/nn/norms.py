@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from flax import nnx
+from jaxtyping import Array, Float
 
 from jaxformer.nn.params import ones, param, zeros
 from jaxformer.ops.normalization import layer_norm, rms_norm
+from jaxformer.typing import ArrayLike
 
 NORMS = ("layernorm", "rmsnorm")
 
@@ -19,7 +21,7 @@ class LayerNorm(nnx.Module):
         self.scale = param(rngs, ones, (dim,), ("embed",), param_dtype)
         self.bias = param(rngs, zeros, (dim,), ("embed",), param_dtype) if use_bias else None
 
-    def __call__(self, x):
+    def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
         bias = None if self.bias is None else self.bias[...]
         return layer_norm(x, self.scale[...], bias, eps=self.eps)
 
@@ -31,7 +33,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.scale = param(rngs, ones, (dim,), ("embed",), param_dtype)
 
-    def __call__(self, x):
+    def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
         return rms_norm(x, self.scale[...], eps=self.eps)
 
 

@@ -42,28 +42,33 @@ def as_dtype(name_or_dtype) -> jnp.dtype:
     return jnp.dtype(name_or_dtype)
 
 
+zeros: Initializer = jax.nn.initializers.zeros
+ones: Initializer = jax.nn.initializers.ones
+
+
 def normal(std: float) -> Initializer:
-    """Zero-mean normal initialiser with standard deviation ``std``."""
+    """``jax.nn.initializers.normal(std)``, drawn in fp32 and cast to the parameter dtype.
+
+    Drawing in fp32 gives bf16/fp16 parameters the same values as fp32 ones, rounded (a draw
+    in bf16 itself would round the uniform samples before the inverse-CDF transform).
+    """
+    draw = jax.nn.initializers.normal(std, jnp.float32)
 
     def init(key, shape, dtype):
-        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return draw(key, shape, jnp.float32).astype(dtype)
 
     return init
 
 
 def xavier_std(fan_in: int, fan_out: int, gain: float = 1.0) -> float:
-    """Glorot/Xavier normal standard deviation ``gain * sqrt(2 / (fan_in + fan_out))``."""
+    """Glorot/Xavier normal standard deviation ``gain * sqrt(2 / (fan_in + fan_out))``.
+
+    ``normal(xavier_std(fan_in, fan_out, gain))`` draws what
+    ``jax.nn.initializers.variance_scaling(gain**2, "fan_avg", "normal")`` draws for a
+    ``[fan_in, fan_out]`` matrix; the modules take a standard deviation, so the number is what
+    they are given.
+    """
     return gain * math.sqrt(2.0 / (fan_in + fan_out))
-
-
-def zeros(key, shape, dtype):
-    del key
-    return jnp.zeros(shape, dtype)
-
-
-def ones(key, shape, dtype):
-    del key
-    return jnp.ones(shape, dtype)
 
 
 def add_bias(y, b, dtype):

@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jaxformer.typing import ArrayLike
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
 _GATED = ("swiglu", "geglu")
 
 
-def relu(x):
+def relu(x: Float[ArrayLike, "*shape"]) -> Float[Array, "*shape"]:
     """``max(x, 0)``."""
     return jax.nn.relu(x)
 
 
-def gelu(x, approximate: bool = False):
+def gelu(x: Float[ArrayLike, "*shape"], approximate: bool = False) -> Float[Array, "*shape"]:
     """``x * Phi(x)`` exactly (erf), or with the tanh approximation of Hendrycks & Gimpel.
 
     Written as ``0.5 x erfc(-x / sqrt 2)`` and ``x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))``
@@ -36,7 +39,7 @@ def gelu(x, approximate: bool = False):
     return 0.5 * x * jax.lax.erfc(-x * (1.0 / math.sqrt(2.0)))
 
 
-def silu(x):
+def silu(x: Float[ArrayLike, "*shape"]) -> Float[Array, "*shape"]:
     """``x * sigmoid(x)`` (a.k.a. swish with beta = 1)."""
     return jax.nn.silu(x)
 
@@ -49,13 +52,13 @@ def _check_gate(name: str, gate, up):
         raise ValueError(f"{name}: gate and up must have the same shape; got {jnp.shape(gate)=} {jnp.shape(up)=}")
 
 
-def swiglu(gate, up):
+def swiglu(gate: Float[ArrayLike, "*B F"], up: Float[ArrayLike, "*B F"]) -> Float[Array, "*B F"]:
     """``silu(gate) * up``."""
     _check_gate("swiglu", gate, up)
     return silu(gate) * up
 
 
-def geglu(gate, up):
+def geglu(gate: Float[ArrayLike, "*B F"], up: Float[ArrayLike, "*B F"]) -> Float[Array, "*B F"]:
     """``gelu(gate) * up`` (exact gelu)."""
     _check_gate("geglu", gate, up)
     return gelu(gate) * up

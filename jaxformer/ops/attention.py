@@ -21,47 +21,15 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float
 
+from jaxformer.ops import blockwise, flash, sparse
 from jaxformer.ops.masks import MaskSpec, masked_softmax
+from jaxformer.typing import ArrayLike, AttnOut, KeyValue, Query, Slopes
+from pallas_kernels.flash_attention.common import check_qkv, check_slopes
 
 Impl = Literal["auto", "xla", "blockwise", "pallas", "sparse"]
 IMPLS = ("auto", "xla", "blockwise", "pallas", "sparse")
-
-
-def check_qkv(q, k, v) -> tuple[int, int, int, int, int, int]:
-    """Validate attention operand shapes; return (B, T, S, N, K, H)."""
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(
-            f"attention expects q [B,T,N,H] and k, v [B,S,K,H]; got {q.shape=} {k.shape=} {v.shape=}"
-        )
-    B, T, N, H = q.shape
-    Bk, S, K, Hk = k.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape [B,S,K,H]; got {k.shape=} {v.shape=}")
-    if Bk != B:
-        raise ValueError(f"batch mismatch: {q.shape=} {k.shape=}")
-    if Hk != H:
-        raise ValueError(f"head dim mismatch: {q.shape=} {k.shape=}")
-    if K == 0 or N % K != 0:
-        raise ValueError(f"{q.shape=} {k.shape=}: heads {N} not divisible by kv heads {K}")
-    return B, T, S, N, K, H
-
-
-def check_slopes(alibi_slopes, B: int, N: int):
-    """ALiBi slopes as fp32 ``[1 or B, N]`` (from ``[N]`` or ``[B, N]``), or None; ValueError naming the shape."""
-    if alibi_slopes is None:
-        return None
-    slopes = jnp.asarray(alibi_slopes, jnp.float32)
-    if slopes.shape == (N,):
-        slopes = slopes[None, :]
-    if slopes.shape != (1, N) and slopes.shape != (B, N):
-        raise ValueError(f"alibi_slopes.shape={jnp.shape(alibi_slopes)} must be [N]=({N},) or [B, N]=({B}, {N})")
-    return slopes
-
-
-def check_mask_heads(mask: MaskSpec, N: int) -> None:
-    if mask.num_heads not in (1, N):
-        raise ValueError(f"MaskSpec.random_blocks.num_heads={mask.num_heads} does not match the query heads N={N}")
 
 
 def attention_logits_bias(mask: MaskSpec, slopes, T: int, S: int):
@@ -71,15 +39,17 @@ def attention_logits_bias(mask: MaskSpec, slopes, T: int, S: int):
     return -slopes[:, :, None, None] * dist.astype(jnp.float32)
 
 
-def xla_attention(q, k, v, *, mask: MaskSpec | None = None, bias=None, scale=None,
-                  alibi_slopes=None, softcap=None, return_weights: bool = False):
+def xla_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec | None = None,
+                  bias: Float[ArrayLike, "..."] | None = None, scale: float | None = None,
+                  alibi_slopes: Slopes | None = None, softcap: float | None = None,
+                  return_weights: bool = False) -> AttnOut | tuple[AttnOut, Float[Array, "B N T S"]]:
     """Dense attention in plain jnp: the reference every fast path is compared with."""
     B, T, S, N, K, H = check_qkv(q, k, v)
     G = N // K
     scale = 1.0 / math.sqrt(H) if scale is None else scale
     mask = MaskSpec() if mask is None else mask
     slopes = check_slopes(alibi_slopes, B, N)
-    check_mask_heads(mask, N)
+    mask.validate(B, T, S, N)
 
     qg = q.reshape(B, T, K, G, H)
     s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
@@ -120,16 +90,18 @@ def default_impl(T: int, S: int, mask: MaskSpec | None = None) -> str:
 
 
 def _refuse_patterns(module, impl: str, mask: MaskSpec) -> None:
-    """Paths that ignore global tokens / random blocks set ``SUPPORTS_MASK_PATTERNS = True`` once they don't."""
+    """ValueError for a mask with global tokens / random blocks unless the path's module handles them
+    (declares ``SUPPORTS_MASK_PATTERNS = True``)."""
     if mask.has_pattern and not getattr(module, "SUPPORTS_MASK_PATTERNS", False):
         raise ValueError(f"impl={impl!r} does not handle MaskSpec.global_tokens / random_blocks; "
                          "use impl='sparse' or impl='xla'")
 
 
-def dot_product_attention(q, k, v, *, mask: MaskSpec | None = None, bias=None,
-                          scale: float | None = None, alibi_slopes=None,
-                          softcap: float | None = None, impl: Impl = "auto",
-                          return_weights: bool = False):
+def dot_product_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec | None = None,
+                          bias: Float[ArrayLike, "..."] | None = None, scale: float | None = None,
+                          alibi_slopes: Slopes | None = None, softcap: float | None = None,
+                          impl: Impl = "auto", return_weights: bool = False,
+                          ) -> AttnOut | tuple[AttnOut, Float[Array, "B N T S"]]:
     """Multi-head / grouped-query attention. See the module docstring for the exact semantics.
 
     Args:
@@ -158,13 +130,12 @@ def dot_product_attention(q, k, v, *, mask: MaskSpec | None = None, bias=None,
     kwargs = dict(mask=mask, scale=scale, alibi_slopes=alibi_slopes, softcap=softcap)
     if impl == "xla":
         return xla_attention(q, k, v, bias=bias, return_weights=return_weights, **kwargs)
+    if impl == "pallas" and not mask.has_static_offset and not mask.has_pattern:
+        impl = "blockwise"  # a traced q_offset cannot drive the kernels' static block skipping; same meaning
     if impl == "blockwise":
-        from jaxformer.ops import blockwise
         _refuse_patterns(blockwise, impl, mask)
         return blockwise.blockwise_attention(q, k, v, **kwargs)
     if impl == "pallas":
-        from jaxformer.ops import flash
         _refuse_patterns(flash, impl, mask)
         return flash.pallas_attention(q, k, v, **kwargs)
-    from jaxformer.ops.sparse import sparse_attention
-    return sparse_attention(q, k, v, **kwargs)
+    return sparse.sparse_attention(q, k, v, **kwargs)

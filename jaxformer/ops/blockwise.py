@@ -12,8 +12,8 @@ peak extra memory is one ``[B, N, block_q, block_k]`` tile plus O(T + S) rows.
 Skipping: with a static ``q_offset`` the kv loop of q block ``i`` runs only over
 the live blocks of ``MaskSpec.block_map`` (first to last live one), so blocks
 above the causal diagonal or outside the window are never computed. With a
-traced ``q_offset`` every block is visited and masked. Mask tiles are built from
-the ``MaskSpec`` fields exactly as :meth:`MaskSpec.dense` builds the whole matrix.
+traced ``q_offset`` every block is visited and masked. Each tile evaluates the
+mask rule (``pallas_kernels.mask``) that :meth:`MaskSpec.dense` evaluates on the whole matrix.
 
 GQA/MQA contract ``BTKGH,BSKH`` directly; K/V are never repeated. ALiBi slopes,
 segment ids, lengths and offsets get zero cotangents.
@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.ops.attention import check_qkv, check_slopes
 from jaxformer.ops.masks import MaskSpec
-from pallas_kernels.flash_attention.common import pad_axis
+from jaxformer.typing import AttnOut, KeyValue, Query, Slopes
+from pallas_kernels.flash_attention.common import check_qkv, check_slopes, pad_axis
+from pallas_kernels.mask import mask_rule
 
 _F32 = jnp.float32
 
@@ -70,24 +71,12 @@ def _mask_operands(mask: MaskSpec, cfg: _Cfg):
 def _tile_allowed(mask: MaskSpec, cfg: _Cfg, qp, kp, qs, ks, lengths):
     """Bool ``[B|1, bq, bk]`` for q positions ``qp [B|1, bq]`` and key positions ``kp [bk]``.
 
-    The conditions of :meth:`MaskSpec.dense`, plus ``kp < S`` for the padding of the last kv block.
+    The mask rule of :meth:`MaskSpec.dense`, plus ``kp < S`` for the padding of the last kv block.
     """
-    q3 = qp[:, :, None]
-    k3 = kp[None, None, :]
-    allowed = k3 < cfg.S
-    if mask.causal:
-        allowed = allowed & (k3 <= q3)
-    if mask.window is not None:
-        left, right = mask.window
-        if left is not None:
-            allowed = allowed & (k3 >= q3 - left)
-        if right is not None:
-            allowed = allowed & (k3 <= q3 + right)
-    if qs is not None:
-        allowed = allowed & (qs[:, :, None] == ks[:, None, :])
-    if lengths is not None:
-        allowed = allowed & (k3 < lengths[:, None, None])
-    return allowed
+    return mask_rule(qp[:, :, None], kp[None, None, :], causal=mask.causal, window=mask.window,
+                     q_segment=None if qs is None else qs[:, :, None],
+                     kv_segment=None if ks is None else ks[:, None, :],
+                     kv_length=None if lengths is None else lengths[:, None, None], num_keys=cfg.S)
 
 
 def _block(mask, cfg, slopes, qb, qp, qs, kp_all, vp_all, ks_all, lengths, j):
@@ -233,9 +222,9 @@ def _blockwise_bwd(cfg, mask_def, res, do):
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
-def blockwise_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float | None = None,
-                        alibi_slopes=None, softcap: float | None = None, block_k: int = 512,
-                        block_q: int | None = None):
+def blockwise_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec | None = None,
+                        scale: float | None = None, alibi_slopes: Slopes | None = None,
+                        softcap: float | None = None, block_k: int = 512, block_q: int | None = None) -> AttnOut:
     """Attention ``q [B,T,N,H], k, v [B,S,K,H] -> [B,T,N,H]`` with O(T) memory (see the module docstring).
 
     Args:

@@ -3,9 +3,9 @@
 Adapts a :class:`MaskSpec` to ``pallas_kernels.flash_attention.flash_attention``
 keywords. On CPU the GPU kernel runs in Pallas interpret mode (correct but slow;
 for tests). A traced ``q_offset`` (decode, chunked prefill with per-sequence
-offsets) cannot drive the kernels' static block skipping, so those calls fall
-back to :func:`jaxformer.ops.blockwise.blockwise_attention`, which has the same
-meaning.
+offsets) cannot drive the kernels' static block skipping: ``dot_product_attention``
+sends those calls to :func:`jaxformer.ops.blockwise.blockwise_attention`, which
+has the same meaning, and ``pallas_attention`` refuses them.
 
 Longformer / BigBird masks (``global_tokens``, ``random_blocks``) go to the
 kernels' block-sparse path: ``MaskSpec.block_map`` (per head, global rows
@@ -20,8 +20,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxformer.ops.attention import check_qkv
 from jaxformer.ops.masks import MaskSpec
+from pallas_kernels.flash_attention.common import check_qkv
 
 SUPPORTS_MASK_PATTERNS = True
 
@@ -32,12 +32,10 @@ def pallas_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float | No
     B, T, S, N, K, H = check_qkv(q, k, v)
     mask = MaskSpec() if mask is None else mask
     mask.validate(B, T, S, N)
-    if mask.has_pattern and not mask.has_static_offset:
-        raise ValueError("pallas_attention needs a static q_offset with MaskSpec.global_tokens / random_blocks; "
-                         f"got an array of shape {np.shape(mask.q_offset)}: use impl='xla'")
     if not mask.has_static_offset:
-        from jaxformer.ops.blockwise import blockwise_attention
-        return blockwise_attention(q, k, v, mask=mask, scale=scale, alibi_slopes=alibi_slopes, softcap=softcap)
+        use = "impl='xla'" if mask.has_pattern else "impl='blockwise'"
+        raise ValueError(f"pallas_attention needs a static q_offset; got an array of shape "
+                         f"{np.shape(mask.q_offset)}: use {use}")
     from pallas_kernels.flash_attention import flash_attention
 
     kv_seg = mask.resolved_kv_segment_ids(T, S)

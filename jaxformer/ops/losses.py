@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Integer
+
+from jaxformer.typing import ArrayLike, Tokens
 
 
-def cross_entropy(logits, targets, *, mask=None, z_loss: float = 0.0):
+def cross_entropy(logits: Float[ArrayLike, "B T V"], targets: Tokens, *,
+                  mask: Bool[ArrayLike, "B T"] | Integer[ArrayLike, "B T"] | None = None, z_loss: float = 0.0,
+                  ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """Mean next-token cross entropy over unmasked tokens, plus ``z_loss * log(Z)^2``.
 
     Args:

@@ -4,9 +4,14 @@ Every attention path (dense XLA, blockwise, Pallas flash, sparse, paged decode)
 takes its meaning from a :class:`MaskSpec`. :meth:`MaskSpec.dense` is the
 reference: a boolean ``[B or 1, T, S]`` matrix, ``True`` where query ``i`` may
 attend to key ``j`` (:meth:`MaskSpec.dense_heads` adds a heads axis, needed only
-for per-head random blocks). Fast paths derive their block-level skipping from
+for per-head random blocks). Each element of it is
+:func:`pallas_kernels.mask.mask_rule`, the one rule that the blockwise, sparse and
+kernel tile paths evaluate too (``ops`` may import ``pallas_kernels``, never the
+reverse). Fast paths derive their block-level skipping from
 :meth:`MaskSpec.block_map`, which is computed from the same fields, so skipping
-work never changes meaning.
+work never changes meaning. :func:`masked_softmax` is the softmax the dense and
+sparse paths apply to an allowed matrix; it stays here, not beside the rule,
+because no kernel uses it (the kernels run an online softmax).
 
 Positions. Keys sit at positions ``0 .. S-1``. Query ``i`` sits at
 ``q_offset + i``. ``q_offset=None`` means ``S - T``: queries are aligned to the
@@ -57,6 +62,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Bool, Integer
+
+from jaxformer.typing import DenseMask
+from pallas_kernels.mask import mask_rule
 
 
 def _shape(x: Any) -> tuple[int, ...] | None:
@@ -102,11 +111,11 @@ class RandomBlocks:
         """Number of distinct patterns: 1 when shared, else ``num_heads``."""
         return 1 if self.num_heads is None else self.num_heads
 
-    def table(self, rb_lo: int, rb_hi: int, nkb: int) -> np.ndarray:
+    def table(self, rb_lo: int | np.integer, rb_hi: int | np.integer, nkb: int | np.integer) -> np.ndarray:
         """Random key blocks of query blocks ``rb_lo .. rb_hi-1``: int ``[heads, rb_hi-rb_lo, min(num_blocks, nkb)]``."""
         return _random_table(self, int(rb_lo), int(rb_hi), int(nkb))
 
-    def membership(self, rb_lo: int, rb_hi: int, nkb: int) -> np.ndarray:
+    def membership(self, rb_lo: int | np.integer, rb_hi: int | np.integer, nkb: int | np.integer) -> np.ndarray:
         """Bool ``[heads, rb_hi-rb_lo, nkb]``: True where the query block sees the key block."""
         tbl = self.table(rb_lo, rb_hi, nkb)
         member = np.zeros(tbl.shape[:2] + (nkb,), bool)
@@ -313,7 +322,7 @@ class MaskSpec:
                 raise ValueError(f"MaskSpec.random_blocks.num_heads={heads} does not match the query heads N={N}")
 
     # -- meaning
-    def q_positions(self, T: int, S: int) -> jax.Array:
+    def q_positions(self, T: int, S: int) -> Integer[Array, "#B T"]:
         """Absolute query positions, int32 ``[B or 1, T]``."""
         offset = self.static_offset(T, S)
         if offset is None:
@@ -322,7 +331,7 @@ class MaskSpec:
             off = jnp.full((1, 1), offset, jnp.int32)
         return off + jnp.arange(T, dtype=jnp.int32)[None, :]
 
-    def dense(self, T: int, S: int) -> jax.Array:
+    def dense(self, T: int, S: int) -> DenseMask:
         """The reference meaning: bool ``[B or 1, T, S]``, True where attention is allowed.
 
         Per-head random blocks have no single matrix: use :meth:`dense_heads`.
@@ -332,37 +341,33 @@ class MaskSpec:
                              "head-shared dense mask; use dense_heads(T, S) -> [B|1, N, T, S]")
         return self.dense_heads(T, S)[:, 0]
 
-    def dense_heads(self, T: int, S: int) -> jax.Array:
+    def dense_heads(self, T: int, S: int) -> Bool[Array, "#B #N T S"]:
         """The reference meaning with a heads axis: bool ``[B or 1, num_heads, T, S]`` (num_heads 1 or N)."""
         qp = self.q_positions(T, S)[:, None, :, None]  # [B|1, 1, T, 1]
         kp = jnp.arange(S, dtype=jnp.int32)[None, None, None, :]  # [1, 1, 1, S]
-        allowed = jnp.ones((1, 1, T, S), bool)
-        if self.causal:
-            allowed = allowed & (kp <= qp)
-        if self.window is not None and self.window != (None, None):
-            left, right = self.window
-            band = jnp.ones((1, 1, T, S), bool)
-            if left is not None:
-                band = band & (kp >= qp - left)
-            if right is not None:
-                band = band & (kp <= qp + right)
-            if self.global_tokens is not None and self.patterns_active:
-                g = jnp.asarray(self.global_array)[:, None, None, None, :]  # [B|1, 1, 1, 1, g]; -1 pads
-                band = (band | jnp.any((qp[..., None] == g) & (g >= 0), axis=-1)
-                        | jnp.any(kp[..., None] == g, axis=-1))
-            if self.random_blocks is not None and self.patterns_active:
-                band = band | jnp.asarray(self._random_dense(T, S))[None]
-            allowed = allowed & band
         kv_seg = self.resolved_kv_segment_ids(T, S)
-        if kv_seg is not None:
-            allowed = allowed & (
-                jnp.asarray(self.q_segment_ids)[:, None, :, None] == jnp.asarray(kv_seg)[:, None, None, :]
-            )
-        if self.kv_lengths is not None:
-            allowed = allowed & (kp < jnp.asarray(self.kv_lengths, jnp.int32)[:, None, None, None])
-        if allowed.shape[1] != self.num_heads:
-            allowed = jnp.broadcast_to(allowed, (allowed.shape[0], self.num_heads, T, S))
-        return allowed
+        lengths = None if self.kv_lengths is None else jnp.asarray(self.kv_lengths, jnp.int32)
+        allowed = mask_rule(
+            qp, kp, causal=self.causal, window=self.window,
+            q_segment=None if kv_seg is None else jnp.asarray(self.q_segment_ids)[:, None, :, None],
+            kv_segment=None if kv_seg is None else jnp.asarray(kv_seg)[:, None, None, :],
+            kv_length=None if lengths is None else lengths[:, None, None, None],
+            q_global=self.is_global(qp), kv_global=self.is_global(kp),
+            random=self._random_dense(T, S)[None] if self.random_blocks is not None and self.patterns_active else None,
+        )
+        allowed = jnp.ones((1, 1, T, S), bool) if allowed is None else allowed
+        return jnp.broadcast_to(allowed, (allowed.shape[0], self.num_heads, T, S))
+
+    def is_global(self, pos) -> jax.Array | None:
+        """Bool of ``pos``'s shape (leading axis 1 or B): True at this spec's global positions.
+
+        ``pos`` int ``[1|B, ...]``; None when no global tokens are active.
+        """
+        if self.global_tokens is None or not self.patterns_active:
+            return None
+        g = self.global_array  # [1|B, g]; -1 pads
+        g = jnp.asarray(g).reshape((g.shape[0],) + (1,) * (jnp.ndim(pos) - 1) + (g.shape[1],))
+        return jnp.any((pos[..., None] == g) & (g >= 0), axis=-1)
 
     def _random_dense(self, T: int, S: int) -> jax.Array:
         """Bool ``[heads, T, S]`` of the random-block pattern alone (static offset only)."""

@@ -11,6 +11,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jaxformer.typing import ArrayLike
 
 
 def _compute_dtype(x):
@@ -27,7 +30,8 @@ def _along_last(p, x, dt):
     return p.astype(dt).reshape((1,) * (x.ndim - 1) + p.shape)
 
 
-def layer_norm(x, scale, bias=None, *, eps: float = 1e-5):
+def layer_norm(x: Float[ArrayLike, "*B D"], scale: Float[ArrayLike, "D"], bias: Float[ArrayLike, "D"] | None = None,
+               *, eps: float = 1e-5) -> Float[Array, "*B D"]:
     """``(x - mean) / sqrt(var + eps) * scale + bias`` over the last axis (Ba et al. 2016).
 
     Args:
@@ -48,7 +52,7 @@ def layer_norm(x, scale, bias=None, *, eps: float = 1e-5):
     return y.astype(x.dtype)
 
 
-def rms_norm(x, scale, *, eps: float = 1e-6):
+def rms_norm(x: Float[ArrayLike, "*B D"], scale: Float[ArrayLike, "D"], *, eps: float = 1e-6) -> Float[Array, "*B D"]:
     """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis (Zhang & Sennrich 2019).
 
     Args:

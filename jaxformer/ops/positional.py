@@ -20,12 +20,15 @@ from typing import Literal
 
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float, Integer
+
+from jaxformer.typing import ArrayLike
 
 RopeKind = Literal["linear", "ntk", "llama3", "yarn"]
 ROPE_KINDS = ("linear", "ntk", "llama3", "yarn")
 
 
-def sinusoidal_positions(positions, dim: int):
+def sinusoidal_positions(positions: Integer[ArrayLike, "*B"], dim: int) -> Float[Array, "*B D"]:
     """``pe[..., 2i] = sin(p / 10000^(2i/dim))``, ``pe[..., 2i+1] = cos(p / 10000^(2i/dim))``.
 
     Args:
@@ -145,8 +148,8 @@ def rope_frequencies(head_dim: int, *, base: float = 10000.0,
     return jnp.asarray(inv_freq, jnp.float32), attention_factor
 
 
-def apply_rope(x, positions, *, base: float = 10000.0, scaling: RopeScaling | None = None,
-               interleaved: bool = False):
+def apply_rope(x: Float[ArrayLike, "*B T N H"], positions: Integer[ArrayLike, "*#B T"], *, base: float = 10000.0,
+               scaling: RopeScaling | None = None, interleaved: bool = False) -> Float[Array, "*B T N H"]:
     """Rotate each pair of ``x``'s head dim by ``position * theta_i``.
 
     Args:
@@ -196,7 +199,7 @@ def apply_rope(x, positions, *, base: float = 10000.0, scaling: RopeScaling | No
     return out.astype(x.dtype)
 
 
-def alibi_slopes(num_heads: int):
+def alibi_slopes(num_heads: int) -> Float[Array, "N"]:
     """ALiBi head slopes, float32 ``[N]``.
 
     For ``N`` a power of two: the geometric sequence ``2^(-8 i / N)``, ``i = 1..N``
@@ -215,7 +218,8 @@ def alibi_slopes(num_heads: int):
     return jnp.asarray(np.asarray(slopes, np.float64), jnp.float32)
 
 
-def alibi_bias(slopes, q_positions, k_positions):
+def alibi_bias(slopes: Float[ArrayLike, "N"], q_positions: Integer[ArrayLike, "T"],
+               k_positions: Integer[ArrayLike, "S"]) -> Float[Array, "N T S"]:
     """``bias[n, t, s] = -slopes[n] * |q_positions[t] - k_positions[s]|``, float32 ``[N, T, S]``."""
     slopes = jnp.asarray(slopes)
     q_positions = jnp.asarray(q_positions)

@@ -8,35 +8,42 @@ the same :class:`MaskSpec`; only the work differs.
    global_rows=False)`` gives, per q block of ``b`` queries, the kv blocks the
    band, the global key columns and the random blocks need; each q block's list
    is padded to the common width ``w`` with a sentinel block lying past ``S``.
-2. Blocked part: gather those kv blocks (``k, v -> [B, K, nq, w·b, H]``, or one
-   list per query head for per-head random blocks), form the logits
-   ``[B, K, G, nq, b, w·b]`` and evaluate the mask on the gathered positions with
-   the formula of :meth:`MaskSpec.dense_heads`.
+2. Blocked part: gather those kv blocks (``k, v -> [B, K, Q, W, H]``, or one
+   list per query head for per-head random blocks; ``Q`` q blocks of ``C = b``
+   queries, ``W = w·C`` keys gathered per q block), form the logits
+   ``[B, K, G, Q, C, W]`` and evaluate the mask rule (``pallas_kernels.mask``) of
+   :meth:`MaskSpec.dense_heads` on the gathered positions.
 3. Global query rows (a query that sees every key) would make their block dense,
    so queries global in every sequence are left out of the plan; every global
-   query row is computed over all ``S`` keys (``O(g·S)``) and written over the
-   blocked result (:func:`global_query_rows`, reusable by other block-sparse paths).
+   query row (``E`` of them) is computed over all ``S`` keys (``O(E·S)``) and
+   written over the blocked result (:func:`global_query_rows`, reusable by other
+   block-sparse paths).
 
-No ``[T, S]`` matrix exists; peak memory is ``O(B·N·T·w·b + B·N·g·S)``.
+No ``[T, S]`` matrix exists; peak memory is ``O(B·N·T·W + B·N·E·S)``.
 Gradients come from autodiff: the gathers transpose to scatter-adds the size
 of ``k`` and ``v``. Fully masked rows give zeros and zero gradients.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Float
 
-from jaxformer.ops.attention import check_mask_heads, check_qkv, check_slopes
 from jaxformer.ops.masks import MaskSpec, kv_block_lists, masked_softmax
+from jaxformer.typing import ArrayLike, AttnOut, KeyValue, Query, Slopes
+from pallas_kernels.flash_attention.common import check_qkv, check_slopes
+from pallas_kernels.mask import mask_rule
 
 DEFAULT_BLOCK_SIZE = 64
 
 
-def sparse_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float | None = None,
-                     alibi_slopes=None, softcap: float | None = None, block_size: int | None = None):
+def sparse_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec | None = None,
+                     scale: float | None = None, alibi_slopes: Slopes | None = None,
+                     softcap: float | None = None, block_size: int | None = None) -> AttnOut:
     """Attention visiting only the kv blocks the mask needs (see the module docstring).
 
     Args:
@@ -50,7 +57,6 @@ def sparse_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float | No
     if not isinstance(mask, MaskSpec):
         raise ValueError(f"mask must be a MaskSpec, got {type(mask).__name__}")
     mask.validate(B, T, S, N)
-    check_mask_heads(mask, N)
     offset = mask.static_offset(T, S)
     if offset is None:
         raise ValueError(f"sparse_attention needs a static q_offset (a Python int or None); got an array of "
@@ -67,7 +73,7 @@ def sparse_attention(q, k, v, *, mask: MaskSpec | None = None, scale: float | No
 
     live = mask.block_map(T, S, bs, bs, per_head=True, global_rows=False)
     idx, _ = kv_block_lists(live, sentinel=live.shape[-1])
-    out = _blocked(q, k, v, mask, slopes, idx, bs, offset, scale, softcap)
+    out = _blocked(q, k, v, mask, slopes, BlockedPlan(idx, bs, offset, scale, softcap))
     if mask.global_tokens is not None and mask.patterns_active:
         out = _global_rows(out, q, k, v, mask, slopes, offset, scale, softcap)
     return out
@@ -86,7 +92,24 @@ def _pad_axis1(x, n: int, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _blocked(q, k, v, mask: MaskSpec, slopes, idx: np.ndarray, bs: int, offset: int, scale, softcap):
+@dataclasses.dataclass(frozen=True)
+class BlockedPlan:
+    """The static part of :func:`_blocked`: which kv blocks each q block visits, and the logit transform.
+
+    idx: ``[Nh, nq, w]`` kv block ids per head (``Nh`` = 1 or N) and q block, padded with the
+    sentinel block ``ceil(S / block_size)``. block_size: the q and kv block size. offset: the
+    absolute position of query 0. scale, softcap: as in :func:`_logits`.
+    """
+
+    idx: np.ndarray
+    block_size: int
+    offset: int
+    scale: float
+    softcap: float | None
+
+
+def _blocked(q, k, v, mask: MaskSpec, slopes, plan: BlockedPlan):
+    idx, bs = plan.idx, plan.block_size
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
@@ -101,17 +124,17 @@ def _blocked(q, k, v, mask: MaskSpec, slopes, idx: np.ndarray, bs: int, offset: 
     if Nh == 1:
         kg = kb[:, :, idx[0]].reshape(B, K, nq, W, H)
         vg = vb[:, :, idx[0]].reshape(B, K, nq, W, H)
-        s = jnp.einsum("BiqKGH,BKiWH->BKGiqW", qb, kg, preferred_element_type=jnp.float32)
+        s = jnp.einsum("BQCKGH,BKQWH->BKGQCW", qb, kg, preferred_element_type=jnp.float32)
     else:
         kh = np.arange(K)[:, None, None, None]
         idx_kg = idx.reshape(K, G, nq, w)
         kg = kb[:, kh, idx_kg].reshape(B, K, G, nq, W, H)
         vg = vb[:, kh, idx_kg].reshape(B, K, G, nq, W, H)
-        s = jnp.einsum("BiqKGH,BKGiWH->BKGiqW", qb, kg, preferred_element_type=jnp.float32)
-    s = _logits(s, scale, softcap)
+        s = jnp.einsum("BQCKGH,BKGQWH->BKGQCW", qb, kg, preferred_element_type=jnp.float32)
+    s = _logits(s, plan.scale, plan.softcap)
 
     kpos_np = (idx[..., None] * bs + np.arange(bs)).reshape(1, Kh, Gh, nq, 1, W)
-    qpos_np = (offset + np.arange(nq * bs)).reshape(1, 1, 1, nq, bs, 1)
+    qpos_np = (plan.offset + np.arange(nq * bs)).reshape(1, 1, 1, nq, bs, 1)
     kpos, qpos = jnp.asarray(kpos_np, jnp.int32), jnp.asarray(qpos_np, jnp.int32)
     if slopes is not None:
         dist = jnp.abs(qpos - kpos).astype(jnp.float32)
@@ -119,41 +142,31 @@ def _blocked(q, k, v, mask: MaskSpec, slopes, idx: np.ndarray, bs: int, offset: 
     allowed = _blocked_allowed(mask, qpos, kpos, qpos_np, kpos_np, idx, bs, T, S)
     wts = masked_softmax(s, allowed).astype(v.dtype)
     if Nh == 1:
-        out = jnp.einsum("BKGiqW,BKiWH->BiqKGH", wts, vg, preferred_element_type=jnp.float32)
+        out = jnp.einsum("BKGQCW,BKQWH->BQCKGH", wts, vg, preferred_element_type=jnp.float32)
     else:
-        out = jnp.einsum("BKGiqW,BKGiWH->BiqKGH", wts, vg, preferred_element_type=jnp.float32)
+        out = jnp.einsum("BKGQCW,BKGQWH->BQCKGH", wts, vg, preferred_element_type=jnp.float32)
     return out.reshape(B, nq * bs, N, H)[:, :T].astype(q.dtype)
 
 
 def _blocked_allowed(mask: MaskSpec, qpos, kpos, qpos_np, kpos_np, idx, bs: int, T: int, S: int):
-    """Bool ``[B|1, Kh, Gh, nq, bs, W]``: the mask of :meth:`MaskSpec.dense_heads` on the gathered keys."""
-    allowed = kpos < S
-    if mask.causal:
-        allowed = allowed & (kpos <= qpos)
-    if mask.window is not None and mask.window != (None, None):
-        left, right = mask.window
-        band = jnp.ones((1, 1, 1, 1, 1, 1), bool)
-        if left is not None:
-            band = band & (kpos >= qpos - left)
-        if right is not None:
-            band = band & (kpos <= qpos + right)
-        if mask.patterns_active and mask.global_tokens is not None:
-            g = jnp.asarray(mask.global_array).reshape(-1, 1, 1, 1, 1, 1, mask.global_array.shape[1])
-            band = band | jnp.any(kpos[..., None] == g, axis=-1)
-        if mask.patterns_active and mask.random_blocks is not None:
-            band = band | _random_allowed(mask, qpos_np, kpos_np, idx, bs, S)
-        allowed = allowed & band
-    kv_seg = mask.resolved_kv_segment_ids(T, S)
+    """Bool ``[B|1, Kh, Gh, nq, bs, W]``: the mask rule of :meth:`MaskSpec.dense_heads` on the gathered keys.
+
+    The rule's ``q_global`` term is left out: :func:`_global_rows` writes over every global query row.
+    """
+    qseg = kseg = None
     if mask.q_segment_ids is not None:
         B = np.shape(mask.q_segment_ids)[0]
         nq = qpos_np.shape[3]
         qseg = _pad_axis1(jnp.asarray(mask.q_segment_ids), nq * bs).reshape(B, 1, 1, nq, bs, 1)
-        kseg = _pad_axis1(jnp.asarray(kv_seg), (S // bs + 2) * bs)
+        kseg = _pad_axis1(jnp.asarray(mask.resolved_kv_segment_ids(T, S)), (S // bs + 2) * bs)
         kseg = jnp.take(kseg, kpos.reshape(-1), axis=1).reshape((B,) + kpos.shape[1:])
-        allowed = allowed & (qseg == kseg)
-    if mask.kv_lengths is not None:
-        allowed = allowed & (kpos < jnp.asarray(mask.kv_lengths, jnp.int32).reshape(-1, 1, 1, 1, 1, 1))
-    return allowed
+    random = None
+    if mask.patterns_active and mask.random_blocks is not None:
+        random = _random_allowed(mask, qpos_np, kpos_np, idx, bs, S)
+    return mask_rule(qpos, kpos, causal=mask.causal, window=mask.window, q_segment=qseg, kv_segment=kseg,
+                     kv_length=None if mask.kv_lengths is None else
+                     jnp.asarray(mask.kv_lengths, jnp.int32).reshape(-1, 1, 1, 1, 1, 1),
+                     num_keys=S, kv_global=mask.is_global(kpos), random=random)
 
 
 def _random_allowed(mask: MaskSpec, qpos_np, kpos_np, idx, bs: int, S: int):
@@ -177,9 +190,10 @@ def _random_allowed(mask: MaskSpec, qpos_np, kpos_np, idx, bs: int, S: int):
     return table[jnp.asarray(heads), jnp.asarray(rq, jnp.int32), jnp.asarray(rk, jnp.int32)]
 
 
-def global_query_rows(out, q, k, v, *, mask: MaskSpec, scale: float | None = None, alibi_slopes=None,
-                      softcap: float | None = None):
-    """Write over ``out [B,T,N,H]`` the rows of ``mask``'s global queries, each attending to all keys (O(g·S)).
+def global_query_rows(out: Float[ArrayLike, "B T N H"], q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec,
+                      scale: float | None = None, alibi_slopes: Slopes | None = None,
+                      softcap: float | None = None) -> AttnOut:
+    """Write over ``out [B,T,N,H]`` the rows of ``mask``'s global queries, each attending to all keys (O(E·S)).
 
     For block-sparse paths that leave global query rows out of their block lists
     (``block_map(..., global_rows=False)``). Needs a static ``q_offset``.
@@ -211,22 +225,20 @@ def _global_rows(out, q, k, v, mask: MaskSpec, slopes, offset: int, scale, softc
     rows_in = np.broadcast_to(np.where(valid, rows, 0), (B, ng))
     bidx = np.arange(B)[:, None]
     qg = q[bidx, rows_in].reshape(B, ng, K, G, H)
-    s = jnp.einsum("BgKGH,BSKH->BKGgS", qg, k, preferred_element_type=jnp.float32)
+    s = jnp.einsum("BEKGH,BSKH->BKGES", qg, k, preferred_element_type=jnp.float32)
     s = _logits(s, scale, softcap)
     qpos = jnp.asarray(offset + rows_in, jnp.int32).reshape(B, 1, 1, ng, 1)
     kpos = jnp.arange(S, dtype=jnp.int32).reshape(1, 1, 1, 1, S)
     if slopes is not None:
         s = s - slopes.reshape(-1, K, G, 1, 1) * jnp.abs(qpos - kpos).astype(jnp.float32)
-    allowed = jnp.ones((1, 1, 1, 1, S), bool)
-    if mask.causal:
-        allowed = allowed & (kpos <= qpos)
     kv_seg = mask.resolved_kv_segment_ids(T, S)
-    if mask.q_segment_ids is not None:
-        qseg = jnp.asarray(mask.q_segment_ids)[bidx, rows_in].reshape(B, 1, 1, ng, 1)
-        allowed = allowed & (qseg == jnp.asarray(kv_seg).reshape(B, 1, 1, 1, S))
-    if mask.kv_lengths is not None:
-        allowed = allowed & (kpos < jnp.asarray(mask.kv_lengths, jnp.int32).reshape(-1, 1, 1, 1, 1))
+    allowed = mask_rule(  # every row here is a global query: q_global=True opens its whole band
+        qpos, kpos, causal=mask.causal, window=mask.window, q_global=True,
+        q_segment=None if kv_seg is None else jnp.asarray(mask.q_segment_ids)[bidx, rows_in].reshape(B, 1, 1, ng, 1),
+        kv_segment=None if kv_seg is None else jnp.asarray(kv_seg).reshape(B, 1, 1, 1, S),
+        kv_length=None if mask.kv_lengths is None else
+        jnp.asarray(mask.kv_lengths, jnp.int32).reshape(-1, 1, 1, 1, 1))
     wts = masked_softmax(s, allowed).astype(v.dtype)
-    out_g = jnp.einsum("BKGgS,BSKH->BgKGH", wts, v, preferred_element_type=jnp.float32)
+    out_g = jnp.einsum("BKGES,BSKH->BEKGH", wts, v, preferred_element_type=jnp.float32)
     target = np.broadcast_to(np.where(valid, rows, T), (B, ng))
     return out.at[bidx, target].set(out_g.reshape(B, ng, N, H).astype(out.dtype), mode="drop")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import jax
+from collections.abc import Callable
 
-from pallas_kernels.flash_attention import common
+import jax
+from jaxtyping import Bool, Integer
+
 from pallas_kernels.flash_attention.common import BlockSizes
+from pallas_kernels.typing import ArrayLike, AttnOut, KeyValue, KvSegmentIds, Lengths, Query, SegmentIds, Slopes
 
 BACKEND_CHOICES = ("auto", "gpu", "tpu")
 
@@ -26,12 +29,16 @@ def _pick_backend(backend: str, interpret: bool) -> str:
     )
 
 
-def flash_attention(q, k, v, *, causal: bool = False, window=None, q_segment_ids=None,
-                    kv_segment_ids=None, kv_lengths=None, q_offset: int | None = None,
-                    alibi_slopes=None, softcap: float | None = None, scale: float | None = None,
-                    block_sizes: BlockSizes | None = None, backend: str = "auto", interpret: bool = False,
-                    block_map=None, q_global=None, kv_global=None, random_kv_starts=None,
-                    random_block_size: int | None = None):
+def flash_attention(q: Query, k: KeyValue, v: KeyValue, *, causal: bool = False,
+                    window: tuple[int | None, int | None] | None = None, q_segment_ids: SegmentIds | None = None,
+                    kv_segment_ids: KvSegmentIds | None = None, kv_lengths: Lengths | None = None,
+                    q_offset: int | None = None, alibi_slopes: Slopes | None = None, softcap: float | None = None,
+                    scale: float | None = None, block_sizes: BlockSizes | None = None, backend: str = "auto",
+                    interpret: bool = False, block_map: Callable | None = None,
+                    q_global: Bool[ArrayLike, "#B T"] | Integer[ArrayLike, "#B T"] | None = None,
+                    kv_global: Bool[ArrayLike, "#B S"] | Integer[ArrayLike, "#B S"] | None = None,
+                    random_kv_starts: Integer[ArrayLike, "#N _ T"] | None = None,
+                    random_block_size: int | None = None) -> AttnOut:
     """Blockwise attention ``q [B,T,N,H], k, v [B,S,K,H] -> [B,T,N,H]``, differentiable in q, k, v.
 
     Args:
@@ -60,19 +67,12 @@ def flash_attention(q, k, v, *, causal: bool = False, window=None, q_segment_ids
 
     Rows with no allowed key give 0 and zero gradients. Ids and slopes get zero cotangents.
     """
-    common.check_inputs(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                        kv_lengths=kv_lengths, q_offset=q_offset, alibi_slopes=alibi_slopes,
-                        softcap=softcap, scale=scale)
-    common.check_window(window)
-    common.check_pattern(q.shape[0], q.shape[1], k.shape[1], q.shape[2], block_map=block_map,
-                         q_global=q_global, kv_global=kv_global, random_kv_starts=random_kv_starts,
-                         random_block_size=random_block_size)
+    # The backend's entry point validates every argument, once (common.check_inputs).
     kwargs = dict(causal=causal, window=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                   kv_lengths=kv_lengths, q_offset=q_offset, alibi_slopes=alibi_slopes, softcap=softcap,
-                  scale=scale, block_sizes=block_sizes, interpret=interpret)
-    if block_map is not None:
-        kwargs.update(block_map=block_map, q_global=q_global, kv_global=kv_global,
-                      random_kv_starts=random_kv_starts, random_block_size=random_block_size)
+                  scale=scale, block_sizes=block_sizes, interpret=interpret, block_map=block_map,
+                  q_global=q_global, kv_global=kv_global, random_kv_starts=random_kv_starts,
+                  random_block_size=random_block_size)
     chosen = _pick_backend(backend, interpret)
     if chosen == "gpu":
         from pallas_kernels.flash_attention.gpu import flash_attention_gpu

@@ -5,10 +5,10 @@ Positions: keys sit at ``0 .. S-1``; query ``i`` at ``q_offset + i`` with
 tile: ``s = scale * q·k`` (fp32) -> ``softcap * tanh(s / softcap)`` ->
 ``- slope * |q_pos - k_pos|`` (ALiBi) -> mask -> softmax.
 
-Masks combine with AND: ``causal`` (``k_pos <= q_pos``), ``window=(left, right)``
-(``q_pos - left <= k_pos <= q_pos + right``, ``None`` side unbounded), segment
-ids (equal ids only), ``kv_length`` (``k_pos < kv_length``) and the true key
-length ``S`` (padding added by the wrappers is never attended).
+The mask of a tile is :func:`pallas_kernels.mask.mask_rule` (the rule every
+attention path evaluates) applied by :func:`tile_allowed` with the kernel's
+static :class:`MaskParams`, plus the true key length ``S``: padding added by the
+wrappers is never attended.
 
 A row with no allowed key has output 0 and stores ``lse = EMPTY_ROW_LSE``
 (``+inf``), so ``exp(s - lse) == 0`` in the backward pass and its gradients are 0.
@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.mask import mask_rule
 
 EMPTY_ROW_LSE = float("inf")
 MAX_HEAD_DIM = 256
@@ -209,40 +211,18 @@ def check_window(window) -> tuple[int | None, int | None] | None:
 
 
 def tile_allowed(params: MaskParams, q_pos, k_pos, *, q_seg=None, kv_seg=None, kv_length=None,
-                 check_kv_len: bool = True, widen=None):
-    """Boolean allowed tile from absolute positions.
+                 check_kv_len: bool = True, pattern=None):
+    """Boolean allowed tile from absolute positions: :func:`pallas_kernels.mask.mask_rule` with ``params``.
 
     ``q_pos`` int32 ``[bq, 1]`` (or ``[bq, bk]``), ``k_pos`` int32 ``[1, bk]`` (or ``[bq, bk]``);
     ``q_seg``/``kv_seg`` broadcastable the same way; ``kv_length`` a scalar. ``check_kv_len``
     masks ``k_pos >= S`` (wrapper padding); pass False when the kv axis is not padded.
-    ``widen`` (from :func:`pattern_widen`) is OR'ed into the window's band (ignored without a window).
+    ``pattern``: the rule's pattern terms (from :func:`pattern_terms`), or None.
     Returns a bool array of the broadcast shape, or None when nothing can be masked.
     """
-    conds = []
-    if params.causal:
-        conds.append(k_pos <= q_pos)
-    if params.window is not None:
-        left, right = params.window
-        band = None
-        if left is not None:
-            band = k_pos >= q_pos - left
-        if right is not None:
-            band = (k_pos <= q_pos + right) if band is None else band & (k_pos <= q_pos + right)
-        if widen is not None:
-            band = band | widen
-        conds.append(band)
-    if q_seg is not None:
-        conds.append(q_seg == kv_seg)
-    if kv_length is not None:
-        conds.append(k_pos < kv_length)
-    if check_kv_len:
-        conds.append(k_pos < params.kv_len)
-    if not conds:
-        return None
-    allowed = conds[0]
-    for c in conds[1:]:
-        allowed = allowed & c
-    return allowed
+    return mask_rule(q_pos, k_pos, causal=params.causal, window=params.window, q_segment=q_seg,
+                     kv_segment=kv_seg, kv_length=kv_length, num_keys=params.kv_len if check_kv_len else None,
+                     **(pattern or {}))
 
 
 def alibi_tile(slope, q_pos, k_pos):
@@ -385,20 +365,50 @@ def q_block_range(params: MaskParams, kj, bq: int, bk: int):
 # --------------------------------------------------------------------------- input validation
 
 
-def check_inputs(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, kv_lengths=None,
-                 q_offset=None, alibi_slopes=None, softcap=None, scale=None,
-                 max_head_dim: int = MAX_HEAD_DIM) -> tuple[int, int, int, int, int, int]:
-    """Validate ``q [B,T,N,H]``, ``k, v [B,S,K,H]`` and the mask operands; return (B, T, S, N, K, H)."""
+def check_qkv(q, k, v) -> tuple[int, int, int, int, int, int]:
+    """Validate attention operand shapes ``q [B,T,N,H]``, ``k, v [B,S,K,H]``; return (B, T, S, N, K, H).
+
+    The shape check of every attention path: the kernels' :func:`check_inputs` and ``jaxformer.ops``.
+    """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"flash_attention expects q [B,T,N,H], k, v [B,S,K,H]; got {q.shape=} {k.shape=} {v.shape=}")
+        raise ValueError(
+            f"attention expects q [B,T,N,H] and k, v [B,S,K,H]; got {q.shape=} {k.shape=} {v.shape=}"
+        )
     B, T, N, H = q.shape
-    _, S, K, _ = k.shape
+    Bk, S, K, Hk = k.shape
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {k.shape=} {v.shape=}")
-    if k.shape[0] != B or k.shape[3] != H:
-        raise ValueError(f"batch or head dim mismatch: {q.shape=} {k.shape=}")
-    if K == 0 or N % K:
+        raise ValueError(f"k and v must have the same shape [B,S,K,H]; got {k.shape=} {v.shape=}")
+    if Bk != B:
+        raise ValueError(f"batch mismatch: {q.shape=} {k.shape=}")
+    if Hk != H:
+        raise ValueError(f"head dim mismatch: {q.shape=} {k.shape=}")
+    if K == 0 or N % K != 0:
         raise ValueError(f"{q.shape=} {k.shape=}: heads {N} not divisible by kv heads {K}")
+    return B, T, S, N, K, H
+
+
+def check_slopes(alibi_slopes, B: int, N: int):
+    """ALiBi slopes as fp32 ``[1 or B, N]`` (from ``[N]`` or ``[B, N]``), or None; ValueError naming the shape."""
+    if alibi_slopes is None:
+        return None
+    slopes = jnp.asarray(alibi_slopes, jnp.float32)
+    if slopes.shape == (N,):
+        slopes = slopes[None, :]
+    if slopes.shape != (1, N) and slopes.shape != (B, N):
+        raise ValueError(f"alibi_slopes.shape={jnp.shape(alibi_slopes)} must be [N]=({N},) or [B, N]=({B}, {N})")
+    return slopes
+
+
+def check_inputs(q, k, v, *, window=None, q_segment_ids=None, kv_segment_ids=None, kv_lengths=None,
+                 q_offset=None, alibi_slopes=None, softcap=None, scale=None, block_map=None, q_global=None,
+                 kv_global=None, random_kv_starts=None, random_block_size=None,
+                 max_head_dim: int = MAX_HEAD_DIM) -> tuple[int, int, int, int, int, int]:
+    """Validate every ``flash_attention`` argument but the block sizes; return (B, T, S, N, K, H).
+
+    Shapes by :func:`check_qkv`, then what the kernels need on top: non-empty operands, ``H <= max_head_dim``,
+    float dtypes, integer ids and lengths, a static ``q_offset``, the window and the block-sparse keywords.
+    """
+    B, T, S, N, K, H = check_qkv(q, k, v)
     if T == 0 or S == 0 or B == 0:
         raise ValueError(f"empty attention operands: {q.shape=} {k.shape=}")
     if not 1 <= H <= max_head_dim:
@@ -428,22 +438,21 @@ def check_inputs(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, kv_lengths
             f"q_offset must be a static Python int or None (bottom-right, S - T), got {type(q_offset).__name__}; "
             "for traced offsets use jaxformer.ops.blockwise"
         )
-    if alibi_slopes is not None and tuple(jnp.shape(alibi_slopes)) not in ((N,), (B, N)):
-        raise ValueError(
-            f"alibi_slopes.shape={tuple(jnp.shape(alibi_slopes))} must be (N,)=({N},) or (B, N)=({B}, {N})")
+    check_slopes(alibi_slopes, B, N)
     if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
         raise ValueError(f"softcap={softcap!r} must be a positive float or None")
     if scale is not None and not isinstance(scale, (int, float, np.floating)):
         raise ValueError(f"scale={scale!r} must be a Python float or None")
+    check_window(window)
+    check_pattern(B, T, S, N, block_map=block_map, q_global=q_global, kv_global=kv_global,
+                  random_kv_starts=random_kv_starts, random_block_size=random_block_size)
     return B, T, S, N, K, H
 
 
 def slopes_bn(alibi_slopes, B: int, N: int):
     """ALiBi slopes as fp32 ``[B, N]`` (from ``[N]`` or ``[B, N]``), or None."""
-    if alibi_slopes is None:
-        return None
-    s = jnp.asarray(alibi_slopes, jnp.float32)
-    return jnp.broadcast_to(s.reshape((-1, N)), (B, N))
+    slopes = check_slopes(alibi_slopes, B, N)
+    return None if slopes is None else jnp.broadcast_to(slopes, (B, N))
 
 
 # --------------------------------------------------------------------------- block-sparse patterns
@@ -460,9 +469,9 @@ def slopes_bn(alibi_slopes, B: int, N: int):
 #   random_kv_starts int32 [Nh, r, T], random_block_size R: query row q of head h also sees keys
 #       random_kv_starts[h, i, q] <= k_pos < random_kv_starts[h, i, q] + R (i < r; -1 = no block).
 #
-# Element meaning, per tile:  allowed = hard & (band | q_global[q] | kv_global[k] | random[h, q, k]),
-# hard = causal & segments & kv_length & (k_pos < S), band = the window (the pattern terms only
-# matter when a window is given; without one band is everything, as in MaskSpec.dense_heads).
+# Element meaning, per tile: pallas_kernels.mask.mask_rule with q_global[q], kv_global[k] and
+# random[h, q, k] as its pattern terms (they widen the window's band; without a window they change
+# nothing), from pattern_terms.
 
 
 def pattern_given(q_global=None, kv_global=None, random_kv_starts=None) -> bool:
@@ -518,19 +527,13 @@ def block_lists(live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return idx.astype(np.int32), count.astype(np.int32)
 
 
-def pattern_widen(q_pos, k_pos, *, q_glob=None, kv_glob=None, rand_starts=(), rand_size: int = 1):
-    """Bool tile OR'ed into the band: ``q_glob`` ``[bq, 1]``, ``kv_glob`` ``[1, bk]`` (nonzero = global),
-    ``rand_starts`` a sequence of ``[bq, 1]`` int32 block starts (-1 none). None when nothing widens."""
-    terms = []
-    if q_glob is not None:
-        terms.append(q_glob != 0)
-    if kv_glob is not None:
-        terms.append(kv_glob != 0)
+def pattern_terms(k_pos, *, q_glob=None, kv_glob=None, rand_starts=(), rand_size: int = 1) -> dict:
+    """The mask rule's pattern keywords of a tile from the kernel operands: ``q_glob`` ``[bq, 1]``,
+    ``kv_glob`` ``[1, bk]`` (nonzero = global), ``rand_starts`` a sequence of ``[bq, 1]`` int32 block
+    starts (-1 none). Absent terms are None."""
+    random = None
     for st in rand_starts:
-        terms.append((st >= 0) & (k_pos >= st) & (k_pos < st + rand_size))
-    if not terms:
-        return None
-    out = terms[0]
-    for t in terms[1:]:
-        out = out | t
-    return out
+        hit = (st >= 0) & (k_pos >= st) & (k_pos < st + rand_size)
+        random = hit if random is None else random | hit
+    return {"q_global": None if q_glob is None else q_glob != 0,
+            "kv_global": None if kv_glob is None else kv_glob != 0, "random": random}

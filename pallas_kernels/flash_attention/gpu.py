@@ -117,11 +117,11 @@ def _row_terms(st: "_Static", pat: _Pat, load_qg, load_rand):
 
 
 def _mask_and_logits(p, qk, q_pos, k_pos, *, slope, q_seg, kv_seg, kv_length, static_mask: bool,
-                     check_kv_len: bool, widen=None):
+                     check_kv_len: bool, pattern=None):
     s, dscale = common.tile_logits(p, qk, q_pos, k_pos, slope)
     if static_mask:
         allowed = common.tile_allowed(p, q_pos, k_pos, q_seg=q_seg, kv_seg=kv_seg, kv_length=kv_length,
-                                      check_kv_len=check_kv_len, widen=widen)
+                                      check_kv_len=check_kv_len, pattern=pattern)
     else:
         allowed = common.tile_allowed(MaskParams(p.q_len, p.kv_len), q_pos, k_pos, q_seg=q_seg,
                                       kv_seg=kv_seg, kv_length=kv_length, check_kv_len=False)
@@ -178,11 +178,11 @@ def _fwd_kernel(*refs, st: _Static, bq: int, bk: int, flags, check_kv_len: bool)
         k_pos = (start + _iota(bk))[None, :]
         kv_seg = None if kseg_ref is None else kseg_ref[pl.ds(start, bk)][None, :]
         kv_glob = None if pat.kg is None else pat.kg[pl.ds(start, bk)][None, :]
-        widen = common.pattern_widen(q_pos, k_pos, q_glob=q_glob, kv_glob=kv_glob, rand_starts=rand,
-                                     rand_size=st.rand_size)
+        pattern = common.pattern_terms(k_pos, q_glob=q_glob, kv_glob=kv_glob, rand_starts=rand,
+                                       rand_size=st.rand_size)
         s, _ = _mask_and_logits(p, _dot(q, k, (1, 1)), q_pos, k_pos, slope=slope, q_seg=q_seg,
                                 kv_seg=kv_seg, kv_length=kv_length, static_mask=static_mask,
-                                check_kv_len=check_kv_len, widen=widen)
+                                check_kv_len=check_kv_len, pattern=pattern)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = common.safe_max(m_new)
         alpha = jnp.exp(m - m_safe)
@@ -298,11 +298,11 @@ def _dq_kernel(*refs, st: _Static, bq: int, bk: int, flags, check_kv_len: bool):
         k_pos = (start + _iota(bk))[None, :]
         kv_seg = None if kseg_ref is None else kseg_ref[pl.ds(start, bk)][None, :]
         kv_glob = None if pat.kg is None else pat.kg[pl.ds(start, bk)][None, :]
-        widen = common.pattern_widen(q_pos, k_pos, q_glob=q_glob, kv_glob=kv_glob, rand_starts=rand,
-                                     rand_size=st.rand_size)
+        pattern = common.pattern_terms(k_pos, q_glob=q_glob, kv_glob=kv_glob, rand_starts=rand,
+                                       rand_size=st.rand_size)
         s, dscale = _mask_and_logits(p, _dot(q, k, (1, 1)), q_pos, k_pos, slope=slope, q_seg=q_seg,
                                      kv_seg=kv_seg, kv_length=kv_length, static_mask=static_mask,
-                                     check_kv_len=check_kv_len, widen=widen)
+                                     check_kv_len=check_kv_len, pattern=pattern)
         pr = jnp.exp(s - lse)
         ds = pr * (_dot(do, v, (1, 1)) - delta) * dscale
         return dq + _dot(ds.astype(k.dtype), k, (1, 0))
@@ -373,11 +373,11 @@ def _dkv_kernel(*refs, st: _Static, bq: int, bk: int, G: int, flags, check_kv_le
             q_seg = None if qseg_ref is None else qseg_ref[pl.ds(start, bq)][:, None]
             q_glob, rand = _row_terms(st, pat, lambda: pat.qg[pl.ds(start, bq)],
                                       lambda t: pat.rnd[g, t, pl.ds(start, bq)])
-            widen = common.pattern_widen(q_pos, k_pos, q_glob=q_glob, kv_glob=kv_glob, rand_starts=rand,
-                                         rand_size=st.rand_size)
+            pattern = common.pattern_terms(k_pos, q_glob=q_glob, kv_glob=kv_glob, rand_starts=rand,
+                                           rand_size=st.rand_size)
             s, dscale = _mask_and_logits(p, _dot(q, k, (1, 1)), q_pos, k_pos, slope=slope, q_seg=q_seg,
                                          kv_seg=kv_seg, kv_length=kv_length, static_mask=True,
-                                         check_kv_len=check_kv_len, widen=widen)
+                                         check_kv_len=check_kv_len, pattern=pattern)
             pr = jnp.exp(s - lse)
             dv = dv + _dot(pr.astype(do.dtype), do, (0, 0))
             ds = pr * (_dot(do, v, (1, 1)) - delta) * dscale
@@ -498,10 +498,10 @@ def flash_attention_gpu(q, k, v, *, causal: bool = False, window=None, q_segment
     Arguments as in ``pallas_kernels.flash_attention.flash_attention``; slopes and ids get zero cotangents.
     """
     B, T, S, N, K, H = common.check_inputs(
-        q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, kv_lengths=kv_lengths,
-        q_offset=q_offset, alibi_slopes=alibi_slopes, softcap=softcap, scale=scale)
-    common.check_pattern(B, T, S, N, block_map=block_map, q_global=q_global, kv_global=kv_global,
-                         random_kv_starts=random_kv_starts, random_block_size=random_block_size)
+        q, k, v, window=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, kv_lengths=kv_lengths,
+        q_offset=q_offset, alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, block_map=block_map,
+        q_global=q_global, kv_global=kv_global, random_kv_starts=random_kv_starts,
+        random_block_size=random_block_size)
     params = MaskParams.make(T, S, H, causal=causal, window=window, q_offset=q_offset, scale=scale,
                              softcap=softcap)
     Hp = max(MIN_BLOCK, common.next_pow2(H))

@@ -1,7 +1,9 @@
 """Plain-einsum attention with ``flash_attention``'s arguments: the oracle the kernels are tested against.
 
-Written from the definitions alone (it shares no tile or mask helper with the
-kernels): it builds the whole ``[B, N, T, S]`` logits matrix, so it is for
+Written from the definitions alone: it shares no tile or mask helper with the
+kernels, not even the mask rule every attention path evaluates
+(``pallas_kernels.mask.mask_rule``), since an oracle that called the code under
+test would agree with any bug in it. It builds the whole ``[B, N, T, S]`` logits matrix, so it is for
 tests and small shapes only.
 """
 
@@ -12,11 +14,15 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.typing import AttnOut, KeyValue, KvSegmentIds, Lengths, Query, RowLse, SegmentIds, Slopes
 
-def reference(q, k, v, *, causal: bool = False, window=None, q_segment_ids=None,
-              kv_segment_ids=None, kv_lengths=None, q_offset: int | None = None,
-              alibi_slopes=None, softcap: float | None = None, scale: float | None = None,
-              block_sizes=None, backend=None, interpret=None, return_lse: bool = False):
+
+def reference(q: Query, k: KeyValue, v: KeyValue, *, causal: bool = False,
+              window: tuple[int | None, int | None] | None = None, q_segment_ids: SegmentIds | None = None,
+              kv_segment_ids: KvSegmentIds | None = None, kv_lengths: Lengths | None = None,
+              q_offset: int | None = None, alibi_slopes: Slopes | None = None, softcap: float | None = None,
+              scale: float | None = None, block_sizes=None, backend=None, interpret=None,
+              return_lse: bool = False) -> AttnOut | tuple[AttnOut, RowLse]:
     """Dense attention ``q [B,T,N,H], k, v [B,S,K,H] -> [B,T,N,H]`` (fp32 math, output in q.dtype).
 
     ``block_sizes``, ``backend`` and ``interpret`` are accepted and ignored so the

@@ -88,6 +88,30 @@ class _Static:
         return pl.pallas_call(kernel, interpret=pltpu.InterpretParams() if self.interpret else False, **kwargs)
 
 
+@dataclasses.dataclass(frozen=True)
+class _WalkSpec:
+    """The walked grid axis of one kernel (hashable): its block sizes and direction.
+
+    ``over_kv``: grid rows are q blocks walking their live kv blocks (forward, dq); else kv
+    blocks walking their live q blocks (dk/dv).
+    """
+
+    st: _Static
+    bq: int
+    bk: int
+    over_kv: bool
+
+    @property
+    def n_rows(self) -> int:
+        """Grid rows: q blocks, or kv blocks."""
+        return self.st.t_pad // self.bq if self.over_kv else self.st.s_pad // self.bk
+
+    @property
+    def n_blocks(self) -> int:
+        """Blocks along the walked axis: kv blocks, or q blocks."""
+        return self.st.s_pad // self.bk if self.over_kv else self.st.t_pad // self.bq
+
+
 # --------------------------------------------------------------------------- live ranges and lists
 
 
@@ -118,12 +142,13 @@ def _clamp(lo, step, hi, n_blocks: int):
     return jnp.minimum(jnp.maximum(idx, 0), n_blocks - 1)
 
 
-def _num_steps(st: _Static, bq: int, bk: int, *, over_kv: bool) -> int:
+def _num_steps(walk: _WalkSpec) -> int:
     """Grid extent of the walked axis: the longest static live run (at least 1)."""
+    st, bq, bk = walk.st, walk.bq, walk.bk
     if st.sparse:
-        return _lists(st, bq, bk, over_kv)[0].shape[-1]
+        return _lists(walk)[0].shape[-1]
     nq, nk = -(-st.params.q_len // bq), -(-st.params.kv_len // bk)
-    if over_kv:
+    if walk.over_kv:
         runs = [common.kv_block_range(st.params, i, bq, bk) for i in range(nq)]
     else:
         runs = [common.q_block_range(st.params, j, bq, bk) for j in range(nk)]
@@ -131,17 +156,18 @@ def _num_steps(st: _Static, bq: int, bk: int, *, over_kv: bool) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def _lists(st: _Static, bq: int, bk: int, over_kv: bool) -> tuple[np.ndarray, np.ndarray]:
+def _lists(walk: _WalkSpec) -> tuple[np.ndarray, np.ndarray]:
     """Static block lists of the padded grid: ``(idx [Nh, rows, w], count [Nh, rows])``.
 
-    ``over_kv``: rows are q blocks listing kv blocks, else kv blocks listing q blocks. Rows with
+    Rows are q blocks listing kv blocks (``over_kv``), else kv blocks listing q blocks. Rows with
     nothing listed repeat the previous row's last block, so walking them fetches no new tile.
     """
+    st, bq, bk = walk.st, walk.bq, walk.bk
     p = st.params
     live = common.live_blocks(st.block_map, p.q_len, p.kv_len, st.num_heads, bq, bk)
     nq, nk = st.t_pad // bq, st.s_pad // bk
     live = np.pad(live, ((0, 0), (0, nq - live.shape[1]), (0, nk - live.shape[2])))
-    idx, count = common.block_lists(live if over_kv else live.transpose(0, 2, 1))
+    idx, count = common.block_lists(live if walk.over_kv else live.transpose(0, 2, 1))
     rows = idx.reshape(-1, idx.shape[-1])
     flat_count = count.reshape(-1)
     nonempty = np.flatnonzero(flat_count)
@@ -154,11 +180,12 @@ def _lists(st: _Static, bq: int, bk: int, over_kv: bool) -> tuple[np.ndarray, np
     return rows.reshape(idx.shape), count
 
 
-def _prefetch_lists(st: _Static, bq: int, bk: int, over_kv: bool, lens):
+def _prefetch_lists(walk: _WalkSpec, lens):
     """SMEM operands ``(idx [Nh*rows*w], count [B*Nh*rows])``: counts cut at each sequence's kv length."""
-    idx, count = _lists(st, bq, bk, over_kv)
+    bk = walk.bk
+    idx, count = _lists(walk)
     idx_j, count_j = jnp.asarray(idx), jnp.asarray(count)[None]
-    if over_kv:  # lists are ascending: those below the cut are a prefix
+    if walk.over_kv:  # lists are ascending: those below the cut are a prefix
         cut = jax.lax.div(lens + (bk - 1), bk)[:, None, None, None]
         w = idx.shape[-1]
         valid = (jnp.arange(w).reshape(1, 1, 1, w) < count_j[..., None]) & (idx_j[None] < cut)
@@ -169,28 +196,21 @@ def _prefetch_lists(st: _Static, bq: int, bk: int, over_kv: bool, lens):
     return idx_j.reshape(-1), count_b.reshape(-1).astype(jnp.int32)
 
 
-def _walk(st: _Static, bq: int, bk: int, pref, b, head, row, step, *, over_kv: bool):
-    """(block visited at ``step`` of grid row ``row``, whether the step computes), both traced.
-
-    ``over_kv``: the row is a q block and the walk is over kv blocks, else the reverse.
-    """
+def _walk(walk: _WalkSpec, pref, b, head, row, step):
+    """(block visited at ``step`` of grid row ``row``, whether the step computes), both traced."""
+    st, bq, bk = walk.st, walk.bq, walk.bk
     lens_ref = pref[0]
     if st.sparse:
         idx_ref, count_ref = pref[2], pref[3]
-        n_rows = (st.t_pad // bq) if over_kv else (st.s_pad // bk)
-        w = _num_steps(st, bq, bk, over_kv=over_kv)
+        n_rows, w = walk.n_rows, _num_steps(walk)
         h = head if st.map_heads > 1 else 0
         count = count_ref[(b * st.map_heads + h) * n_rows + row]
         slot = jnp.maximum(jnp.minimum(step, count - 1), 0)
         return idx_ref[(h * n_rows + row) * w + slot], step < count
     kv_len = _kv_len(st, lens_ref, b)
-    if over_kv:
-        lo, hi = _kv_range(st, bq, bk, row, kv_len)
-        n_blocks = st.s_pad // bk
-    else:
-        lo, hi = _q_range(st, bq, bk, row, kv_len)
-        n_blocks = st.t_pad // bq
-    return _clamp(lo, step, hi, n_blocks), lo + step < hi
+    range_of = _kv_range if walk.over_kv else _q_range
+    lo, hi = range_of(st, bq, bk, row, kv_len)
+    return _clamp(lo, step, hi, walk.n_blocks), lo + step < hi
 
 
 # --------------------------------------------------------------------------- tile math
@@ -202,23 +222,21 @@ def _tile_logits(st: _Static, q, k, qi, kj, bq: int, bk: int, kv_len, slope, sid
     q_pos = st.params.q_offset + qi * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     k_pos = kj * bk + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
     s, dscale = common.tile_logits(st.params, qk, q_pos, k_pos, slope)
-    widen = None
-    if st.has_qglob or st.has_kvglob or st.n_rand:
-        rand = side.get("rand")
-        widen = common.pattern_widen(
-            q_pos, k_pos,
-            q_glob=side["qglob"][...] if st.has_qglob else None,
-            kv_glob=side["kvglob"][...] if st.has_kvglob else None,
-            rand_starts=[rand[:, r:r + 1] for r in range(st.n_rand)],
-            rand_size=st.rand_size,
-        )
+    rand = side.get("rand")
+    pattern = common.pattern_terms(
+        k_pos,
+        q_glob=side["qglob"][...] if st.has_qglob else None,
+        kv_glob=side["kvglob"][...] if st.has_kvglob else None,
+        rand_starts=[rand[:, r:r + 1] for r in range(st.n_rand)],
+        rand_size=st.rand_size,
+    )
     allowed = common.tile_allowed(
         st.params, q_pos, k_pos,
         q_seg=side["qseg"][...] if st.has_seg else None,
         kv_seg=side["kvseg"][...] if st.has_seg else None,
         kv_length=kv_len,
         check_kv_len=st.s_pad != st.params.kv_len,
-        widen=widen,
+        pattern=pattern,
     )
     return common.mask_logits(s, allowed), dscale
 
@@ -273,24 +291,25 @@ def _side_inputs(st: _Static, side: dict, bq: int, bk: int, q_map, kv_map):
     return args, specs
 
 
-def _row_walk(st: _Static, bq: int, bk: int, H: int):
+def _row_walk(walk: _WalkSpec, H: int):
     """Specs of the kernels gridded ``(b, n, q block, kv step)``: q-side blocks fixed, kv-side walked."""
+    bq, bk = walk.bq, walk.bk
 
     def q_map(b, n, i, j, *pref):
         return b, n, i, 0
 
     def kv_map(b, n, i, j, *pref):
-        kj, _ = _walk(st, bq, bk, pref, b, n, i, j, over_kv=True)
-        return b, jax.lax.div(n, st.G), kj, 0
+        kj, _ = _walk(walk, pref, b, n, i, j)
+        return b, jax.lax.div(n, walk.st.G), kj, 0
 
     return (pl.BlockSpec((None, None, bq, H), q_map), pl.BlockSpec((None, None, bk, H), kv_map),
             pl.BlockSpec((None, None, bq, 1), q_map), q_map, kv_map)
 
 
-def _prefetch(st: _Static, bq: int, bk: int, over_kv: bool, lens, slopes):
-    if not st.sparse:
+def _prefetch(walk: _WalkSpec, lens, slopes):
+    if not walk.st.sparse:
         return [lens, slopes]
-    return [lens, slopes, *_prefetch_lists(st, bq, bk, over_kv, lens)]
+    return [lens, slopes, *_prefetch_lists(walk, lens)]
 
 
 def _kernel(st: _Static, body):
@@ -310,11 +329,12 @@ _ROW_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
 # --------------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(st: _Static, bq: int, bk: int, steps: int, *refs):
+def _fwd_kernel(walk: _WalkSpec, steps: int, *refs):
+    st, bq, bk = walk.st, walk.bq, walk.bk
     pref, (q_ref, k_ref, v_ref), side, (o_ref, lse_ref, m_sc, l_sc, acc_sc) = _split(refs, st, 3)
     b, n, qi, j = (pl.program_id(a) for a in range(4))
     kv_len = _kv_len(st, pref[0], b)
-    kj, live = _walk(st, bq, bk, pref, b, n, qi, j, over_kv=True)
+    kj, live = _walk(walk, pref, b, n, qi, j)
 
     @pl.when(j == 0)
     def _init():
@@ -349,12 +369,13 @@ def _forward(st: _Static, q, k, v, side, lens, slopes):
     """q ``[B,N,Tp,H]``, k, v ``[B,K,Sp,H]`` -> (o ``[B,N,Tp,H]``, lse ``[B,N,Tp,1]`` fp32)."""
     B, N, Tp, H = q.shape
     bq, bk = st.blocks.block_q, st.blocks.block_k
-    steps = _num_steps(st, bq, bk, over_kv=True)
-    q_spec, kv_spec, row_spec, q_map, kv_map = _row_walk(st, bq, bk, H)
+    walk = _WalkSpec(st, bq, bk, over_kv=True)
+    steps = _num_steps(walk)
+    q_spec, kv_spec, row_spec, q_map, kv_map = _row_walk(walk, H)
     side_args, side_specs = _side_inputs(st, side, bq, bk, q_map, kv_map)
-    pref = _prefetch(st, bq, bk, True, lens, slopes)
+    pref = _prefetch(walk, lens, slopes)
     return st.call(
-        _kernel(st, functools.partial(_fwd_kernel, st, bq, bk, steps)),
+        _kernel(st, functools.partial(_fwd_kernel, walk, steps)),
         out_shape=[jax.ShapeDtypeStruct((B, N, Tp, H), q.dtype),
                    jax.ShapeDtypeStruct((B, N, Tp, 1), jnp.float32)],
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -373,12 +394,13 @@ def _forward(st: _Static, q, k, v, side, lens, slopes):
 # --------------------------------------------------------------------------- backward: dq
 
 
-def _dq_kernel(st: _Static, bq: int, bk: int, steps: int, *refs):
+def _dq_kernel(walk: _WalkSpec, steps: int, *refs):
+    st, bq, bk = walk.st, walk.bq, walk.bk
     pref, tensors, side, (dq_ref, dq_sc) = _split(refs, st, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = tensors
     b, n, qi, j = (pl.program_id(a) for a in range(4))
     kv_len = _kv_len(st, pref[0], b)
-    kj, live = _walk(st, bq, bk, pref, b, n, qi, j, over_kv=True)
+    kj, live = _walk(walk, pref, b, n, qi, j)
 
     @pl.when(j == 0)
     def _init():
@@ -403,12 +425,13 @@ def _dq_kernel(st: _Static, bq: int, bk: int, steps: int, *refs):
 def _backward_dq(st: _Static, q, k, v, do, lse, delta, side, lens, slopes):
     B, N, Tp, H = q.shape
     bq, bk = st.blocks.block_q_dq, st.blocks.block_k_dq
-    steps = _num_steps(st, bq, bk, over_kv=True)
-    q_spec, kv_spec, row_spec, q_map, kv_map = _row_walk(st, bq, bk, H)
+    walk = _WalkSpec(st, bq, bk, over_kv=True)
+    steps = _num_steps(walk)
+    q_spec, kv_spec, row_spec, q_map, kv_map = _row_walk(walk, H)
     side_args, side_specs = _side_inputs(st, side, bq, bk, q_map, kv_map)
-    pref = _prefetch(st, bq, bk, True, lens, slopes)
+    pref = _prefetch(walk, lens, slopes)
     return st.call(
-        _kernel(st, functools.partial(_dq_kernel, st, bq, bk, steps)),
+        _kernel(st, functools.partial(_dq_kernel, walk, steps)),
         out_shape=jax.ShapeDtypeStruct((B, N, Tp, H), q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(pref),
@@ -425,12 +448,13 @@ def _backward_dq(st: _Static, q, k, v, do, lse, delta, side, lens, slopes):
 # --------------------------------------------------------------------------- backward: dk, dv
 
 
-def _dkv_kernel(st: _Static, bq: int, bk: int, steps: int, *refs):
+def _dkv_kernel(walk: _WalkSpec, steps: int, *refs):
+    st, bq, bk = walk.st, walk.bq, walk.bk
     pref, tensors, side, (dk_ref, dv_ref, dk_sc, dv_sc) = _split(refs, st, 6)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = tensors
     b, h, kj, g, i = (pl.program_id(a) for a in range(5))
     kv_len = _kv_len(st, pref[0], b)
-    qi, live = _walk(st, bq, bk, pref, b, h * st.G + g, kj, i, over_kv=False)
+    qi, live = _walk(walk, pref, b, h * st.G + g, kj, i)
 
     @pl.when((g == 0) & (i == 0))
     def _init():
@@ -460,23 +484,24 @@ def _backward_dkv(st: _Static, q, k, v, do, lse, delta, side, lens, slopes):
     B, N, Tp, H = q.shape
     K, Sp = k.shape[1], k.shape[2]
     bq, bk = st.blocks.block_q_dkv, st.blocks.block_k_dkv
-    steps = _num_steps(st, bq, bk, over_kv=False)
+    walk = _WalkSpec(st, bq, bk, over_kv=False)
+    steps = _num_steps(walk)
     G = st.G
 
     def q_map(b, h, j, g, i, *pref):
-        qi, _ = _walk(st, bq, bk, pref, b, h * G + g, j, i, over_kv=False)
+        qi, _ = _walk(walk, pref, b, h * G + g, j, i)
         return b, h * G + g, qi, 0
 
     def kv_map(b, h, j, g, i, *pref):
         return b, h, j, 0
 
     side_args, side_specs = _side_inputs(st, side, bq, bk, q_map, kv_map)
-    pref = _prefetch(st, bq, bk, False, lens, slopes)
+    pref = _prefetch(walk, lens, slopes)
     q_spec = pl.BlockSpec((None, None, bq, H), q_map)
     kv_spec = pl.BlockSpec((None, None, bk, H), kv_map)
     row_spec = pl.BlockSpec((None, None, bq, 1), q_map)
     return st.call(
-        _kernel(st, functools.partial(_dkv_kernel, st, bq, bk, steps)),
+        _kernel(st, functools.partial(_dkv_kernel, walk, steps)),
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(pref),
@@ -546,10 +571,10 @@ def flash_attention_tpu(q, k, v, *, causal: bool = False, window=None, q_segment
     ``pltpu.force_tpu_interpret_mode()`` or with ``interpret=True``.
     """
     B, T, S, N, K, H = common.check_inputs(
-        q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, kv_lengths=kv_lengths,
-        q_offset=q_offset, alibi_slopes=alibi_slopes, softcap=softcap, scale=scale)
-    common.check_pattern(B, T, S, N, block_map=block_map, q_global=q_global, kv_global=kv_global,
-                         random_kv_starts=random_kv_starts, random_block_size=random_block_size)
+        q, k, v, window=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, kv_lengths=kv_lengths,
+        q_offset=q_offset, alibi_slopes=alibi_slopes, softcap=softcap, scale=scale, block_map=block_map,
+        q_global=q_global, kv_global=kv_global, random_kv_starts=random_kv_starts,
+        random_block_size=random_block_size)
     in_dtype = q.dtype
     dtype = jnp.float32 if in_dtype == jnp.float16 else in_dtype
     blocks = resolve_block_sizes(block_sizes, T, S, H, jnp.dtype(dtype).itemsize)

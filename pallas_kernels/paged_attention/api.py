@@ -1,4 +1,8 @@
-"""``paged_attention``: validation, split sizing, backend dispatch and the split-K merge."""
+"""``paged_attention``: validation, split sizing, backend dispatch and the split-K merge.
+
+Split-K (flash-decoding): a sequence's ``M`` pages are cut into ``Z`` splits of ``pages_per_split``
+pages, each reduced by its own program; :func:`merge_splits` combines the ``Z`` partials.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +10,24 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float
 
 from pallas_kernels.paged_attention.reference import paged_attention_reference
+from pallas_kernels.typing import BlockTables, DecodeOut, DecodeQuery, Lengths, Pages, Slopes
 
 BACKENDS = ("auto", "gpu", "tpu", "reference")
 
 
-def merge_splits(acc, m, l):
-    """Log-sum-exp merge of per-split partials ``acc [B,K,S,G,H]``, ``m, l [B,K,S,G]`` -> ``[B,K,G,H]``.
+def merge_splits(acc: Float[Array, "B K Z G H"], m: Float[Array, "B K Z G"],
+                 l: Float[Array, "B K Z G"]) -> Float[Array, "B K G H"]:
+    """Log-sum-exp merge of per-split partials ``acc [B,K,Z,G,H]``, ``m, l [B,K,Z,G]`` -> ``[B,K,G,H]``.
 
     Splits that saw no key have ``m = -inf, l = 0`` and drop out; a sequence with
     no key at all gets zeros.
     """
     m_max = jnp.max(m, axis=2, keepdims=True)
     m_max = jnp.where(jnp.isfinite(m_max), m_max, 0.0)
-    w = jnp.exp(m - m_max)  # [B, K, S, G]
+    w = jnp.exp(m - m_max)  # [B, K, Z, G]
     denom = jnp.sum(w * l, axis=2)  # [B, K, G]
     num = jnp.sum(w[..., None] * acc, axis=2)  # [B, K, G, H]
     return num / jnp.where(denom == 0.0, 1.0, denom)[..., None]
@@ -66,10 +73,11 @@ def default_pages_per_split(M: int, B: int, K: int, num_splits: int | None, page
     return -(-M // min(num_splits, M))
 
 
-def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float | None = None,
-                    alibi_slopes=None, softcap: float | None = None, window: int | None = None,
-                    num_splits: int | None = None,
-                    pages_per_split: int | None = None, backend: str = "auto", interpret: bool = False):
+def paged_attention(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_tables: BlockTables, lengths: Lengths,
+                    *, scale: float | None = None, alibi_slopes: Slopes | None = None,
+                    softcap: float | None = None, window: int | None = None, num_splits: int | None = None,
+                    pages_per_split: int | None = None, backend: str = "auto",
+                    interpret: bool = False) -> DecodeOut:
     """Decode attention of one query token per sequence against a paged KV cache.
 
     Args:
@@ -80,9 +88,10 @@ def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, scale: float 
       scale: logits scale, default ``1/sqrt(H)``.
       alibi_slopes: ``[N]`` or ``[B, N]``; adds ``-slope * (lengths[b] - 1 - pos)``.
       softcap: logit soft-capping, applied before ALiBi.
-      window: sliding window W (static): only keys at ``pos >= lengths[b] - W`` are seen, the
-        query's last W. Positions are relative, so tables may start past dropped pages.
-      num_splits / pages_per_split: split-K over pages (at most one of the two).
+      window: sliding window (static int): only keys at ``pos >= lengths[b] - window`` are seen,
+        the query's last ``window``. Positions are relative, so tables may start past dropped pages.
+      num_splits / pages_per_split: split-K over pages, ``Z`` splits of ``pages_per_split`` pages
+        (at most one of the two).
       backend: "gpu" (Triton), "tpu" (Mosaic), "reference", or "auto" (the kernel of
         the default device; the reference on CPU unless ``interpret``).
       interpret: run the kernel in Pallas interpret mode (CPU testing).

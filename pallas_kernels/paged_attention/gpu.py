@@ -1,6 +1,6 @@
 """Paged-attention decode in Pallas for GPU (Triton lowering).
 
-Grid ``(B, K, S)``: one program per sequence, kv head and split of pages. A
+Grid ``(B, K, Z)``: one program per sequence, kv head and split of pages. A
 program holds the ``G`` query heads of its kv head as one ``[G, H]`` tile
 (padded to a power of two >= 16 rows for ``tl.dot``), walks its pages in order,
 loading each ``[L, H]`` page of k and v straight from the pool at the row the
@@ -18,6 +18,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Float
+
+from pallas_kernels.typing import BlockTables, Lengths, Pages
 
 NEG_INF = float("-inf")
 
@@ -76,19 +79,21 @@ def _kernel(lengths_ref, tables_ref, q_ref, slopes_ref, k_ref, v_ref, acc_ref, m
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "window", "pages_per_split", "interpret",
                                              "num_warps", "num_stages"))
-def paged_attention_partials_gpu(q, k_pages, v_pages, block_tables, lengths, slopes, *, scale: float,
+def paged_attention_partials_gpu(q: Float[Array, "B K G H"], k_pages: Pages, v_pages: Pages, block_tables: BlockTables,
+                                 lengths: Lengths, slopes: Float[Array, "B K G"] | None, *, scale: float,
                                  softcap: float | None, pages_per_split: int, window: int | None = None,
-                                 interpret: bool = False, num_warps: int = 4, num_stages: int = 2):
+                                 interpret: bool = False, num_warps: int = 4, num_stages: int = 2,
+                                 ) -> tuple[Float[Array, "B K Z G H"], Float[Array, "B K Z G"], Float[Array, "B K Z G"]]:
     """Per-split partial results for ``q [B, K, G, H]`` (already grouped by kv head).
 
     ``slopes``: ``[B, K, G]`` fp32 or None; ``window``: None or the keys each query sees.
-    Returns ``acc [B, K, S, G, H]`` (unnormalised, fp32), ``m, l [B, K, S, G]`` (running max
-    and sum of ``exp(s - m)``).
+    Returns ``acc [B, K, Z, G, H]`` (unnormalised, fp32), ``m, l [B, K, Z, G]`` (running max
+    and sum of ``exp(s - m)``) for the ``Z = ceil(M / pages_per_split)`` splits.
     """
     B, K, G, H = q.shape
     _, P, L, _ = k_pages.shape
     M = block_tables.shape[1]
-    S = -(-M // pages_per_split)
+    Z = -(-M // pages_per_split)
     Gp = max(16, _next_pow2(G))
     use_alibi = slopes is not None
     q = jnp.pad(q, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
@@ -98,24 +103,24 @@ def paged_attention_partials_gpu(q, k_pages, v_pages, block_tables, lengths, slo
                                page_size=L, pages_per_split=pages_per_split)
     acc, m, l = pl.pallas_call(
         kernel,
-        grid=(B, K, S),
+        grid=(B, K, Z),
         in_specs=[
-            pl.BlockSpec((B,), lambda b, h, s: (0,)),
-            pl.BlockSpec((None, M), lambda b, h, s: (b, 0)),
-            pl.BlockSpec((None, None, Gp, H), lambda b, h, s: (b, h, 0, 0)),
-            pl.BlockSpec((None, None, Gp), lambda b, h, s: (b, h, 0)),
-            pl.BlockSpec((None, P, L, H), lambda b, h, s: (h, 0, 0, 0)),
-            pl.BlockSpec((None, P, L, H), lambda b, h, s: (h, 0, 0, 0)),
+            pl.BlockSpec((B,), lambda b, h, z: (0,)),
+            pl.BlockSpec((None, M), lambda b, h, z: (b, 0)),
+            pl.BlockSpec((None, None, Gp, H), lambda b, h, z: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, Gp), lambda b, h, z: (b, h, 0)),
+            pl.BlockSpec((None, P, L, H), lambda b, h, z: (h, 0, 0, 0)),
+            pl.BlockSpec((None, P, L, H), lambda b, h, z: (h, 0, 0, 0)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, Gp, H), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
-            pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, Gp, H), lambda b, h, z: (b, h, z, 0, 0)),
+            pl.BlockSpec((None, None, None, Gp), lambda b, h, z: (b, h, z, 0)),
+            pl.BlockSpec((None, None, None, Gp), lambda b, h, z: (b, h, z, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, K, S, Gp, H), jnp.float32),
-            jax.ShapeDtypeStruct((B, K, S, Gp), jnp.float32),
-            jax.ShapeDtypeStruct((B, K, S, Gp), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, Z, Gp, H), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, Z, Gp), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, Z, Gp), jnp.float32),
         ],
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,

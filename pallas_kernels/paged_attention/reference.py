@@ -5,8 +5,8 @@ sequence, sitting at position ``lengths[b] - 1``; keys at positions
 ``0 .. lengths[b] - 1`` live in page ``block_tables[b, pos // L]`` at row
 ``pos % L``. Logit order: ``scale * q·k`` (fp32) -> ``softcap * tanh(s / softcap)``
 -> ``- slope * (lengths[b] - 1 - pos)`` (ALiBi) -> mask ``pos < lengths[b]`` (and,
-with a sliding ``window`` W, ``pos >= lengths[b] - W``: the query sees its last W
-keys) -> softmax. A sequence of length 0 gives a zero output.
+with a sliding ``window``, ``pos >= lengths[b] - window``: the query sees its last
+``window`` keys) -> softmax. A sequence of length 0 gives a zero output.
 
 Only distances enter the logits, so a table whose leading pages were dropped (the
 sliding window's freed pages) is read as if its first page sat at position 0.
@@ -18,9 +18,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Shaped
+
+from pallas_kernels.typing import ArrayLike, BlockTables, DecodeOut, DecodeQuery, Lengths, Pages, Slopes
 
 
-def gather_pages(pages, block_tables):
+def gather_pages(pages: Shaped[ArrayLike, "K P L H"], block_tables: BlockTables) -> Shaped[Array, "B M*L K H"]:
     """``[K, P, L, H]`` pages and ``[B, M]`` tables -> contiguous ``[B, M*L, K, H]``."""
     K, _, L, H = pages.shape
     B, M = block_tables.shape
@@ -28,8 +31,9 @@ def gather_pages(pages, block_tables):
     return jnp.transpose(g, (1, 2, 3, 0, 4)).reshape(B, M * L, K, H)
 
 
-def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *, scale=None,
-                              alibi_slopes=None, softcap=None, window=None):
+def paged_attention_reference(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_tables: BlockTables,
+                              lengths: Lengths, *, scale: float | None = None, alibi_slopes: Slopes | None = None,
+                              softcap: float | None = None, window: int | None = None) -> DecodeOut:
     """``q [B, N, H]`` against paged ``k_pages, v_pages [K, P, L, H]`` -> ``[B, N, H]``.
 
     ``alibi_slopes``: ``[N]`` or ``[B, N]``; ``window``: None or an int >= 1 (keys seen).

@@ -1,10 +1,10 @@
 """Paged-attention decode in Pallas for TPU (Mosaic), block tables scalar-prefetched.
 
-Grid ``(B, K, S, pages_per_split)``. The lengths and the flattened block
-tables are prefetched into SMEM, and the k/v ``BlockSpec`` index maps read the
-page id of grid step ``(b, h, s, p)`` from them, so the pipeline DMAs exactly one
-``[L, H]`` page per step from the pool into VMEM, no contiguous copy of the
-cache. Steps past a sequence's last page repeat the index of its last page (no
+Grid ``(B, K, Z, pages_per_split)``, ``Z`` splits of a sequence's pages. The
+lengths and the flattened block tables are prefetched into SMEM, and the k/v
+``BlockSpec`` index maps read the page id of grid step ``(b, h, z, p)`` from
+them, so the pipeline DMAs exactly one ``[L, H]`` page per step from the pool
+into VMEM, no contiguous copy of the cache. Steps past a sequence's last page repeat the index of its last page (no
 new DMA) and skip the compute; with a sliding ``window``, steps before the first
 page holding a visible key repeat that page's index and skip too. The ``G``
 query heads of a kv head form one ``[G, H]`` tile; an online softmax lives in
@@ -20,6 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Float
+
+from pallas_kernels.typing import BlockTables, Lengths, Pages
 
 NEG_INF = float("-inf")
 
@@ -76,9 +79,11 @@ def _kernel(lengths_ref, tables_ref, q_ref, slopes_ref, k_ref, v_ref, acc_ref, m
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "window", "pages_per_split", "interpret"))
-def paged_attention_partials_tpu(q, k_pages, v_pages, block_tables, lengths, slopes, *, scale: float,
+def paged_attention_partials_tpu(q: Float[Array, "B K G H"], k_pages: Pages, v_pages: Pages, block_tables: BlockTables,
+                                 lengths: Lengths, slopes: Float[Array, "B K G"] | None, *, scale: float,
                                  softcap: float | None, pages_per_split: int, window: int | None = None,
-                                 interpret: bool = False):
+                                 interpret: bool = False,
+                                 ) -> tuple[Float[Array, "B K Z G H"], Float[Array, "B K Z G"], Float[Array, "B K Z G"]]:
     """Per-split partials for ``q [B, K, G, H]``; same contract as the GPU kernel's.
 
     ``interpret=True`` runs the TPU interpreter on CPU (as does calling under
@@ -87,29 +92,29 @@ def paged_attention_partials_tpu(q, k_pages, v_pages, block_tables, lengths, slo
     B, K, G, H = q.shape
     _, P, L, _ = k_pages.shape
     M = block_tables.shape[1]
-    S = -(-M // pages_per_split)
+    Z = -(-M // pages_per_split)
     use_alibi = slopes is not None
     slopes = jnp.zeros((B, K, G, 1), jnp.float32) if slopes is None else slopes.astype(jnp.float32)[..., None]
 
-    def page_map(b, h, s, p, lengths_ref, tables_ref):
+    def page_map(b, h, z, p, lengths_ref, tables_ref):
         last = jnp.maximum((lengths_ref[b] + L - 1) // L - 1, 0)
-        j = jnp.minimum(s * pages_per_split + p, last)
+        j = jnp.minimum(z * pages_per_split + p, last)
         if window is not None:  # pages behind the window: repeat the first visible one
             j = jnp.maximum(j, jnp.minimum(jnp.maximum(lengths_ref[b] - window, 0) // L, last))
         j = jnp.minimum(j, M - 1)
         return h, tables_ref[b * M + j], 0, 0
 
-    def head_map(b, h, s, p, lengths_ref, tables_ref):
+    def head_map(b, h, z, p, lengths_ref, tables_ref):
         return b, h, 0, 0
 
-    def out_map(b, h, s, p, lengths_ref, tables_ref):
-        return b, h, s, 0, 0
+    def out_map(b, h, z, p, lengths_ref, tables_ref):
+        return b, h, z, 0, 0
 
     kernel = functools.partial(_kernel, scale=scale, softcap=softcap, use_alibi=use_alibi, window=window,
                                page_size=L, pages_per_split=pages_per_split)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
-        grid=(B, K, S, pages_per_split),
+        grid=(B, K, Z, pages_per_split),
         in_specs=[
             pl.BlockSpec((None, None, G, H), head_map),
             pl.BlockSpec((None, None, G, 1), head_map),
@@ -128,9 +133,9 @@ def paged_attention_partials_tpu(q, k_pages, v_pages, block_tables, lengths, slo
         kernel,
         grid_spec=grid_spec,
         out_shape=[
-            jax.ShapeDtypeStruct((B, K, S, G, H), jnp.float32),
-            jax.ShapeDtypeStruct((B, K, S, G, 1), jnp.float32),
-            jax.ShapeDtypeStruct((B, K, S, G, 1), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, Z, G, H), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, Z, G, 1), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, Z, G, 1), jnp.float32),
         ],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),

@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from jaxformer.decode.paged import BlockManager, OutOfPages
+from jaxformer.decode.block_manager import BlockManager, OutOfPages
 
 L, P = 4, 12
 

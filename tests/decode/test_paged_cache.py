@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxformer.decode.kv_cache import KVCache
-from jaxformer.decode.paged import PagedKVCache, copy_pages
+from jaxformer.decode.paged_cache import PagedKVCache, copy_pages
 
 B, K, G, H, L, M, P = 3, 2, 2, 8, 4, 4, 16
 

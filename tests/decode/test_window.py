@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from jaxformer.decode import engine as eng
-from jaxformer.decode.paged import BlockManager
+from jaxformer.decode.block_manager import BlockManager
 from jaxformer.decode.sampling import SamplingParams
 from jaxformer.model import ModelConfig, apply, init, presets
 

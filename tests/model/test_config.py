@@ -148,6 +148,7 @@ def test_flops_per_token_encoder_decoder_counts_cross_attention():
     assert flops_per_token(cfg, T) == 6 * (enc + dec + D * V) + 12 * T * D * (6 + 2 * 6)
 
 
+@pytest.mark.no_typecheck
 def test_wrong_token_rank_and_dtype_raise():
     model = nnx.eval_shape(lambda: Transformer(presets.get("gpt2_tiny")))
     x3 = jax.ShapeDtypeStruct((2, 3, 4), "int32")

@@ -144,6 +144,7 @@ def test_gqa_with_k_equal_n_is_mha_and_gqa_equals_mha_with_repeated_kv_weights()
     np.testing.assert_allclose(y_mha, want, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.no_typecheck
 def test_attention_bad_input():
     with pytest.raises(ValueError, match="heads 6 not divisible by kv heads 4"):
         Attention(24, 6, 4, rngs=nnx.Rngs(0))
@@ -351,3 +352,19 @@ def test_params_shard_eagerly_only_under_a_mesh_with_rules():
     plain = Embed(8, 4, rngs=nnx.Rngs(0))  # no mesh: created unsharded, same values
     assert len(plain.embedding[...].sharding.device_set) == 1
     np.testing.assert_array_equal(plain.embedding[...], emb.embedding[...])
+
+
+def test_initialisers_are_jax_nn_initializers():
+    """``normal`` draws jax.nn.initializers.normal in fp32 (bf16 parameters: the same draw, rounded);
+    ``normal(xavier_std(...))`` draws what Glorot normal (variance_scaling, fan_avg) draws."""
+    from jaxformer.nn.params import normal, ones, xavier_std, zeros
+
+    key, shape = jax.random.key(3), (48, 80)
+    want = jax.nn.initializers.normal(0.02)(key, shape, jnp.float32)
+    np.testing.assert_array_equal(normal(0.02)(key, shape, jnp.float32), want)
+    np.testing.assert_array_equal(normal(0.02)(key, shape, jnp.bfloat16), want.astype(jnp.bfloat16))
+    glorot = jax.nn.initializers.variance_scaling(0.7 ** 2, "fan_avg", "normal")(key, shape, jnp.float32)
+    # the same standard normal draw times a std computed two ways (a float32 ulp apart at most)
+    np.testing.assert_allclose(normal(xavier_std(*shape, gain=0.7))(key, shape, jnp.float32), glorot, rtol=1e-6)
+    assert (zeros(key, (2,), jnp.bfloat16) == 0).all() and zeros(key, (2,), jnp.bfloat16).dtype == jnp.bfloat16
+    assert (ones(key, (2,), jnp.float32) == 1).all()

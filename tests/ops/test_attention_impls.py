@@ -15,7 +15,7 @@ import pytest
 
 from jaxformer.ops import MaskSpec, dot_product_attention
 from jaxformer.ops.losses import cross_entropy
-from tests.attention_helpers import attention_inputs as _inputs, jit_fast
+from tests.attention_helpers import attention_inputs as _inputs
 
 
 def _max_err(a, b):
@@ -41,7 +41,7 @@ def test_impls_agree(mask):
             outs[impl] = (o, *vjp(do))
         return outs
 
-    outs = jit_fast(go, q, k, v, do, mask)
+    outs = jax.jit(go)(q, k, v, do, mask)
     # fp32, identical math, different summation order: 1e-5 forward, 1e-4 gradients
     for impl in ("blockwise", "pallas"):
         for name, a, b, tol in zip(("out", "dq", "dk", "dv"), outs[impl], outs["xla"], (1e-5, 1e-4, 1e-4, 1e-4)):
@@ -54,8 +54,8 @@ STEPS = 3
 @functools.cache
 def _train(impl: str):
     """STEPS Adam steps of llama_tiny (GQA, RoPE) with ``attention_impl=impl``: (losses, final params)."""
-    from jaxformer.model import init, presets
     from jaxformer.model import apply as model_apply
+    from jaxformer.model import init, presets
 
     B, T = 2, 16
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (B, T + 1)), jnp.int32)
@@ -76,7 +76,7 @@ def _train(impl: str):
         (state, _), losses = jax.lax.scan(step, (state, opt.init(state)), None, length=STEPS)
         return losses, state
 
-    return jit_fast(run, state)
+    return jax.jit(run)(state)
 
 
 @pytest.mark.parametrize("impl", ["pallas", "blockwise"])

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from jaxformer.ops import MaskSpec, xla_attention
 from jaxformer.ops.blockwise import blockwise_attention
-from tests.attention_helpers import assert_close as _close, attention_inputs as _inputs, jit_fast
+from tests.attention_helpers import assert_close as _close
+from tests.attention_helpers import attention_inputs as _inputs
 
 # Tolerances relative to max(1, max|want|). fp32: same math as the dense path, different summation
 # order -> 1e-5 forward, 1e-4 gradients. bf16: p is rounded to bf16 before p @ v and the output is
@@ -33,7 +34,7 @@ def check(shape, mask, *, dtype=jnp.float32, block_k=16, block_q=8, seed=0, **kw
         o_d, vjp_d = jax.vjp(lambda q, k, v: xla_attention(q, k, v, mask=mask, **kw), *f32)
         return o, vjp(do), o_d, vjp_d(do.astype(jnp.float32))
 
-    o, g, o_d, g_d = jit_fast(go, q, k, v, do, mask)
+    o, g, o_d, g_d = jax.jit(go)(q, k, v, do, mask)
     assert o.dtype == dtype and all(x.dtype == dtype for x in g)
     ftol, gtol = TOL[dtype]
     _close(o, o_d, ftol, "out")
@@ -85,8 +86,8 @@ def test_dead_blocks_are_skipped_not_masked():
     v_bad[:, 48:] = v_bad[:, :8] = np.nan  # q block 2 (rows 32..47) sees kv blocks 1, 2 only
     mask = MaskSpec(causal=True, window=(8, 0))
     f = lambda q, k, v: blockwise_attention(q, k, v, mask=mask, block_k=16, block_q=16)  # noqa: E731
-    o = jit_fast(f, q, k, v_bad)
-    want = jit_fast(lambda q, k, v: xla_attention(q, k, v, mask=mask), q, k, v)
+    o = jax.jit(f)(q, k, v_bad)
+    want = jax.jit(lambda q, k, v: xla_attention(q, k, v, mask=mask))(q, k, v)
     _close(o[:, 32:48], want[:, 32:48], 1e-5, "rows whose live blocks are clean")
     # backward: with causal, kv blocks 1..3 never meet q block 0
     q_bad = np.array(q)
@@ -97,9 +98,9 @@ def test_dead_blocks_are_skipped_not_masked():
     def grads(fn, q, k, v):
         return jax.vjp(fn, q, k, v)[1](do)
 
-    _, dk, dv = jit_fast(lambda *a: grads(lambda q, k, v: blockwise_attention(
-        q, k, v, mask=cmask, block_k=16, block_q=16), *a), q_bad, k, v)
-    _, dk_d, dv_d = jit_fast(lambda *a: grads(lambda q, k, v: xla_attention(q, k, v, mask=cmask), *a), q, k, v)
+    _, dk, dv = jax.jit(lambda *a: grads(lambda q, k, v: blockwise_attention(
+        q, k, v, mask=cmask, block_k=16, block_q=16), *a))(q_bad, k, v)
+    _, dk_d, dv_d = jax.jit(lambda *a: grads(lambda q, k, v: xla_attention(q, k, v, mask=cmask), *a))(q, k, v)
     _close(dk[:, 16:], dk_d[:, 16:], 1e-4, "dk")
     _close(dv[:, 16:], dv_d[:, 16:], 1e-4, "dv")
 
@@ -166,6 +167,7 @@ def test_drawn(B, T, S, K, G, causal, window, offset, use_seg, use_len, use_alib
     (dict(alibi_slopes=jnp.zeros((5,))), r"alibi_slopes.shape=\(5,\)"),
     (dict(mask=MaskSpec(window=(1, 1), global_tokens=[0])), "does not handle MaskSpec.global_tokens"),
 ])
+@pytest.mark.no_typecheck
 def test_bad_input_raises(kwargs, match):
     q, k, v, _ = _inputs(1, 4, 4, 2, 1, 8)
     with pytest.raises(ValueError, match=match):

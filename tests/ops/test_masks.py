@@ -117,6 +117,7 @@ def test_q_segments_without_kv_segments_need_square():
 
 
 @pytest.mark.parametrize("window", [(1,), (-1, 2), (1.5, 2)])
+@pytest.mark.no_typecheck
 def test_bad_window(window):
     with pytest.raises(ValueError, match="window"):
         MaskSpec(window=window)
@@ -269,6 +270,7 @@ def test_validate_random_heads():
     (dict(global_tokens=np.zeros((1, 2, 3), np.int32)), r"global_tokens must be int positions"),
     (dict(random_blocks=(1, 2)), r"random_blocks must be a RandomBlocks"),
 ])
+@pytest.mark.no_typecheck
 def test_bad_pattern_fields(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MaskSpec(**kwargs)
@@ -280,6 +282,7 @@ def test_bad_pattern_fields(kwargs, match):
     (dict(num_blocks=1, block_size=2, num_heads=0), r"num_heads=0"),
     (dict(num_blocks=1, block_size=2, seed=1.5), r"seed=1.5"),
 ])
+@pytest.mark.no_typecheck
 def test_bad_random_blocks(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RandomBlocks(**kwargs)

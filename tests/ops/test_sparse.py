@@ -216,6 +216,7 @@ def test_block_lists_are_narrow():
     (dict(mask=np.ones((8, 8), bool)), r"mask must be a MaskSpec"),
     (dict(mask=MaskSpec(), softcap=-1.0), r"softcap=-1.0"),
 ])
+@pytest.mark.no_typecheck
 def test_bad_input(kwargs, match):
     q, k, v = jnp.zeros((2, 8, 4, 8)), jnp.zeros((2, 8, 2, 8)), jnp.zeros((2, 8, 2, 8))
     with pytest.raises(ValueError, match=match):

@@ -13,8 +13,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxformer.ops import MaskSpec, xla_attention
-from pallas_kernels.flash_attention import BlockSizes, flash_attention, reference
-from pallas_kernels.flash_attention import common
+from pallas_kernels.flash_attention import (
+    BlockSizes,
+    common,
+    flash_attention,
+    reference,
+)
 
 windows = st.sampled_from([None, (0, 0), (3, None), (None, 2), (5, 1), (0, None), (None, None), (40, 40)])
 offsets = st.sampled_from([None, 0, 3, -4, 11])
@@ -204,6 +208,7 @@ def _qkv(B=1, T=8, S=8, N=2, K=1, H=16, dtype=jnp.float32):
     (dict(softcap=-1.0), dict(), "softcap=-1.0"),
     (dict(backend="cuda"), dict(), "backend='cuda' is not one of"),
 ])
+@pytest.mark.no_typecheck
 def test_bad_input_raises(kwargs, shapes, match):
     q, k, v = _qkv(**shapes)
     kwargs = dict(interpret=True, backend="gpu") | kwargs

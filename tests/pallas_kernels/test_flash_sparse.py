@@ -15,20 +15,15 @@ from jaxformer.ops.attention import dot_product_attention
 from jaxformer.ops.flash import pallas_attention
 from jaxformer.ops.masks import RandomBlocks
 from pallas_kernels.flash_attention import BlockSizes, flash_attention
-from tests.attention_helpers import assert_close as _close, attention_inputs as _inputs, jit_fast
+from tests.attention_helpers import assert_close as _close
+from tests.attention_helpers import attention_inputs as _inputs
+from tests.attention_helpers import fwd_bwd
 
 # fp32 throughout; kernel and oracle differ only in summation order (online softmax, block sums):
 # 1e-5 forward, 1e-4 gradients, relative to max(1, max|want|).
 TOL_FWD, TOL_GRAD = 1e-5, 1e-4
 MIXED = BlockSizes(16, 32, block_q_dkv=32, block_k_dkv=16, block_q_dq=16, block_k_dq=32)
 B16 = BlockSizes(16, 16, block_q_dkv=16, block_k_dkv=16, block_q_dq=16, block_k_dq=16)
-
-
-def _fwd_bwd(attn):
-    def run(q, k, v, do):
-        out, vjp = jax.vjp(attn, q, k, v)
-        return (out, *vjp(do))
-    return run
 
 
 CASES = {
@@ -53,8 +48,8 @@ def test_patterns_match_xla(name):
     q, k, v, do = _inputs(dims["B"], dims["T"], dims["S"], dims["N"], dims["K"], dims["H"])
     live = mask.block_map(dims["T"], dims["S"], 16, 32, per_head=True)
     assert not live.all(), "the case must leave tiles out, or it tests nothing about skipping"
-    got = jit_fast(_fwd_bwd(lambda q, k, v: pallas_attention(q, k, v, mask=mask, block_sizes=MIXED)), q, k, v, do)
-    want = jit_fast(_fwd_bwd(lambda q, k, v: xla_attention(q, k, v, mask=mask)), q, k, v, do)
+    got = jax.jit(fwd_bwd(lambda q, k, v: pallas_attention(q, k, v, mask=mask, block_sizes=MIXED)))(q, k, v, do)
+    want = jax.jit(fwd_bwd(lambda q, k, v: xla_attention(q, k, v, mask=mask)))(q, k, v, do)
     for g, w, what, tol in zip(got, want, ("out", "dq", "dk", "dv"), (TOL_FWD, TOL_GRAD, TOL_GRAD, TOL_GRAD)):
         _close(g, w, tol, f"{name} {what}")
 
@@ -62,8 +57,8 @@ def test_patterns_match_xla(name):
 def test_dot_product_attention_routes_patterns_to_pallas():
     mask = MaskSpec(window=(1, 1), global_tokens=[2], random_blocks=RandomBlocks(1, 4, seed=0))
     q, k, v, do = _inputs(1, 20, 20, 2, 1, 8, seed=3)
-    got = jit_fast(_fwd_bwd(lambda q, k, v: dot_product_attention(q, k, v, mask=mask, impl="pallas")), q, k, v, do)
-    want = jit_fast(_fwd_bwd(lambda q, k, v: dot_product_attention(q, k, v, mask=mask, impl="xla")), q, k, v, do)
+    got = jax.jit(fwd_bwd(lambda q, k, v: dot_product_attention(q, k, v, mask=mask, impl="pallas")))(q, k, v, do)
+    want = jax.jit(fwd_bwd(lambda q, k, v: dot_product_attention(q, k, v, mask=mask, impl="xla")))(q, k, v, do)
     for g, w, what, tol in zip(got, want, ("out", "dq", "dk", "dv"), (TOL_FWD, TOL_GRAD, TOL_GRAD, TOL_GRAD)):
         _close(g, w, tol, what)
 
@@ -101,14 +96,15 @@ def test_only_listed_tiles_are_visited():
     q, k, v, do = _inputs(1, T, S, N, K, H, seed=1)
     poison = jnp.zeros((1, S, K, H)).at[:, 32:48].set(jnp.nan)
     attn = lambda q, k, v: flash_attention(q, k, v, block_map=block_map, block_sizes=B16, interpret=True)
-    got = jit_fast(_fwd_bwd(attn), q, k + poison, v + poison, do)
-    want = jit_fast(_fwd_bwd(lambda q, k, v: _dense_blocked(q, k, v, jnp.asarray(allowed))), q, k, v, do)
+    got = jax.jit(fwd_bwd(attn))(q, k + poison, v + poison, do)
+    want = jax.jit(fwd_bwd(lambda q, k, v: _dense_blocked(q, k, v, jnp.asarray(allowed))))(q, k, v, do)
     for g, w, what, tol in zip(got, want, ("out", "dq", "dk", "dv"), (TOL_FWD, TOL_GRAD, TOL_GRAD, TOL_GRAD)):
         _close(g, w, tol, what)
     assert not np.asarray(got[0])[0, 16:32, 0].any(), "an empty tile list must give zero rows"
     assert not np.asarray(got[3])[0, 32:48].any()
 
 
+@pytest.mark.no_typecheck
 def test_bad_pattern_operands_raise():
     q = k = v = jnp.zeros((1, 8, 2, 8))
     live = lambda bq, bk: np.ones((1, 1, 1), bool)

@@ -22,7 +22,13 @@ from jaxformer.ops.masks import MaskSpec
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.flash_attention.common import BlockSizes
 from pallas_kernels.flash_attention.tpu import flash_attention_tpu
-from tests.attention_helpers import jit_fast
+from tests.attention_helpers import (
+    assert_all_close,
+    attention_inputs,
+    fwd_bwd,
+    mosaic_custom_calls,
+    sorted_segments,
+)
 from tests.pallas_kernels.tpu_recording import record_tpu_interpreter
 
 # fp32: kernel and reference differ only in summation order.
@@ -31,15 +37,6 @@ TOL_F32 = dict(atol=2e-5, rtol=2e-5)
 # the input dtype (eps 2^-8 / 2^-11) and the bf16 kernel also rounds p and dS to bf16 before its
 # matmuls; values here are O(1) and the observed errors ~8e-3 (bf16) and ~3e-4 (fp16).
 TOL = {jnp.float32: TOL_F32, jnp.bfloat16: dict(atol=2e-2, rtol=2e-2), jnp.float16: dict(atol=2e-3, rtol=2e-3)}
-
-
-def _inputs(key, B, T, S, N, K, H, dtype):
-    kq, kk, kv, kc = jax.random.split(key, 4)
-    q = jax.random.normal(kq, (B, T, N, H), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (B, S, K, H), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (B, S, K, H), jnp.float32).astype(dtype)
-    ct = jax.random.normal(kc, (B, T, N, H), jnp.float32)
-    return q, k, v, ct
 
 
 def _kernel_and_ref(q, k, v, ct, *, block_sizes, via_api=False, **kw):
@@ -63,28 +60,11 @@ def _kernel_and_ref(q, k, v, ct, *, block_sizes, via_api=False, **kw):
                                    **kw).astype(jnp.float32)
         return flash_attention_tpu(q, k, v, block_sizes=block_sizes, **kw).astype(jnp.float32)
 
-    def out_and_grads(f, *args):
-        out, vjp = jax.vjp(f, *args)
-        return (out, *vjp(ct))
-
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, ct)]
     with contextlib.nullcontext() if via_api else pltpu.force_tpu_interpret_mode():
-        got = jit_fast(lambda *a: out_and_grads(ker, *a), q, k, v)
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    want = jax.jit(lambda *a: out_and_grads(ref, *a))(*f32)
+        got = jax.jit(fwd_bwd(ker))(q, k, v, f32[3])
+    want = jax.jit(fwd_bwd(ref))(*f32)
     return got, want
-
-
-def _assert_close(got, want, tol):
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-        g = np.asarray(g, np.float32)
-        assert np.isfinite(g).all(), name
-        np.testing.assert_allclose(g, np.asarray(w), err_msg=name, **tol)
-
-
-def _segments(B, L, n_segs, seed):
-    """Sorted (packed-document) ids ``[B, L]`` in ``0..n_segs-1``."""
-    rng = np.random.default_rng(seed)
-    return jnp.asarray(np.sort(rng.integers(0, n_segs, (B, L)), axis=1), jnp.int32)
 
 
 # --------------------------------------------------------------------------- parity
@@ -96,8 +76,8 @@ CASES = {
     # default block sizes (clipped to the lengths).
     "causal_gqa_segments_lens_alibi_softcap": (
         2, 13, 19, 4, 2, 16, jnp.float32, BlockSizes(16, 8),
-        lambda B, T, S, N: dict(causal=True, q_segment_ids=_segments(B, T, 2, 0),
-                                kv_segment_ids=_segments(B, S, 2, 1), kv_lengths=jnp.array([19, 11]),
+        lambda B, T, S, N: dict(causal=True, q_segment_ids=sorted_segments(B, T, 2, 0),
+                                kv_segment_ids=sorted_segments(B, S, 2, 1), kv_lengths=jnp.array([19, 11]),
                                 alibi_slopes=jnp.linspace(0.05, 0.4, N), softcap=3.0)),
     "window_mqa_offset_mixed_blocks": (
         1, 13, 30, 2, 1, 8, jnp.float32,
@@ -112,19 +92,20 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.fp16) if n.startswith("fp16") else n
+                                  for n in CASES])
 def test_matches_dense_reference(name):
     B, T, S, N, K, H, dtype, bs, make_kw = CASES[name]
-    q, k, v, ct = _inputs(jax.random.key(len(name)), B, T, S, N, K, H, dtype)
+    q, k, v, ct = attention_inputs(B, T, S, N, K, H, dtype, seed=len(name))
     got, want = _kernel_and_ref(q, k, v, ct, block_sizes=bs, via_api=name.startswith("fp16"),
                                 **make_kw(B, T, S, N))
     assert got[0].shape == (B, T, N, H)
-    _assert_close(got, want, TOL[dtype])
+    assert_all_close(got, want, **TOL[dtype])
 
 
 def test_fully_masked_rows_give_zero_output_and_zero_grads():
     B, T, S, N, K, H = 2, 16, 16, 1, 1, 8
-    q, k, v, ct = _inputs(jax.random.key(7), B, T, S, N, K, H, jnp.float32)
+    q, k, v, ct = attention_inputs(B, T, S, N, K, H, seed=7)
     # batch 0: rows 6-7 (segment 1's keys are all in their future) and 12-15 (segment 5 has no keys)
     # see nothing; batch 1: every key is padding.
     q_seg = jnp.array([[0] * 6 + [1] * 6 + [5] * 4, [0] * 16], jnp.int32)
@@ -137,16 +118,16 @@ def test_fully_masked_rows_give_zero_output_and_zero_grads():
         assert (x[0, 6:8] == 0).all() and (x[0, 12:] == 0).all() and (x[1] == 0).all()
     assert (np.abs(out[0, :6]).sum(-1) > 0).all()
     assert (dk[1] == 0).all() and (dv[1] == 0).all()
-    _assert_close(got, want, TOL_F32)
+    assert_all_close(got, want, **TOL_F32)
 
 
 def test_padding_rows_never_reach_dk_dv():
     """T = 17 pads to 32 rows for the dk/dv tiles; padding rows see keys 24..31 that the forward
     pass never visited for them, and a steep slope would overflow exp(s - lse) there."""
-    q, k, v, ct = _inputs(jax.random.key(5), 1, 17, 32, 1, 1, 8, jnp.float32)
+    q, k, v, ct = attention_inputs(1, 17, 32, 1, 1, 8, seed=5)
     got, want = _kernel_and_ref(q, k, v, ct, block_sizes=BlockSizes(8, 8, block_q_dkv=32, block_k_dkv=32),
                                 causal=True, q_offset=0, alibi_slopes=jnp.array([16.0]))
-    _assert_close(got, want, TOL_F32)
+    assert_all_close(got, want, **TOL_F32)
 
 
 # 3 drawn examples: each runs the Mosaic kernel in TPU interpret mode (seconds). Every feature is
@@ -174,27 +155,20 @@ def _check_drawn(data):
     kw["window"] = data.draw(st.sampled_from([None, (3, None), (None, 2), (4, 6)]), "window")
     kw["q_offset"] = data.draw(st.sampled_from([None, 0, 3, -2]), "q_offset")
     if data.draw(st.booleans(), "segments"):
-        kw["q_segment_ids"] = _segments(B, T, 3, T)
-        kw["kv_segment_ids"] = _segments(B, S, 3, S + 1)
+        kw["q_segment_ids"] = sorted_segments(B, T, 3, T)
+        kw["kv_segment_ids"] = sorted_segments(B, S, 3, S + 1)
     if data.draw(st.booleans(), "kv_lengths"):
         kw["kv_lengths"] = jnp.array([data.draw(st.integers(0, S + 2), "kv_length")])
     if data.draw(st.booleans(), "alibi"):
         kw["alibi_slopes"] = jnp.linspace(0.1, 0.5, N)
     kw["softcap"] = data.draw(st.sampled_from([None, 2.5]), "softcap")
     bq, bk = data.draw(st.sampled_from([(8, 8), (16, 8), (8, 16)]), "blocks")
-    q, k, v, ct = _inputs(jax.random.key(T * 100 + S), B, T, S, N, K, H, jnp.float32)
+    q, k, v, ct = attention_inputs(B, T, S, N, K, H, seed=T * 100 + S)
     got, want = _kernel_and_ref(q, k, v, ct, block_sizes=BlockSizes(bq, bk), **kw)
-    _assert_close(got, want, TOL_F32)
+    assert_all_close(got, want, **TOL_F32)
 
 
 # --------------------------------------------------------------------------- block skipping
-
-
-def _ideal_fetches(rows):
-    """DMA count of a pipeline that visits exactly ``rows`` (block indices per grid row, in order)
-    and re-fetches only when the block index changes."""
-    seq = [j for row in rows for j in row]
-    return sum(1 for a, b in zip([None] + seq, seq) if a != b)
 
 
 def test_dead_blocks_are_never_fetched(monkeypatch):
@@ -209,16 +183,12 @@ def test_dead_blocks_are_never_fetched(monkeypatch):
     live = spec.block_map(T, S, bq, bk)
     nq, nk = live.shape
     assert (~live[:, 0]).any() and (~live[:, -1]).any() and live.sum(1).max() < nk
-    q, k, v, ct = _inputs(jax.random.key(3), B, T, S, N, K, H, jnp.float32)
-
-    def out_and_grads(q, k, v):
-        out, vjp = jax.vjp(lambda *a: flash_attention_tpu(*a, block_sizes=BlockSizes(bq, bk), **mask), q, k, v)
-        return (out, *vjp(ct))
+    q, k, v, ct = attention_inputs(B, T, S, N, K, H, seed=3)
 
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(grid_point_recorder=record_point)):
-        got = jit_fast(out_and_grads, q, k, v)
+        got = jax.jit(fwd_bwd(lambda *a: flash_attention_tpu(*a, block_sizes=BlockSizes(bq, bk), **mask)))(q, k, v, ct)
     want = jax.jit(jax.grad(lambda *a: jnp.vdot(xla_attention(*a, mask=spec), ct), argnums=(0, 1, 2)))(q, k, v)
-    _assert_close(got[1:], want, TOL_F32)
+    assert_all_close(got[1:], want, **TOL_F32, names=("dq", "dk", "dv"))
 
     kv_rows = collections.defaultdict(collections.Counter)  # q block -> k blocks copied (forward + dq)
     for point, block in fetched[(4, "refs[1]")]:  # k; grid (b, n, q block, step)
@@ -254,18 +224,6 @@ def test_lowers_to_mosaic_for_tpu(features):
     else:
         T, S, kw = 1000, 1500, {}
     assert mosaic_custom_calls((B, T, N, H), (B, S, K, H), kw) == 3
-
-
-def mosaic_custom_calls(q_shape, k_shape, kw) -> int:
-    """Export forward+backward of flash_attention_tpu(**kw) for the TPU platform (the real Mosaic
-    lowering, run on CPU); the number of Mosaic kernels in the module (3: fwd, dq, dk/dv)."""
-    q, k = jnp.zeros(q_shape, jnp.bfloat16), jnp.zeros(k_shape, jnp.bfloat16)
-
-    def fwd_bwd(q, k, v):
-        return jax.grad(lambda *a: jnp.sum(flash_attention_tpu(*a, **kw).astype(jnp.float32)),
-                        argnums=(0, 1, 2))(q, k, v)
-
-    return jax.export.export(jax.jit(fwd_bwd), platforms=["tpu"])(q, k, k).mlir_module().count("tpu_custom_call")
 
 
 # --------------------------------------------------------------------------- bad input

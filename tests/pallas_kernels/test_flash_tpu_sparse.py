@@ -22,20 +22,17 @@ from jaxformer.ops.flash import pattern_operands
 from jaxformer.ops.masks import MaskSpec, RandomBlocks
 from pallas_kernels.flash_attention.common import BlockSizes
 from pallas_kernels.flash_attention.tpu import flash_attention_tpu
+from tests.attention_helpers import (
+    assert_all_close,
+    attention_inputs,
+    fwd_bwd,
+    mosaic_custom_calls,
+    sorted_segments,
+)
 from tests.pallas_kernels.tpu_recording import record_tpu_interpreter
-from tests.pallas_kernels.test_flash_tpu import mosaic_custom_calls
 
 # fp32: kernel and reference differ only in summation order (values O(1)).
 TOL_F32 = dict(atol=2e-5, rtol=2e-5)
-
-
-def _inputs(key, B, T, S, N, K, H):
-    kq, kk, kv, kc = jax.random.split(key, 4)
-    q = jax.random.normal(kq, (B, T, N, H), jnp.float32)
-    k = jax.random.normal(kk, (B, S, K, H), jnp.float32)
-    v = jax.random.normal(kv, (B, S, K, H), jnp.float32)
-    ct = jax.random.normal(kc, (B, T, N, H), jnp.float32)
-    return q, k, v, ct
 
 
 def _run(spec, q, k, v, ct, block_sizes, recorder=None, **logit_kw):
@@ -46,23 +43,11 @@ def _run(spec, q, k, v, ct, block_sizes, recorder=None, **logit_kw):
                      q_segment_ids=spec.q_segment_ids, kv_segment_ids=spec.resolved_kv_segment_ids(T, S),
                      q_offset=spec.static_offset(T, S), block_sizes=block_sizes, **ops, **logit_kw)
 
-    def out_and_grads(f, q, k, v):
-        out, vjp = jax.vjp(f, q, k, v)
-        return (out, *vjp(ct))
-
     params = pltpu.InterpretParams(**({} if recorder is None else dict(grid_point_recorder=recorder)))
     with pltpu.force_tpu_interpret_mode(params):
-        f = jax.jit(lambda *a: out_and_grads(lambda *b: flash_attention_tpu(*b, **kernel_kw), *a))
-        got = f(q, k, v)
-    want = jax.jit(lambda *a: out_and_grads(lambda *b: xla_attention(*b, mask=spec, **logit_kw), *a))(q, k, v)
+        got = jax.jit(fwd_bwd(lambda *a: flash_attention_tpu(*a, **kernel_kw)))(q, k, v, ct)
+    want = jax.jit(fwd_bwd(lambda *a: xla_attention(*a, mask=spec, **logit_kw)))(q, k, v, ct)
     return got, want
-
-
-def _assert_close(got, want, tol):
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-        g = np.asarray(g)
-        assert np.isfinite(g).all(), name
-        np.testing.assert_allclose(g, np.asarray(w), err_msg=name, **tol)
 
 
 def test_longformer_matches_dense_and_fetches_only_listed_blocks(monkeypatch):
@@ -79,10 +64,10 @@ def test_longformer_matches_dense_and_fetches_only_listed_blocks(monkeypatch):
     spec = MaskSpec(window=(4, 4), global_tokens=[[0, 19], [3, -1]], kv_lengths=jnp.asarray(lens))
     live = spec.block_map(T, S, b, b)  # [5, 5]
     assert (~live).sum() >= 4  # the test needs dead blocks
-    q, k, v, ct = _inputs(jax.random.key(11), B, T, S, N, K, H)
+    q, k, v, ct = attention_inputs(B, T, S, N, K, H, seed=11)
     got, want = _run(spec, q, k, v, ct, BlockSizes(b, b), recorder=record_point,
                      alibi_slopes=jnp.array([0.3]), softcap=4.0)
-    _assert_close(got, want, TOL_F32)
+    assert_all_close(got, want, **TOL_F32)
 
     cut = -(-lens // b)  # kv blocks at or past a sequence's length are never needed
     kv_rows = collections.defaultdict(set)  # q block -> kv blocks copied (forward + dq)
@@ -110,10 +95,10 @@ def test_bigbird_per_head_random_blocks_gqa_cross_lengths():
                     random_blocks=RandomBlocks(num_blocks=2, block_size=8, seed=5, num_heads=N))
     per_head = np.asarray(spec.dense_heads(T, S))[0]
     assert (per_head[0] != per_head[1]).any()  # heads really differ
-    q, k, v, ct = _inputs(jax.random.key(12), B, T, S, N, K, H)
+    q, k, v, ct = attention_inputs(B, T, S, N, K, H, seed=12)
     got, want = _run(spec, q, k, v, ct,
                      BlockSizes(8, 8, block_q_dkv=16, block_k_dkv=8, block_q_dq=8, block_k_dq=16))
-    _assert_close(got, want, TOL_F32)
+    assert_all_close(got, want, **TOL_F32)
 
 
 @pytest.mark.slow
@@ -136,16 +121,15 @@ def test_hypothesis_patterns(data):
                                            seed=data.draw(st.integers(0, 99), "seed"),
                                            num_heads=data.draw(st.sampled_from([None, N]), "rand_heads"))
     if data.draw(st.booleans(), "segments"):
-        rng = np.random.default_rng(T + S)
-        kw["q_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 2, (B, T)), axis=1), jnp.int32)
-        kw["kv_segment_ids"] = jnp.asarray(np.sort(rng.integers(0, 2, (B, S)), axis=1), jnp.int32)
+        kw["q_segment_ids"] = sorted_segments(B, T, 2, T + S)
+        kw["kv_segment_ids"] = sorted_segments(B, S, 2, T + S + 1)
     if data.draw(st.booleans(), "lengths"):
         kw["kv_lengths"] = jnp.array([S, data.draw(st.integers(0, S), "kv_length")])
     spec = MaskSpec(**kw)
     bq, bk = data.draw(st.sampled_from([(8, 8), (16, 8), (8, 16)]), "blocks")
-    q, k, v, ct = _inputs(jax.random.key(T * 100 + S), B, T, S, N, K, H)
+    q, k, v, ct = attention_inputs(B, T, S, N, K, H, seed=T * 100 + S)
     got, want = _run(spec, q, k, v, ct, BlockSizes(bq, bk))
-    _assert_close(got, want, TOL_F32)
+    assert_all_close(got, want, **TOL_F32)
 
 
 @pytest.mark.parametrize("kwargs, match", [

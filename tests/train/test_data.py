@@ -10,18 +10,22 @@ import numpy as np
 import pytest
 
 from jaxformer.train import config as C
-from jaxformer.train import data as D
+from jaxformer.train.corpus import build_corpus, is_validation, stdlib_files
+from jaxformer.train.eval_windows import eval_windows
+from jaxformer.train.packing import positions_from_segments, split_segments
+from jaxformer.train.pipeline import TrainIterator
+from jaxformer.train.tokenizers import ByteTokenizer
 from tests.train.helpers import make_corpus
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = make_corpus(tmp_path_factory.mktemp("corpus"), n_files=60)
-    return D.build_corpus(C.DataConfig(source="text", path=str(root), val_fraction=0.2))
+    return build_corpus(C.DataConfig(source="text", path=str(root), val_fraction=0.2))
 
 
 def test_stdlib_listing_is_sorted_relative_and_excludes_site_packages():
-    root, rels = D.stdlib_files()
+    root, rels = stdlib_files()
     assert root == Path(sysconfig.get_paths()["stdlib"])
     assert rels == sorted(rels) and len(rels) > 100
     assert all(r.endswith(".py") and not r.startswith("/") for r in rels)
@@ -30,8 +34,8 @@ def test_stdlib_listing_is_sorted_relative_and_excludes_site_packages():
 
 
 def test_validation_split_is_a_stable_hash_of_the_path():
-    _, rels = D.stdlib_files()
-    val = [r for r in rels if D.is_validation(r, 0.02)]
+    _, rels = stdlib_files()
+    val = [r for r in rels if is_validation(r, 0.02)]
     assert 0.005 < len(val) / len(rels) < 0.05
     # independent reimplementation of the rule: sha256 prefix as a fraction of 2**32
     import hashlib
@@ -40,7 +44,7 @@ def test_validation_split_is_a_stable_hash_of_the_path():
 
 
 def test_byte_tokenizer_round_trip():
-    tok = D.ByteTokenizer()
+    tok = ByteTokenizer()
     text = "déf f(x):\n\treturn x  # ünïcode\n"
     ids = tok.encode(text)
     assert ids.max() < 256 and tok.decode(ids) == text
@@ -79,7 +83,7 @@ def _check_rows(batch, corpus_docs, pad_id, T):
 
 def test_packing_segments_positions_and_mask(corpus):
     T = 32
-    it = D.TrainIterator(corpus, seq_len=T, batch_size=4, seed=0)
+    it = TrainIterator(corpus, seq_len=T, batch_size=4, seed=0)
     for _ in range(5):
         b = next(it)
         _check_rows(b, corpus.train_docs, corpus.tokenizer.pad_id, T)
@@ -87,9 +91,9 @@ def test_packing_segments_positions_and_mask(corpus):
 
 
 def test_stream_is_deterministic_and_seed_dependent(corpus):
-    a = [next(it)["inputs"] for it in [D.TrainIterator(corpus, seq_len=32, batch_size=4, seed=1)] for _ in range(6)]
-    b = [next(it)["inputs"] for it in [D.TrainIterator(corpus, seq_len=32, batch_size=4, seed=1)] for _ in range(6)]
-    c = [next(it)["inputs"] for it in [D.TrainIterator(corpus, seq_len=32, batch_size=4, seed=2)] for _ in range(6)]
+    a = [next(it)["inputs"] for it in [TrainIterator(corpus, seq_len=32, batch_size=4, seed=1)] for _ in range(6)]
+    b = [next(it)["inputs"] for it in [TrainIterator(corpus, seq_len=32, batch_size=4, seed=1)] for _ in range(6)]
+    c = [next(it)["inputs"] for it in [TrainIterator(corpus, seq_len=32, batch_size=4, seed=2)] for _ in range(6)]
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     assert not all(np.array_equal(x, y) for x, y in zip(a, c))
 
@@ -97,13 +101,13 @@ def test_stream_is_deterministic_and_seed_dependent(corpus):
 def test_iterator_state_restores_the_exact_stream(corpus):
     """Save the state (JSON, as orbax stores it) at every step; each restore replays the rest exactly."""
     n = 25  # several epochs of this corpus at batch 4 x 32 tokens
-    it = D.TrainIterator(corpus, seq_len=32, batch_size=4, seed=0)
+    it = TrainIterator(corpus, seq_len=32, batch_size=4, seed=0)
     states, ref = [], []
     for _ in range(n):
         states.append(json.loads(it.get_state().decode()))
         ref.append(next(it))
     for k in range(n):
-        again = D.TrainIterator(corpus, seq_len=32, batch_size=4, seed=0)
+        again = TrainIterator(corpus, seq_len=32, batch_size=4, seed=0)
         again.set_state(json.dumps(states[k]).encode())
         for j in range(k, min(k + 4, n)):
             got = next(again)
@@ -112,8 +116,8 @@ def test_iterator_state_restores_the_exact_stream(corpus):
 
 
 def test_process_shards_are_disjoint_halves(corpus):
-    p0 = D.TrainIterator(corpus, seq_len=32, batch_size=4, seed=0, shuffle=False, process_index=0, process_count=2)
-    p1 = D.TrainIterator(corpus, seq_len=32, batch_size=4, seed=0, shuffle=False, process_index=1, process_count=2)
+    p0 = TrainIterator(corpus, seq_len=32, batch_size=4, seed=0, shuffle=False, process_index=0, process_count=2)
+    p1 = TrainIterator(corpus, seq_len=32, batch_size=4, seed=0, shuffle=False, process_index=1, process_count=2)
     assert next(p0)["inputs"].shape == (2, 32)
     assert not np.array_equal(next(p0)["inputs"], next(p1)["inputs"])
 
@@ -121,14 +125,14 @@ def test_process_shards_are_disjoint_halves(corpus):
 def test_eval_windows_score_every_token_once(corpus):
     tok = corpus.tokenizer
     T = 16
-    ev = D.eval_windows(corpus.val_stream, seq_len=T, tokenizer=tok)
+    ev = eval_windows(corpus.val_stream, seq_len=T, tokenizer=tok)
     scored = ev.target_ids()
     stream = corpus.val_stream
     # every token except each document's BOS is a target exactly once, in stream order
     np.testing.assert_array_equal(scored, stream[1:][stream[1:] != tok.bos_id])
     # bytes scored == the validation text (specials carry no bytes)
     assert tok.decode_bytes(scored) == tok.decode_bytes(stream)
-    sub = D.eval_windows(corpus.val_stream, seq_len=T, tokenizer=tok, max_tokens=64)
+    sub = eval_windows(corpus.val_stream, seq_len=T, tokenizer=tok, max_tokens=64)
     assert sub.rows.shape == (4, T + 1)
     b = next(sub.batches(3))
     assert b["inputs"].shape == (3, T)
@@ -138,8 +142,8 @@ def test_split_segments_and_positions_against_a_loop():
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 6, size=(3, 20))
     seg = np.sort(rng.integers(0, 4, size=(3, 20)), axis=1)
-    got = D.split_segments(seg, tokens, eos_id=5)
-    pos = D.positions_from_segments(got)
+    got = split_segments(seg, tokens, eos_id=5)
+    pos = positions_from_segments(got)
     for b in range(3):
         cur, want, p, wpos = 0, [], 0, []
         for i in range(20):
@@ -159,9 +163,9 @@ def test_bin_source_memmap(tmp_path):
     path = tmp_path / "tokens.bin"
     ids.tofile(path)
     cfg = C.DataConfig(source="bin", path=str(path), bin_vocab_size=1000, bin_eos_id=999, val_fraction=0.1)
-    corpus = D.build_corpus(cfg)
+    corpus = build_corpus(cfg)
     assert len(corpus.val_stream) == 500 and corpus.n_train_tokens == 4500
-    it = D.TrainIterator(corpus, seq_len=32, batch_size=2, seed=0)
+    it = TrainIterator(corpus, seq_len=32, batch_size=2, seed=0)
     b = next(it)
     for r in range(2):
         # a new segment starts right after each EOS
@@ -174,23 +178,23 @@ def test_bpe_tokenizer(tmp_path):
     """`tokenizers` comes with the test extra (and the `bpe` extra): this test is never skipped."""
     root = make_corpus(tmp_path / "c", n_files=30)
     cfg = C.DataConfig(source="text", path=str(root), tokenizer="bpe", bpe_vocab_size=300, val_fraction=0.2)
-    corpus = D.build_corpus(cfg, tokenizer_path=tmp_path / "tok.json")
+    corpus = build_corpus(cfg, tokenizer_path=tmp_path / "tok.json")
     tok = corpus.tokenizer
     assert tok.vocab_size <= 300 and (tmp_path / "tok.json").exists()
     text = "def f3_1(x):\n    return x * 1 + 3\n"
     ids = tok.encode(text)
     assert len(ids) < len(text.encode()) and tok.decode(ids) == text
     assert tok.token_bytes[ids].sum() == len(text.encode())
-    again = D.build_corpus(cfg, tokenizer_path=tmp_path / "tok.json")
+    again = build_corpus(cfg, tokenizer_path=tmp_path / "tok.json")
     np.testing.assert_array_equal(again.val_stream, corpus.val_stream)
 
 
 def test_bad_paths(tmp_path):
     with pytest.raises(ValueError, match="neither a file nor a directory"):
-        D.build_corpus(C.DataConfig(source="text", path=str(tmp_path / "nope")))
+        build_corpus(C.DataConfig(source="text", path=str(tmp_path / "nope")))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no files match"):
-        D.build_corpus(C.DataConfig(source="text", path=str(tmp_path / "empty")))
+        build_corpus(C.DataConfig(source="text", path=str(tmp_path / "empty")))
 
 
 @pytest.mark.parametrize("stride", [1, 5, 16])
@@ -203,7 +207,7 @@ def test_sliding_eval_windows_score_every_token_once_with_context(corpus, stride
     tok = corpus.tokenizer
     T = 16
     stream = corpus.val_stream
-    ev = D.eval_windows(stream, seq_len=T, tokenizer=tok, stride=stride)
+    ev = eval_windows(stream, seq_len=T, tokenizer=tok, stride=stride)
     np.testing.assert_array_equal(ev.target_ids(), stream[1:][stream[1:] != tok.bos_id])
     bos = np.flatnonzero(stream == tok.bos_id)
     doc_pos = np.arange(len(stream)) - bos[np.searchsorted(bos, np.arange(len(stream)), side="right") - 1]
@@ -222,9 +226,9 @@ def test_sliding_eval_windows_score_every_token_once_with_context(corpus, stride
     want = np.arange(1, len(stream))
     np.testing.assert_array_equal(scored_at, want[stream[1:] != tok.bos_id])
     with pytest.raises(ValueError, match="eval.stride"):
-        D.eval_windows(stream, seq_len=T, tokenizer=tok, stride=T + 1)
+        eval_windows(stream, seq_len=T, tokenizer=tok, stride=T + 1)
     # a subset (periodic evals): evenly spaced windows, each scoring its own targets once
-    sub = D.eval_windows(stream, seq_len=T, tokenizer=tok, stride=stride, max_tokens=8 * stride)
+    sub = eval_windows(stream, seq_len=T, tokenizer=tok, stride=stride, max_tokens=8 * stride)
     assert len(sub.rows) == 8 and (sub.score_from is None) == (stride == T)
     ids = sub.target_ids()
     assert len(ids) == sum(int(b["mask"].sum()) for b in sub.batches(3)) <= T + 7 * stride

@@ -11,9 +11,10 @@ from flax import nnx
 
 from jaxformer.model import abstract_init, presets
 from jaxformer.train import config as C
-from jaxformer.train import data as D
 from jaxformer.train import sharding as S
+from jaxformer.train.corpus import build_corpus
 from jaxformer.train.optim import decay_mask, make_optimizer, make_schedule, param_kind
+from jaxformer.train.pipeline import TrainIterator
 from jaxformer.train.step import make_trainer
 from tests.train.helpers import make_corpus, tiny_config
 
@@ -67,8 +68,8 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
     corpus_dir = make_corpus(tmp_path / "c")
     cfg1 = tiny_config(corpus_dir)
     cfg2 = tiny_config(corpus_dir, optimizer={"lr": 3e-3, "grad_accum": 4})
-    corpus = D.build_corpus(cfg1.data)
-    it = D.TrainIterator(corpus, seq_len=32, batch_size=8, seed=0)
+    corpus = build_corpus(cfg1.data)
+    it = TrainIterator(corpus, seq_len=32, batch_size=8, seed=0)
     batches = [next(it) for _ in range(3)]
     mesh = S.make_mesh(C.MeshConfig(data=1))
     a, sa = _run(cfg1, mesh, batches)
@@ -122,8 +123,8 @@ def test_bf16_compute_scan_and_remat_keep_fp32_master_params(tmp_path):
     corpus_dir = make_corpus(tmp_path / "c")
     base = tiny_config(corpus_dir, model={"scan_layers": True})  # same parameter draw as `fast`
     fast = tiny_config(corpus_dir, model={"compute_dtype": "bfloat16", "scan_layers": True, "remat": True})
-    corpus = D.build_corpus(base.data)
-    it = D.TrainIterator(corpus, seq_len=32, batch_size=8, seed=0)
+    corpus = build_corpus(base.data)
+    it = TrainIterator(corpus, seq_len=32, batch_size=8, seed=0)
     batches = [next(it) for _ in range(3)]
     mesh = S.make_mesh(C.MeshConfig(data=1))
     refs, _ = _run(base, mesh, batches)
@@ -209,8 +210,8 @@ def test_muon_trains_on_a_sharded_mesh_like_one_device(tmp_path):
     corpus_dir = make_corpus(tmp_path / "c")
     cfg = tiny_config(corpus_dir, model={"d_model": 64, "n_heads": 4, "n_kv_heads": 2},
                       optimizer={"name": "muon", "lr": 1e-2})
-    corpus = D.build_corpus(cfg.data)
-    batches = [next(D.TrainIterator(corpus, seq_len=32, batch_size=8, seed=0))] * 4  # one batch, so it must fit it
+    corpus = build_corpus(cfg.data)
+    batches = [next(TrainIterator(corpus, seq_len=32, batch_size=8, seed=0))] * 4  # one batch, so it must fit it
     one = S.make_mesh(C.MeshConfig(data=1), jax.devices()[:1])
     init = jax.device_get(make_trainer(cfg, one).init_state())
     runs = {}

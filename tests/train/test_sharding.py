@@ -8,8 +8,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxformer.train import config as C
-from jaxformer.train import data as D
 from jaxformer.train import sharding as S
+from jaxformer.train.corpus import build_corpus
+from jaxformer.train.pipeline import TrainIterator
 from jaxformer.train.step import make_trainer
 from tests.train.helpers import make_corpus, tiny_config
 
@@ -31,8 +32,8 @@ def test_rules_table_and_fallbacks():
 def setup(tmp_path_factory):
     corpus_dir = make_corpus(tmp_path_factory.mktemp("c"))
     cfg = tiny_config(corpus_dir, model={"d_model": 64, "n_heads": 4, "n_kv_heads": 2})
-    corpus = D.build_corpus(cfg.data)
-    it = D.TrainIterator(corpus, seq_len=32, batch_size=8, seed=0)
+    corpus = build_corpus(cfg.data)
+    it = TrainIterator(corpus, seq_len=32, batch_size=8, seed=0)
     batches = [next(it) for _ in range(4)]
     return cfg, batches
 

@@ -1,10 +1,8 @@
-"""Paged KV cache: device page pools, a host-side block manager, and the cache hook over them.
+"""Host-side page bookkeeping for the paged KV cache: which pages each sequence holds.
 
-Device side, per layer: ``k_pages, v_pages [K, P, L, H]``. A sequence's token at
-position ``pos`` lives in page ``block_table[pos // L]`` at row ``pos % L``.
-
-Host side, :class:`BlockManager` owns the bookkeeping: a free list, one block
-table and token list per sequence, a refcount per page, and prefix sharing:
+A sequence's token at position ``pos`` lives in page ``block_table[pos // L]`` at row
+``pos % L`` (``L`` tokens per page). :class:`BlockManager` owns the bookkeeping: a free
+list, one block table and token list per sequence, a refcount per page, and prefix sharing:
 a full block of ``L`` tokens is identified by the hash of its tokens chained with
 the hash of the block before it, and once its keys/values are computed
 (:meth:`BlockManager.commit`) a later sequence whose tokens start the same way
@@ -19,26 +17,20 @@ page :meth:`BlockManager.num_dropped`, so a token at position ``pos`` sits in
 ``dropped * L`` on; only distances matter there (RoPE is applied before the cache,
 ALiBi and the window are relative), so nothing else changes.
 
-The manager never touches device memory: :meth:`BlockManager.prepare_write`
-returns the ``(src, dst)`` page copies the caller applies (:func:`copy_pages`)
-before writing new tokens through :class:`PagedKVCache`.
+The manager never touches device memory (numpy and the standard library only):
+:meth:`BlockManager.prepare_write` returns the ``(src, dst)`` page copies the caller
+applies (:func:`jaxformer.decode.paged_cache.copy_pages`) before writing new tokens
+through :class:`jaxformer.decode.paged_cache.PagedKVCache`.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import hashlib
 from collections.abc import Hashable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-
-from jaxformer.ops.attention import dot_product_attention
-from jaxformer.ops.masks import MaskSpec
-from pallas_kernels.paged_attention import gather_pages, paged_attention
 
 
 class OutOfPages(RuntimeError):
@@ -245,80 +237,3 @@ class BlockManager:
         seq = self._seqs.pop(seq_id)
         for page in reversed(seq.table):
             self._release(page)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PagedKVCache:
-    """One layer's paged cache for one model call, implementing the model's cache hook.
-
-    ``k_pages, v_pages [K, P, L, H]``; ``block_tables int32 [B, M]``; ``lengths [B]``
-    tokens already cached; ``num_new [B]`` how many of the chunk's ``T`` tokens are real
-    (the rest is padding and is not written). Decode (``T == 1``) attends through the
-    paged-attention kernel; longer chunks gather the table's pages and use
-    ``dot_product_attention`` with ``MaskSpec(causal, q_offset=lengths, kv_lengths=lengths+num_new)``.
-    ``window`` W (static): each query sees only its last W keys (a sliding window). Tables
-    may start past dropped pages (``lengths`` then count from the table's first page).
-    """
-
-    k_pages: jax.Array
-    v_pages: jax.Array
-    block_tables: jax.Array
-    lengths: jax.Array
-    num_new: jax.Array
-    backend: str = dataclasses.field(default="auto", metadata=dict(static=True))
-    interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
-    window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
-
-    @property
-    def page_size(self) -> int:
-        return self.k_pages.shape[2]
-
-    def write(self, k, v) -> PagedKVCache:
-        """Scatter the chunk's real tokens ``k, v [B, T, K, H]`` into their pages."""
-        B, T = k.shape[:2]
-        P, L = self.k_pages.shape[1], self.page_size
-        M = self.block_tables.shape[1]
-        pos = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-        page = jnp.take_along_axis(self.block_tables, jnp.minimum(pos // L, M - 1), axis=1)
-        page = jnp.where(jnp.arange(T)[None, :] < self.num_new[:, None], page, P)  # P: dropped
-        row = pos % L
-
-        def put(pages, x):
-            return pages.at[:, page, row].set(jnp.transpose(x, (2, 0, 1, 3)).astype(pages.dtype), mode="drop")
-
-        return dataclasses.replace(self, k_pages=put(self.k_pages, k), v_pages=put(self.v_pages, v))
-
-    def attend(self, q, k, v, *, scale, alibi_slopes=None, softcap=None, impl="auto"):
-        B, T = q.shape[:2]
-        if k.shape[:2] != (B, T) or k.shape[2] != self.k_pages.shape[0] or k.shape[3] != self.k_pages.shape[3]:
-            raise ValueError(f"new {k.shape=} does not fit {q.shape=} and pages {self.k_pages.shape=}")
-        new = self.write(k, v)
-        total = self.lengths + self.num_new
-        if T == 1:
-            out = paged_attention(q[:, 0], new.k_pages, new.v_pages, self.block_tables, total, scale=scale,
-                                  alibi_slopes=alibi_slopes, softcap=softcap, window=self.window,
-                                  backend=self.backend, interpret=self.interpret)[:, None]
-        else:
-            kc = gather_pages(new.k_pages, self.block_tables)
-            vc = gather_pages(new.v_pages, self.block_tables)
-            band = None if self.window is None else (self.window - 1, 0)
-            mask = MaskSpec(causal=True, window=band, q_offset=self.lengths, kv_lengths=total)
-            out = dot_product_attention(q, kc, vc, mask=mask, scale=scale, alibi_slopes=alibi_slopes,
-                                        softcap=softcap, impl=impl)
-        return out, dataclasses.replace(new, lengths=total)
-
-
-def init_page_pools(config, num_pages: int, page_size: int, dtype=None) -> list[tuple[jax.Array, jax.Array]]:
-    """Zeroed ``(k_pages, v_pages)`` ``[K, P, L, H]`` for every decoder layer of a ``ModelConfig``."""
-    if config.kind != "decoder":
-        raise ValueError(f"paged decoding needs a decoder-only model; got config.kind={config.kind!r}")
-    dtype = jnp.dtype(config.compute_dtype if dtype is None else dtype)
-    shape = (config.resolved_kv_heads, num_pages, page_size, config.resolved_head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.n_decoder_layers)]
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def copy_pages(pools, src, dst):
-    """Copy page ``src[i]`` to ``dst[i]`` in every layer's pools (``dst >= P`` entries are skipped)."""
-    return [tuple(p.at[:, dst].set(p[:, src], mode="drop") for p in kv) for kv in pools]

@@ -4,7 +4,7 @@ import io
 import json
 
 from jaxformer.decode.generate import generate
-from jaxformer.decode.serve import read_prompts_file, run_prompts, write_jsonl
+from jaxformer.decode.prompts import read_prompts_file, run_prompts, write_jsonl
 
 GEOMETRY = dict(num_pages=10, page_size=4, max_batch=4, chunk_size=8)  # as test_engine: no new compile
 

@@ -1,0 +1,32 @@
+"""Wall-clock timing for the benchmarks: every timed call blocks until its result is ready.
+
+The benchmarks run as scripts (``python experiments/bench/NAME.py``, with ``jaxformer``
+installed, e.g. ``pip install -e .``); a script's own directory is on ``sys.path``, so they
+import this module and :mod:`procmem` as ``from timing import ...``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+
+
+def timed(fn, *args):
+    """``(fn(*args), wall seconds)``, the result blocked until ready."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - t0
+
+
+def wall_times(fn, *args, warmup: int = 1, repeats: int = 5) -> list[float]:
+    """Seconds of each of ``repeats`` calls ``fn(*args)``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    return [timed(fn, *args)[1] for _ in range(repeats)]
+
+
+def median_seconds(fn, *args, warmup: int = 1, repeats: int = 5) -> float:
+    """Median of :func:`wall_times`."""
+    return statistics.median(wall_times(fn, *args, warmup=warmup, repeats=repeats))

@@ -1,0 +1,111 @@
+"""Corpora: read the documents, hold some out for validation, tokenize.
+
+Sources (``DataConfig.source``):
+
+* ``stdlib``: the ``.py`` files of the running interpreter's standard library
+  (``sysconfig.get_paths()["stdlib"]``, sorted relative paths, ``site-packages``
+  excluded). Always present, no download.
+* ``text``: a text file (cut into 64 KiB documents) or a directory of files.
+* ``bin``: a flat pre-tokenized ``uint16``/``uint32`` memmap; ``bin_eos_id``
+  separates documents; the last ``val_fraction`` of tokens is validation.
+
+Documents are held out for validation by a stable hash of their relative path.
+Each document becomes ``[BOS] + tokens + [EOS]``: training keeps a list of
+documents, validation one concatenated stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxformer.train.config import DataConfig
+from jaxformer.train.tokenizers import BinTokenizer, BPETokenizer, ByteTokenizer
+
+TEXT_DOC_BYTES = 65536
+
+
+def stdlib_files() -> tuple[Path, list[str]]:
+    """``(root, sorted relative paths)`` of the interpreter's stdlib ``.py`` files."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    rels = sorted(
+        p.relative_to(root).as_posix() for p in root.rglob("*.py")
+        if "site-packages" not in p.relative_to(root).parts and "dist-packages" not in p.relative_to(root).parts
+    )
+    return root, rels
+
+
+def is_validation(name: str, fraction: float) -> bool:
+    """Stable split: the first 8 hex digits of sha256(name), as a fraction of 2**32."""
+    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) < fraction * 2**32
+
+
+def _text_documents(cfg: DataConfig) -> list[tuple[str, bytes]]:
+    if cfg.source == "stdlib":
+        root, rels = stdlib_files()
+        return [(rel, (root / rel).read_bytes()) for rel in rels]
+    path = Path(cfg.path)
+    if path.is_file():
+        data = path.read_bytes()
+        return [(f"{path.name}:{i}", data[i * TEXT_DOC_BYTES:(i + 1) * TEXT_DOC_BYTES])
+                for i in range(math.ceil(len(data) / TEXT_DOC_BYTES))]
+    if path.is_dir():
+        files = sorted(p for p in path.glob(cfg.glob) if p.is_file())
+        if not files:
+            raise ValueError(f"data.path={cfg.path!r}: no files match glob {cfg.glob!r}")
+        return [(p.relative_to(path).as_posix(), p.read_bytes()) for p in files]
+    raise ValueError(f"data.path={cfg.path!r} is neither a file nor a directory")
+
+
+@dataclass
+class Corpus:
+    """Token arrays for training (a list of documents) and one validation stream."""
+
+    tokenizer: Any
+    train_docs: list[np.ndarray]
+    val_stream: np.ndarray
+    n_val_docs: int
+
+    @property
+    def n_train_tokens(self) -> int:
+        return int(sum(len(d) for d in self.train_docs))
+
+
+def build_corpus(cfg: DataConfig, tokenizer_path: str | Path | None = None) -> Corpus:
+    """Read, split and tokenize. ``tokenizer_path``: where a trained BPE is cached (and reused)."""
+    if cfg.source == "bin":
+        path = Path(cfg.path)
+        if not path.is_file():
+            raise ValueError(f"data.path={cfg.path!r}: no such .bin file")
+        arr = np.memmap(path, dtype=np.dtype(cfg.bin_dtype), mode="r")
+        n_val = int(round(len(arr) * cfg.val_fraction))
+        tok = BinTokenizer(cfg.bin_vocab_size, cfg.bin_eos_id)
+        return Corpus(tok, [arr[: len(arr) - n_val]], np.asarray(arr[len(arr) - n_val:], np.int32),
+                      n_val_docs=1 if n_val else 0)
+
+    docs = _text_documents(cfg)
+    train = [d for name, d in docs if not is_validation(name, cfg.val_fraction)]
+    val = [d for name, d in docs if is_validation(name, cfg.val_fraction)]
+    if cfg.tokenizer == "bpe":
+        if tokenizer_path is not None and Path(tokenizer_path).exists():
+            tok = BPETokenizer.load(tokenizer_path)
+        else:
+            tok = BPETokenizer.train((d.decode("utf-8", errors="replace") for d in train), cfg.bpe_vocab_size)
+            if tokenizer_path is not None:
+                tok.save(tokenizer_path)
+    else:
+        tok = ByteTokenizer()
+
+    def wrap(d: bytes) -> np.ndarray:
+        body = tok.encode(d)
+        return np.concatenate([[tok.bos_id], body, [tok.eos_id]]).astype(np.int32)
+
+    train_docs = [wrap(d) for d in train]
+    val_stream = (np.concatenate([wrap(d) for d in val]) if val else np.zeros((0,), np.int32))
+    return Corpus(tok, train_docs, val_stream, n_val_docs=len(val))

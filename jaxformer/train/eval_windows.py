@@ -1,0 +1,76 @@
+"""Validation windows: the validation stream cut into rows that score each token exactly once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxformer.train.packing import model_batch, split_segments
+
+
+@dataclass
+class EvalSet:
+    """Windows ``[W, T+1]`` of the validation stream; each token is a target in exactly one window.
+
+    ``score_from[w]``: window ``w`` scores only its targets at positions ``>= score_from[w]``
+    (the earlier ones are context, scored by the window before).
+    """
+
+    rows: np.ndarray
+    segment_ids: np.ndarray
+    pad_id: int
+    score_from: np.ndarray | None = None
+
+    def _batch(self, rows, seg, score_from) -> dict[str, np.ndarray]:
+        b = model_batch(rows, seg, self.pad_id)
+        if score_from is not None:
+            b["mask"] &= np.arange(rows.shape[1] - 1)[None, :] >= score_from[:, None]
+        return b
+
+    def batches(self, batch_size: int):
+        for i in range(0, len(self.rows), batch_size):
+            rows, seg = self.rows[i:i + batch_size], self.segment_ids[i:i + batch_size]
+            frm = None if self.score_from is None else self.score_from[i:i + batch_size]
+            n = len(rows)
+            if n < batch_size:
+                rows = np.concatenate([rows, np.full((batch_size - n, rows.shape[1]), self.pad_id, np.int32)])
+                seg = np.concatenate([seg, np.zeros((batch_size - n, seg.shape[1]), np.int32)])
+                if frm is not None:
+                    frm = np.concatenate([frm, np.zeros((batch_size - n,), frm.dtype)])
+            yield self._batch(rows, seg, frm)
+
+    def target_ids(self) -> np.ndarray:
+        """The ids that are scored, in order (for byte counts and compressor baselines)."""
+        b = self._batch(self.rows, self.segment_ids, self.score_from)
+        return b["targets"][b["mask"]]
+
+
+def eval_windows(stream: np.ndarray, *, seq_len: int, tokenizer, max_tokens: int | None = None,
+                 stride: int | None = None) -> EvalSet:
+    """Cut the validation stream into windows of ``seq_len`` targets, ``stride`` apart (default: ``seq_len``).
+
+    With ``stride < seq_len`` (sliding-window evaluation) every window after the first scores only
+    its last ``stride`` targets, so each scored token sees at least ``seq_len - stride`` tokens of
+    its document before it (as far as the document goes back); the cost is ``seq_len / stride``
+    forward passes per token. ``max_tokens``: evenly spaced windows scoring about that many tokens.
+    """
+    stream = np.asarray(stream, np.int32)
+    if len(stream) < 2:
+        raise ValueError(f"the validation split has {len(stream)} tokens; raise data.val_fraction")
+    T = seq_len
+    stride = T if stride is None else stride
+    if not 1 <= stride <= T:
+        raise ValueError(f"eval.stride={stride} must be in [1, seq_len={T}]")
+    n_total = 1 + math.ceil(max(len(stream) - 1 - T, 0) / stride)
+    n = n_total if max_tokens is None else max(1, min(n_total, max_tokens // stride))
+    starts = (np.arange(n, dtype=np.int64) * n_total // n) * stride
+    rows = np.full((n, T + 1), tokenizer.pad_id, np.int32)
+    seg = np.zeros((n, T + 1), np.int32)
+    for r, s in enumerate(starts):
+        piece = stream[s:s + T + 1]
+        rows[r, :len(piece)] = piece
+        seg[r, :len(piece)] = 1
+    score_from = None if stride == T else np.where(starts == 0, 0, T - stride).astype(np.int32)
+    return EvalSet(rows, split_segments(seg, rows, tokenizer.eos_id), tokenizer.pad_id, score_from)

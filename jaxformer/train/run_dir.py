@@ -1,0 +1,135 @@
+"""A run directory: what a run leaves there, what a new config may do to it, and reading it back.
+
+``RUN_DIR`` holds ``config.yaml`` (the resolved config), ``checkpoints/`` (orbax),
+``metrics.jsonl`` (+ ``tb/``) and, for a BPE run, ``tokenizer.json``. A resume compares
+the new config with the saved one: a checkpoint whose arrays do not fit is refused naming
+the keys that changed, a change of trajectory only warns, a run past ``steps`` is refused
+and a finished one is left as it is. Nothing is written until all of that is known
+(:func:`write_run_files`). :func:`load_run` reads a run back for ``jaxformer eval`` and
+``jaxformer generate``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import jax
+
+from jaxformer.train import config as C
+from jaxformer.train import sharding as shd
+from jaxformer.train.checkpoint import Checkpointer, IncompatibleCheckpointError
+from jaxformer.train.metrics import read_metrics
+from jaxformer.train.step import Trainer, make_trainer
+from jaxformer.train.tokenizers import BPETokenizer, ByteTokenizer
+
+TRAJECTORY = ("seed", "batch_size", "seq_len", "model", "data", "optimizer", "schedule")
+"""Config sections whose change alters the training trajectory (a resume warns about them)."""
+
+
+def tokenizer_path(cfg: C.ExperimentConfig, run_dir: Path) -> Path | None:
+    """Where the run keeps its trained tokenizer (BPE only)."""
+    return run_dir / "tokenizer.json" if cfg.data.tokenizer == "bpe" else None
+
+
+def saved_tokenizer_path(cfg: C.ExperimentConfig, run_dir: Path) -> Path | None:
+    """:func:`tokenizer_path` if the run already saved its tokenizer there, else None."""
+    path = tokenizer_path(cfg, run_dir)
+    return path if path is not None and path.exists() else None
+
+
+def changed_keys(cfg: C.ExperimentConfig, run_dir: Path) -> list[tuple[str, object, object]]:
+    """``(dotted key, saved value, new value)`` where ``cfg`` differs from ``RUN_DIR/config.yaml`` (if any)."""
+    saved = run_dir / "config.yaml"
+    if not saved.exists():
+        return []
+    old = C.load(saved)
+    a, b = C.to_dict(old), C.to_dict(cfg)
+
+    def get(d, key):
+        for part in key.split("."):
+            d = d.get(part) if isinstance(d, dict) else None
+        return d
+    return [(k, get(a, k), get(b, k)) for k in C.diff(old, cfg)]
+
+
+def describe_changes(changed, keys=None) -> str:
+    return ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, a, b in changed if keys is None or k in keys)
+
+
+def restore(ckpt: Checkpointer, trainer: Trainer, data_iter, run_dir: Path, changed) -> tuple | None:
+    """``(state, meta)`` of the newest readable checkpoint (``data_iter`` restored too), or None.
+
+    A checkpoint that does not fit the new config is refused naming what ``changed``
+    (:func:`changed_keys`); a resume across a trajectory change warns.
+    """
+    try:
+        restored = ckpt.restore_latest(trainer.abstract_state, trainer.state_shardings, data_iter)
+    except IncompatibleCheckpointError as e:
+        if not changed:
+            raise
+        shaping = [k for k, _, _ in changed if k.split(".")[0] in ("model", "optimizer")] or None
+        raise IncompatibleCheckpointError(
+            f"{run_dir} holds a run whose arrays do not fit this config, which differs from the run's "
+            f"config.yaml in {describe_changes(changed, shaping)}; nothing was changed. Use a new --run-dir, "
+            f"or resume with the run's own config.") from e
+    trajectory = [k for k, _, _ in changed if k.split(".")[0] in TRAJECTORY and k != "steps"]
+    if restored is not None and trajectory:
+        warnings.warn(f"{run_dir}: config differs from the saved run in {describe_changes(changed, trajectory)}; "
+                      f"continuing with the new values", RuntimeWarning, stacklevel=3)
+    return restored
+
+
+def finished_summary(cfg: C.ExperimentConfig, run_dir: Path, step: int) -> dict | None:
+    """The recorded results of a run at ``step >= cfg.steps``, or None if its final evaluation is missing.
+
+    A run past ``cfg.steps`` is refused (training cannot go backwards, and its files stay as they are).
+    """
+    if step > cfg.steps:
+        raise ValueError(f"{run_dir} is already at step {step}, past steps={cfg.steps}; nothing was changed. "
+                         f"Give --steps above {step} to train further, or a new --run-dir to start over.")
+    rows = read_metrics(run_dir)
+    train_rows = [r for r in rows if "loss" in r and r.get("step") == step]
+    eval_rows = [r for r in rows if "val_loss" in r and r.get("step") == step]
+    if cfg.eval.at_end and not eval_rows:
+        return None  # stopped between the last checkpoint and the final evaluation: do that evaluation now
+    out = {"step": step}
+    for r in train_rows[-1:] + eval_rows[-1:]:
+        out.update({k: v for k, v in r.items() if k != "step"})
+    return out
+
+
+def write_run_files(cfg: C.ExperimentConfig, run_dir: Path, tokenizer) -> None:
+    """Save the resolved config and a newly trained tokenizer (process 0 only)."""
+    if jax.process_index() != 0:
+        return
+    C.dump(cfg, run_dir / "config.yaml")
+    path = tokenizer_path(cfg, run_dir)
+    if path is not None and not path.exists():
+        tokenizer.save(path)
+
+
+def load_run(run_dir: str | Path, overrides=()):
+    """``(cfg, trainer, params, tokenizer, meta)`` from a run directory's config and newest checkpoint."""
+    run_dir = Path(run_dir)
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+    cfg = C.load(path, overrides)
+    mesh = shd.make_mesh(cfg.mesh)
+    trainer = make_trainer(cfg, mesh)
+    restored = Checkpointer(run_dir / "checkpoints", read_only=True).restore_latest(
+        trainer.abstract_state, trainer.state_shardings)
+    if restored is None:
+        raise FileNotFoundError(f"no readable checkpoint in {run_dir / 'checkpoints'}")
+    state, meta = restored
+    return cfg, trainer, state["params"], run_tokenizer(cfg, run_dir), meta
+
+
+def run_tokenizer(cfg: C.ExperimentConfig, run_dir: Path):
+    """The tokenizer a run was trained with (None for pre-tokenized ``bin`` data)."""
+    if cfg.data.source == "bin":
+        return None
+    if cfg.data.tokenizer == "bpe":
+        return BPETokenizer.load(run_dir / "tokenizer.json")
+    return ByteTokenizer()

@@ -1,0 +1,125 @@
+"""Tokenizers: bytes, byte-level BPE (trained locally), and pre-tokenized ids.
+
+Each has ``name``, ``vocab_size``, ``bos_id``, ``eos_id``, ``pad_id``, ``encode``,
+``decode`` and ``token_bytes`` (bytes each id stands for, for bits per byte; None
+when ids are not text).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+class ByteTokenizer:
+    """Bytes 0..255, then BOS=256, EOS=257, PAD=258."""
+
+    name = "bytes"
+    bos_id, eos_id, pad_id = 256, 257, 258
+    vocab_size = 259
+
+    def encode(self, data: bytes | str) -> np.ndarray:
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        return np.frombuffer(data, np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids) -> bytes:
+        ids = np.asarray(ids).reshape(-1)
+        return ids[ids < 256].astype(np.uint8).tobytes()
+
+    @property
+    def token_bytes(self) -> np.ndarray:
+        """Bytes each token id stands for (0 for specials)."""
+        return (np.arange(self.vocab_size) < 256).astype(np.int64)
+
+
+def _byte_unicode_table() -> dict[int, str]:
+    """The reversible byte -> printable character map of byte-level BPE (GPT-2's scheme)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class BPETokenizer:
+    """Byte-level BPE trained locally with the optional ``tokenizers`` package."""
+
+    name = "bpe"
+    SPECIALS = ("<bos>", "<eos>", "<pad>")
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.bos_id, self.eos_id, self.pad_id = (tok.token_to_id(s) for s in self.SPECIALS)
+        self.vocab_size = tok.get_vocab_size()
+        inv = {c: b for b, c in _byte_unicode_table().items()}
+        self._bytes = [b""] * self.vocab_size
+        for piece, i in tok.get_vocab().items():
+            if piece not in self.SPECIALS:
+                self._bytes[i] = bytes(inv[c] for c in piece)
+
+    @classmethod
+    def train(cls, texts, vocab_size: int) -> BPETokenizer:
+        try:
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        except ImportError:
+            raise ValueError("data.tokenizer='bpe' needs the optional `tokenizers` package "
+                             "(pip install 'jaxformer[bpe]', or tokenizers)") from None
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(cls.SPECIALS),
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                      show_progress=False)
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    @classmethod
+    def load(cls, path: str | Path) -> BPETokenizer:
+        from tokenizers import Tokenizer
+        return cls(Tokenizer.from_file(str(path)))
+
+    def save(self, path: str | Path) -> None:
+        self._tok.save(str(path))
+
+    def encode(self, data: bytes | str) -> np.ndarray:
+        if isinstance(data, bytes):
+            data = data.decode("utf-8", errors="replace")
+        return np.asarray(self._tok.encode(data).ids, np.int32)
+
+    def decode(self, ids) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids) -> bytes:
+        return b"".join(self._bytes[int(i)] for i in np.asarray(ids).reshape(-1))
+
+    @property
+    def token_bytes(self) -> np.ndarray:
+        return np.asarray([len(b) for b in self._bytes], np.int64)
+
+
+class BinTokenizer:
+    """Pre-tokenized ids: no text mapping, so no bits per byte."""
+
+    name = "bin"
+    bos_id = None
+
+    def __init__(self, vocab_size: int, eos_id: int | None):
+        self.vocab_size, self.eos_id = vocab_size, eos_id
+        self.pad_id = 0
+
+    token_bytes = None
+
+    def encode(self, data) -> np.ndarray:
+        raise ValueError("source='bin' has no text tokenizer; prompts cannot be encoded")
+
+    def decode(self, ids) -> str:
+        return " ".join(str(int(i)) for i in np.asarray(ids).reshape(-1))
