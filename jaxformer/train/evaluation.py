@@ -41,9 +41,14 @@ def compressor_bpb(data: bytes) -> dict:
     }
 
 
+def has_validation(corpus: Corpus) -> bool:
+    """Whether the corpus has a validation split to evaluate (at least one input and one target)."""
+    return len(corpus.val_stream) >= 2
+
+
 def eval_set(cfg: C.ExperimentConfig, corpus: Corpus, max_tokens: int | None) -> EvalSet | None:
     """The config's validation windows scoring about ``max_tokens`` tokens; None if there is no validation split."""
-    if len(corpus.val_stream) < 2:
+    if not has_validation(corpus):
         return None
     return eval_windows(corpus.val_stream, seq_len=cfg.seq_len, tokenizer=corpus.tokenizer,
                         max_tokens=max_tokens, stride=cfg.eval.stride)

@@ -22,10 +22,12 @@ from jaxformer.train import config as C
 from jaxformer.train import sharding as shd
 from jaxformer.train.checkpoint import Checkpointer
 from jaxformer.train.corpus import Corpus, build_corpus
-from jaxformer.train.evaluation import eval_batch_size, eval_line, eval_set, evaluate, evaluate_validation
+from jaxformer.train.evaluation import (eval_batch_size, eval_line, eval_set, evaluate, evaluate_validation,
+                                        has_validation)
 from jaxformer.train.metrics import MetricsWriter, ProgressBar
 from jaxformer.train.pipeline import TrainIterator
-from jaxformer.train.run_dir import changed_keys, finished_summary, restore, saved_tokenizer_path, write_run_files
+from jaxformer.train.run_dir import (changed_keys, finished_summary, last_train_row, restore, saved_tokenizer_path,
+                                     write_run_files)
 from jaxformer.train.step import Trainer, make_trainer
 
 
@@ -61,7 +63,7 @@ def train(cfg: C.ExperimentConfig, run_dir: str | Path, *,
         restored = restore(ckpt, trainer, it, run_dir, changed)
         start = int(restored[1]["step"]) if restored is not None else 0
         if restored is not None and start >= cfg.steps:
-            finished = finished_summary(cfg, run_dir, start)
+            finished = finished_summary(cfg, run_dir, start, can_evaluate=has_validation(corpus))
             if finished is not None:
                 _say_finished(cfg, run_dir, start, console)
                 return finished
@@ -119,16 +121,17 @@ def _run(cfg: C.ExperimentConfig, run_dir: Path, trainer: Trainer, corpus: Corpu
                 with log.paused():
                     ev = evaluate(trainer, state["params"], evalset, batch_size=eval_bs,
                                   token_bytes=tok.token_bytes)
-                    writer.write({"step": s, **ev}, prefix="eval")
+                    writer.write({"step": s, **ev, "final": False}, prefix="eval")
                     bar.print(eval_line(s, ev))
         log.flush()
         ckpt.wait()
         bar.close()
-        summary = {"step": max(start, cfg.steps), **{k: v for k, v in log.last.items() if k != "step"}}
+        last = log.last or last_train_row(run_dir, start)  # no step ran: the row the run ended with
+        summary = {"step": max(start, cfg.steps), **{k: v for k, v in last.items() if k != "step"}}
         final = evaluate_validation(cfg, trainer, state["params"], corpus, max_tokens=cfg.eval.final_max_tokens,
                                     compressors=cfg.eval.compare_compressors) if cfg.eval.at_end else None
         if final is not None:
-            writer.write({"step": summary["step"], **final}, prefix="eval")
+            writer.write({"step": summary["step"], **final, "final": True}, prefix="eval")
             summary.update(final)
             bar.print(eval_line(summary["step"], final))
         if cfg.eval.sample is not None and tok.bos_id is not None:

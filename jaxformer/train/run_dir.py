@@ -80,18 +80,26 @@ def restore(ckpt: Checkpointer, trainer: Trainer, data_iter, run_dir: Path, chan
     return restored
 
 
-def finished_summary(cfg: C.ExperimentConfig, run_dir: Path, step: int) -> dict | None:
+def last_train_row(run_dir: Path, step: int) -> dict:
+    """The train row ``metrics.jsonl`` holds for ``step`` (empty if none)."""
+    rows = [r for r in read_metrics(run_dir) if "loss" in r and r.get("step") == step]
+    return rows[-1] if rows else {}
+
+
+def finished_summary(cfg: C.ExperimentConfig, run_dir: Path, step: int, *, can_evaluate: bool = True) -> dict | None:
     """The recorded results of a run at ``step >= cfg.steps``, or None if its final evaluation is missing.
 
     A run past ``cfg.steps`` is refused (training cannot go backwards, and its files stay as they are).
+    Only a final evaluation counts (rows ``"final": true``; a periodic one at that step does not;
+    rows written before the flag existed count); with no validation split none is expected.
     """
     if step > cfg.steps:
         raise ValueError(f"{run_dir} is already at step {step}, past steps={cfg.steps}; nothing was changed. "
                          f"Give --steps above {step} to train further, or a new --run-dir to start over.")
     rows = read_metrics(run_dir)
     train_rows = [r for r in rows if "loss" in r and r.get("step") == step]
-    eval_rows = [r for r in rows if "val_loss" in r and r.get("step") == step]
-    if cfg.eval.at_end and not eval_rows:
+    eval_rows = [r for r in rows if "val_loss" in r and r.get("step") == step and r.get("final", True)]
+    if cfg.eval.at_end and can_evaluate and not eval_rows:
         return None  # stopped between the last checkpoint and the final evaluation: do that evaluation now
     out = {"step": step}
     for r in train_rows[-1:] + eval_rows[-1:]:

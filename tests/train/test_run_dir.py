@@ -7,6 +7,7 @@ already reached its steps is left as it is; metric rows are never duplicated. Dr
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -77,8 +78,11 @@ def test_a_missing_final_evaluation_is_done_once(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", str(cfg), "--run-dir", str(run)]) == 0
     assert not [r for r in read_metrics(run) if "val_loss" in r]
-    for _ in range(2):
-        assert main(["train", str(cfg), "--run-dir", str(run), "eval.at_end=true"]) == 0
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--run-dir", str(run), "eval.at_end=true", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["step"] == 4 and "val_loss" in summary and summary["loss"] > 0  # the train row it ended with
+    assert main(["train", str(cfg), "--run-dir", str(run), "eval.at_end=true"]) == 0
     assert [r["step"] for r in read_metrics(run) if "val_loss" in r] == [4]
 
 
@@ -142,3 +146,37 @@ def test_a_bpe_run_keeps_its_tokenizer_and_resumes(tmp_path, capsys):
     assert main(["train", str(cfg), "--run-dir", str(run), "--steps", "3"]) == 0
     assert (run / "tokenizer.json").read_bytes() == saved
     assert main(["eval", str(run), "--max-tokens", "64"]) == 0
+
+
+def test_only_a_final_evaluation_finishes_a_run(tmp_path):
+    """finished_summary: a periodic eval row at the last step is not the final one; legacy rows without
+    the flag are; with no validation split no evaluation is expected."""
+    import json
+
+    from jaxformer.train.run_dir import finished_summary
+
+    cfg = C.from_dict(tiny_raw(tmp_path, steps=4, eval={"at_end": True}), "<test>")
+    train_row = {"step": 4, "loss": 2.5, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0, "param_norm": 3.0}
+
+    def with_rows(*evals):
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (train_row, *evals)))
+        return finished_summary(cfg, tmp_path, 4)
+
+    assert with_rows({"step": 4, "val_loss": 2.0, "final": False}) is None
+    assert with_rows({"step": 4, "val_loss": 2.0, "final": True})["val_loss"] == 2.0
+    assert with_rows({"step": 4, "val_loss": 2.0})["loss"] == 2.5  # written before the flag existed
+    assert with_rows() is None
+    assert finished_summary(cfg, tmp_path, 4, can_evaluate=False)["loss"] == 2.5
+
+
+def test_a_run_without_validation_split_is_finished_and_rerun_writes_nothing(tmp_path, capsys):
+    cfg = write_config(tmp_path / "cfg.yaml", tiny_raw(make_corpus(tmp_path / "corpus"), steps=2,
+                                                       data={"val_fraction": 0.0}, eval={"at_end": True},
+                                                       logging={"tensorboard": True}))
+    run = tmp_path / "run"
+    assert main(["train", str(cfg), "--run-dir", str(run)]) == 0
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--run-dir", str(run)]) == 0
+    assert "already finished at step 2" in capsys.readouterr().out
+    assert snapshot(run) == before
