@@ -11,7 +11,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import jaxtyping
-import numpy as np
 import pytest
 
 import jaxformer.typing
@@ -19,23 +18,17 @@ import pallas_kernels.typing
 from jaxformer.ops import dot_product_attention, layer_norm
 from pallas_kernels.flash_attention import reference
 from pallas_kernels.paged_attention import paged_attention
+from tests.attention_helpers import attention_inputs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 checking = pytest.mark.skipif(os.environ.get("JAXFORMER_TYPECHECK", "1") == "0",
                               reason="JAXFORMER_TYPECHECK=0 switches runtime checking off")
 
 
-def _qkv(B=2, T=3, S=5, N=4, K=2, H=8):
-    rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32)
-    return q, k, k + 1.0
-
-
 @checking
 @pytest.mark.parametrize("bad", ["rank", "head_dim", "batch", "dtype"])
 def test_attention_shape_mistakes_fail_at_the_call(bad):
-    q, k, v = _qkv()
+    q, k, v, _ = attention_inputs(2, 3, 5, 4, 2, 8)
     assert dot_product_attention(q, k, v).shape == q.shape
     k_bad = {"rank": k[0], "head_dim": k[..., :4], "batch": k[:1], "dtype": k.astype(jnp.int32)}[bad]
     with pytest.raises(jaxtyping.TypeCheckError, match="dot_product_attention"):
@@ -49,7 +42,7 @@ def test_letters_agree_across_arguments_and_results():
     x = jnp.ones((2, 3, 8))
     with pytest.raises(jaxtyping.TypeCheckError, match="layer_norm"):
         layer_norm(x, jnp.ones(6))  # D of x is 8, D of scale is 6
-    q, k, v = _qkv()
+    q, k, v, _ = attention_inputs(2, 3, 5, 4, 2, 8)
     with pytest.raises(jaxtyping.TypeCheckError, match="reference"):
         reference(q, k, v, kv_lengths=jnp.array([3, 4, 5]))  # Lengths [B] with B=3, q has B=2
     pages = jnp.ones((2, 6, 4, 8))

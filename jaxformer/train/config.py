@@ -326,16 +326,16 @@ def dump(cfg: ExperimentConfig, path: str | Path) -> None:
     os.replace(tmp, path)
 
 
-def diff(a: ExperimentConfig, b: ExperimentConfig) -> list[str]:
-    """Dotted keys whose values differ between two configs."""
-    out: list[str] = []
+def diff(a: ExperimentConfig, b: ExperimentConfig) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, value in a, value in b)`` wherever two configs differ, keys sorted."""
+    out: list[tuple[str, Any, Any]] = []
 
     def walk(x, y, prefix):
         if isinstance(x, dict) and isinstance(y, dict):
             for k in sorted(set(x) | set(y)):
                 walk(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else k)
         elif x != y:
-            out.append(prefix)
+            out.append((prefix, x, y))
 
     walk(to_dict(a), to_dict(b), "")
     return out

@@ -24,7 +24,7 @@ from jaxformer.train.checkpoint import Checkpointer
 from jaxformer.train.corpus import Corpus, build_corpus
 from jaxformer.train.evaluation import (eval_batch_size, eval_line, eval_set, evaluate, evaluate_validation,
                                         has_validation)
-from jaxformer.train.metrics import MetricsWriter, ProgressBar
+from jaxformer.train.metrics import MetricsWriter, ProgressBar, plain_console
 from jaxformer.train.pipeline import TrainIterator
 from jaxformer.train.run_dir import (changed_keys, finished_summary, last_train_row, restore, saved_tokenizer_path,
                                      write_run_files)
@@ -83,16 +83,10 @@ def _train_iterator(cfg: C.ExperimentConfig, corpus: Corpus) -> TrainIterator:
 
 def _say_finished(cfg: C.ExperimentConfig, run_dir: Path, step: int, console) -> None:
     if jax.process_index() == 0:
-        (console or _plain_console()).print(
+        (console or plain_console()).print(
             f"{run_dir} already finished at step {step} (steps={cfg.steps}): nothing to do. "
             f"Give --steps above {step} to train further; `jaxformer eval {run_dir}` re-evaluates.",
             highlight=False)
-
-
-def _plain_console():
-    from rich.console import Console
-
-    return Console(soft_wrap=True)
 
 
 def _run(cfg: C.ExperimentConfig, run_dir: Path, trainer: Trainer, corpus: Corpus, it, ckpt: Checkpointer, state,

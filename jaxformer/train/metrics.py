@@ -72,14 +72,19 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
+def plain_console() -> Console:
+    """A console that never wraps: a line longer than the terminal (or a log file's 80 columns) is
+    never split mid-number."""
+    return Console(soft_wrap=True)
+
+
 class ProgressBar:
     """Step, loss, tokens/s, ETA. Plain log lines instead when disabled or not on a terminal."""
 
     def __init__(self, total: int, start: int, *, enabled: bool, show: bool = True,
                  console: Console | None = None):
         self.show = show
-        # soft_wrap: a line longer than the terminal (or a log file's 80 columns) is never split mid-number
-        self.console = console or Console(soft_wrap=True)
+        self.console = console or plain_console()
         self.rich = enabled and self.console.is_terminal
         self.enabled = enabled
         self._bar = None

@@ -41,16 +41,7 @@ def saved_tokenizer_path(cfg: C.ExperimentConfig, run_dir: Path) -> Path | None:
 def changed_keys(cfg: C.ExperimentConfig, run_dir: Path) -> list[tuple[str, object, object]]:
     """``(dotted key, saved value, new value)`` where ``cfg`` differs from ``RUN_DIR/config.yaml`` (if any)."""
     saved = run_dir / "config.yaml"
-    if not saved.exists():
-        return []
-    old = C.load(saved)
-    a, b = C.to_dict(old), C.to_dict(cfg)
-
-    def get(d, key):
-        for part in key.split("."):
-            d = d.get(part) if isinstance(d, dict) else None
-        return d
-    return [(k, get(a, k), get(b, k)) for k in C.diff(old, cfg)]
+    return C.diff(C.load(saved), cfg) if saved.exists() else []
 
 
 def describe_changes(changed, keys=None) -> str:
@@ -96,15 +87,11 @@ def finished_summary(cfg: C.ExperimentConfig, run_dir: Path, step: int, *, can_e
     if step > cfg.steps:
         raise ValueError(f"{run_dir} is already at step {step}, past steps={cfg.steps}; nothing was changed. "
                          f"Give --steps above {step} to train further, or a new --run-dir to start over.")
-    rows = read_metrics(run_dir)
-    train_rows = [r for r in rows if "loss" in r and r.get("step") == step]
-    eval_rows = [r for r in rows if "val_loss" in r and r.get("step") == step and r.get("final", True)]
-    if cfg.eval.at_end and can_evaluate and not eval_rows:
+    final = [r for r in read_metrics(run_dir) if "val_loss" in r and r.get("step") == step and r.get("final", True)]
+    if cfg.eval.at_end and can_evaluate and not final:
         return None  # stopped between the last checkpoint and the final evaluation: do that evaluation now
-    out = {"step": step}
-    for r in train_rows[-1:] + eval_rows[-1:]:
-        out.update({k: v for k, v in r.items() if k != "step"})
-    return out
+    ev = {k: v for k, v in final[-1].items() if k != "final"} if final else {}
+    return {**last_train_row(run_dir, step), **ev, "step": step}
 
 
 def write_run_files(cfg: C.ExperimentConfig, run_dir: Path, tokenizer) -> None:

@@ -88,7 +88,8 @@ def test_dump_round_trips_without_preset(tmp_path):
     raw = yaml.safe_load(out.read_text())
     assert "preset" not in raw["model"] and raw["model"]["d_model"] == 96
     assert C.load(out) == cfg
-    assert C.diff(cfg, C.load(out, ["steps=7", "model.n_layers=1"])) == ["model.n_layers", "steps"]
+    assert C.diff(cfg, C.load(out, ["steps=7", "model.n_layers=1"])) == [
+        ("model.n_layers", cfg.model.n_layers, 1), ("steps", cfg.steps, 7)]
 
 
 def test_mesh_shape():
