@@ -1,4 +1,4 @@
-"""``jaxformer train | eval | info | generate``: a thin argparse layer over ``jaxformer.train``."""
+"""``jaxformer train | eval | info | generate | sweep``: a thin argparse layer over ``jaxformer.train``."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     e.add_argument("--max-tokens", type=int, default=-1, help="validation tokens (default: the config's final eval)")
     e.add_argument("--all", action="store_true", help="the whole validation split")
     e.add_argument("--compressors", action="store_true", help="also gzip -9 / xz -9e bits per byte")
+    e.add_argument("--seq-len", type=int, help="evaluate on windows of this many tokens (another context length "
+                   "than the run's; adds the loss per position bucket); --max-tokens defaults to 65536 then")
+    e.add_argument("--stride", type=int, help="with --seq-len: sliding windows this far apart (as eval.stride)")
+    e.add_argument("--bucket", type=int, help="with --seq-len: positions per bucket (default: half the trained length)")
 
     i = sub.add_parser("info", help="parameters, FLOPs/token and memory per device")
     i.add_argument("target", help="an experiment YAML or a preset name")
@@ -35,6 +39,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                    "(default: those present); the mesh must use all of them")
     i.add_argument("--compile", action="store_true", help="also compile the train step on the devices present "
                    "and show XLA's memory analysis beside the estimate (seconds for small models)")
+
+    w = sub.add_parser("sweep", help="run every point of a sweep file (resumable), then write its report")
+    w.add_argument("sweep_file", help="a sweep YAML, e.g. experiments/studies/positions.yaml")
+    w.add_argument("--out", help="default: runs/sweeps/<sweep name> (with --quick: <sweep name>-quick)")
+    w.add_argument("--shard", help="I/N: run points I, I+N, I+2N, ... (a job array); --report gathers all shards")
+    w.add_argument("--dry-run", action="store_true", help="list the points and their resolved configs; run nothing")
+    w.add_argument("--quick", action="store_true", help="each point for a few steps with tiny evaluations (smoke test)")
+    w.add_argument("--report", action="store_true", help="only gather what the points wrote into the report")
 
     g = sub.add_parser("generate", help="sample from a run's newest checkpoint (continuous-batching engine, paged KV cache)")
     add_generate_args(g)
@@ -102,10 +114,19 @@ def format_summary(summary: dict, run_dir: Path) -> str:
 
 
 def cmd_eval(args) -> int:
-    from jaxformer.train.evaluation import evaluate_run
+    from jaxformer.train.evaluation import evaluate_run, evaluate_run_at_length
 
     limit = None if args.all else args.max_tokens
-    print(json.dumps(evaluate_run(args.run_dir, max_tokens=limit, compressors=args.compressors)))
+    if args.seq_len is None:
+        if args.stride is not None or args.bucket is not None:
+            raise ValueError("eval: --stride and --bucket go with --seq-len N")
+        print(json.dumps(evaluate_run(args.run_dir, max_tokens=limit, compressors=args.compressors)))
+        return 0
+    if args.compressors:
+        raise ValueError("eval: --compressors goes without --seq-len")
+    limit = 65536 if limit == -1 else limit
+    print(json.dumps(evaluate_run_at_length(args.run_dir, args.seq_len, max_tokens=limit, stride=args.stride,
+                                            bucket=args.bucket)))
     return 0
 
 
@@ -182,7 +203,39 @@ def cmd_generate(args) -> int:
     return 1 if any(r["error"] for r in records) else 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "info": cmd_info, "generate": cmd_generate}
+def cmd_sweep(args) -> int:
+    from jaxformer.train import config as C
+    from jaxformer.train.sweep import default_out, load_sweep, parse_shard, quick_config, run_sweep, shard_points
+
+    sweep = load_sweep(args.sweep_file)
+    shard = parse_shard(args.shard) if args.shard else (0, 1)
+    out = Path(args.out) if args.out else default_out(sweep, args.quick)
+    mine = shard_points(sweep.points, shard)
+    if args.dry_run:
+        first = quick_config(sweep.points[0].config) if args.quick else sweep.points[0].config
+        base = C.to_dict(first)
+        print(f"{sweep.path}: {len(sweep.points)} points" + (f", {len(mine)} in shard {args.shard}" if args.shard
+                                                             else "") + f" -> {out}")
+        for p in mine:
+            cfg = quick_config(p.config) if args.quick else p.config
+            changed = [f"{k}={b!r}" for k, a, b in C.diff(first, cfg)]
+            print(f"  {p.name}: {cfg.steps} steps, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}"
+                  + (f"; vs the first point: {', '.join(changed)}" if changed else ""))
+        import yaml
+
+        print("the first point, resolved (the others differ only where listed):\n"
+              + yaml.safe_dump(base, sort_keys=False), end="")
+        return 0
+    if not args.report:
+        run_sweep(sweep, out, shard=shard, quick=args.quick)
+    from jaxformer.train.sweep_report import write_report
+
+    path = write_report(sweep, out)
+    print(f"report: {path}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "info": cmd_info, "generate": cmd_generate, "sweep": cmd_sweep}
 
 
 def _one_line_warning(command: str):

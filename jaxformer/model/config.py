@@ -104,6 +104,11 @@ class ModelConfig(BaseModel):
     random_blocks: RandomBlocksConfig | None = Field(
         None, description="BigBird random blocks (needs attention_window)")
     attn_softcap: float | None = Field(None, gt=0.0)
+    attn_scale: float | None = Field(None, gt=0.0, description="attention logit scale; None: 1/sqrt(head_dim). "
+                                     "1.0 drops the scaling (the sqrt(d_k) study)")
+    qkv_sharing: Literal["none", "qk", "qkv"] = Field(
+        "none", description="self-attention projections: separate W_q, W_k, W_v ('none'); W_k = W_q "
+        "(shared-QK, as in Reformer: 'qk'); W_k = W_v = W_q ('qkv'). Needs n_kv_heads = n_heads")
     logits_softcap: float | None = Field(None, gt=0.0)
     init_std: float = Field(0.02, gt=0.0)
     param_dtype: Dtype = "float32"
@@ -147,6 +152,9 @@ class ModelConfig(BaseModel):
             raise ValueError(f"rope_scaling is set but position={self.position!r} (not 'rope')")
         if self.d_ff is not None and self.d_ff <= 0:
             raise ValueError(f"d_ff={self.d_ff} must be > 0")
+        if self.qkv_sharing != "none" and kv != self.n_heads:
+            raise ValueError(f"qkv_sharing={self.qkv_sharing!r} shares W_q with W_k, so it needs n_kv_heads = "
+                             f"n_heads, got n_kv_heads={self.n_kv_heads} and n_heads={self.n_heads}")
         if self.sandwich_norm and self.norm_position != "pre":
             raise ValueError(f"sandwich_norm needs norm_position='pre', got norm_position={self.norm_position!r}")
         self._check_sparse()

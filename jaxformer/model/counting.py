@@ -33,10 +33,12 @@ def _norm(cfg: ModelConfig) -> int:
     return 2 * cfg.d_model if (cfg.norm == "layernorm" and cfg.use_bias) else cfg.d_model
 
 
-def _attention(cfg: ModelConfig) -> tuple[int, int]:
+def _attention(cfg: ModelConfig, *, cross: bool = False) -> tuple[int, int]:
+    """Self-attention (W_k / W_v absent when ``qkv_sharing`` reuses W_q) or cross-attention (never shared)."""
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim
-    weights = D * N * H + 2 * D * K * H + N * H * D
-    biases = N * H + 2 * K * H + D if cfg.use_bias else 0
+    n_kv = 2 if cross else {"none": 2, "qk": 1, "qkv": 0}[cfg.qkv_sharing]  # separate K/V projections
+    weights = D * N * H + n_kv * D * K * H + N * H * D
+    biases = N * H + n_kv * K * H + D if cfg.use_bias else 0
     return weights, biases
 
 
@@ -49,13 +51,13 @@ def _mlp(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def _block_matmul(cfg: ModelConfig, cross: bool) -> int:
-    return _attention(cfg)[0] * (2 if cross else 1) + _mlp(cfg)[0]
+    return _attention(cfg)[0] + (_attention(cfg, cross=True)[0] if cross else 0) + _mlp(cfg)[0]
 
 
 def _block(cfg: ModelConfig, cross: bool) -> int:
     n_sub = 3 if cross else 2
     norms = n_sub * (2 if cfg.sandwich_norm else 1) * _norm(cfg)
-    return sum(_attention(cfg)) * (2 if cross else 1) + sum(_mlp(cfg)) + norms
+    return sum(_attention(cfg)) + (sum(_attention(cfg, cross=True)) if cross else 0) + sum(_mlp(cfg)) + norms
 
 
 def count_params(config: ModelConfig) -> int:

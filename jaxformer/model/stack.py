@@ -55,9 +55,10 @@ def make_block(cfg: ModelConfig, *, cross: bool, alpha: float | None, beta: floa
 
     self_attn = Attention(D, N, K, H, position=self_pos, rope_base=cfg.rope_base,
                           rope_scaling=cfg.rope, rope_interleaved=cfg.rope_interleaved,
-                          rngs=rngs, **attn_kw)
+                          scale=cfg.attn_scale, share=cfg.qkv_sharing, rngs=rngs, **attn_kw)
     attn_res = residual()
-    cross_attn = Attention(D, N, K, H, position="none", rngs=rngs, **attn_kw) if cross else None
+    cross_attn = (Attention(D, N, K, H, position="none", scale=cfg.attn_scale, rngs=rngs, **attn_kw)
+                  if cross else None)
     cross_res = residual() if cross else None
     mlp = make_mlp(D, F, cfg.activation, use_bias=cfg.use_bias, rngs=rngs, **mlp_stds, **dtypes)
     return Block(self_attn, attn_res, mlp, residual(), cross_attn=cross_attn, cross_residual=cross_res)

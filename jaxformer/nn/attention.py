@@ -9,6 +9,14 @@ Projections (no K/V repetition anywhere: grouped heads are handled by
     y = o W_o    W_o [N, H, D]  ("heads", "head_dim", "embed")
 
 with ``c = x`` (self-attention) or the encoder output (cross-attention).
+``share="qk"`` drops W_k and uses W_q for the keys (shared-QK attention, as in
+Reformer); ``share="qkv"`` drops W_v too (K = V = Q before positions). Both
+need K = N.
+
+With ``record_stats = True`` (an attribute, off by default) a call without a
+cache also sows :func:`jaxformer.ops.attention.attention_logit_stats` of its
+logits as ``nnx.Intermediate`` ``"attention_stats"`` (read them with
+``nnx.pop(model, nnx.Intermediate)``): what the softmax sees, for studies.
 Position handling inside attention: ``"rope"`` rotates q and k, ``"alibi"``
 passes the paper's slopes to the attention op, anything else does nothing here
 (sinusoidal and learned positions are added to the embeddings by the model).
@@ -25,12 +33,13 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from jaxformer.nn.params import add_bias, as_dtype, normal, param, zeros
-from jaxformer.ops.attention import dot_product_attention
+from jaxformer.ops.attention import attention_logit_stats, dot_product_attention
 from jaxformer.ops.masks import MaskSpec
 from jaxformer.ops.positional import RopeScaling, alibi_slopes, apply_rope
 from jaxformer.typing import Activations, ArrayLike, KvPositions, Positions
 
 ATTENTION_POSITIONS = ("rope", "alibi", "none")
+SHARING = ("none", "qk", "qkv")
 
 
 @runtime_checkable
@@ -71,6 +80,7 @@ class Attention(nnx.Module):
       position: "rope" | "alibi" | "none" (what attention itself does with positions).
       rope_base, rope_scaling, rope_interleaved: passed to ``apply_rope``.
       softcap: attention-logit soft cap; impl: ``dot_product_attention``'s backend.
+      scale: logits scale (default ``1/sqrt(H)``); share: "none" | "qk" | "qkv" (see the module doc).
       qk_std, v_std, o_std: init standard deviations of W_q and W_k, W_v, W_o.
     """
 
@@ -78,6 +88,7 @@ class Attention(nnx.Module):
                  head_dim: int | None = None, *, kv_dim: int | None = None, position: str = "none",
                  rope_base: float = 10000.0, rope_scaling: RopeScaling | None = None,
                  rope_interleaved: bool = False, softcap: float | None = None, impl: str = "auto",
+                 scale: float | None = None, share: str = "none",
                  use_bias: bool = False, qk_std: float = 0.02, v_std: float = 0.02,
                  o_std: float = 0.02, param_dtype="float32", dtype="float32", rngs: nnx.Rngs):
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -91,24 +102,36 @@ class Attention(nnx.Module):
             raise ValueError(f"attention position {position!r} is not one of {ATTENTION_POSITIONS}")
         if position == "rope" and head_dim % 2:
             raise ValueError(f"RoPE needs an even head dim, got head_dim={head_dim}")
+        if share not in SHARING:
+            raise ValueError(f"share={share!r} is not one of {SHARING}")
+        if share != "none" and (n_kv_heads != n_heads or (kv_dim is not None and kv_dim != d_model)):
+            raise ValueError(f"share={share!r} uses W_q for the keys: it needs n_kv_heads = n_heads and "
+                             f"kv_dim = d_model, got n_heads={n_heads}, n_kv_heads={n_kv_heads}, kv_dim={kv_dim}")
+        if scale is not None and not scale > 0:
+            raise ValueError(f"scale={scale} must be > 0")
         kv_dim = d_model if kv_dim is None else kv_dim
         N, K, H = n_heads, n_kv_heads, head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = N, K, H
         self.position, self.rope_base, self.rope_interleaved = position, rope_base, rope_interleaved
         self.rope_scaling = rope_scaling
         self.softcap, self.impl = softcap, impl
+        self.scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+        self.share = share
+        self.record_stats = False
         self.dtype = as_dtype(dtype)
         self.w_q = param(rngs, normal(qk_std), (d_model, N, H), ("embed", "heads", "head_dim"), param_dtype)
-        self.w_k = param(rngs, normal(qk_std), (kv_dim, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
-        self.w_v = param(rngs, normal(v_std), (kv_dim, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.w_k = (param(rngs, normal(qk_std), (kv_dim, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+                    if share == "none" else None)
+        self.w_v = (param(rngs, normal(v_std), (kv_dim, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+                    if share != "qkv" else None)
         self.w_o = param(rngs, normal(o_std), (N, H, d_model), ("heads", "head_dim", "embed"), param_dtype)
-        if use_bias:
-            self.b_q = param(rngs, zeros, (N, H), ("heads", "head_dim"), param_dtype)
-            self.b_k = param(rngs, zeros, (K, H), ("kv_heads", "head_dim"), param_dtype)
-            self.b_v = param(rngs, zeros, (K, H), ("kv_heads", "head_dim"), param_dtype)
-            self.b_o = param(rngs, zeros, (d_model,), ("embed",), param_dtype)
-        else:
-            self.b_q = self.b_k = self.b_v = self.b_o = None
+        def bias(shape, axes, present=True):
+            return param(rngs, zeros, shape, axes, param_dtype) if use_bias and present else None
+
+        self.b_q = bias((N, H), ("heads", "head_dim"))
+        self.b_k = bias((K, H), ("kv_heads", "head_dim"), self.w_k is not None)
+        self.b_v = bias((K, H), ("kv_heads", "head_dim"), self.w_v is not None)
+        self.b_o = bias((d_model,), ("embed",))
 
     def _project(self, x, w, b, spec):
         y = jnp.einsum(spec, x.astype(self.dtype), w[...].astype(self.dtype))
@@ -138,8 +161,11 @@ class Attention(nnx.Module):
         T = x.shape[1]
         ctx = x if context is None else context
         q = self._project(x, self.w_q, self.b_q, "BTD,DNH->BTNH")
-        k = self._project(ctx, self.w_k, self.b_k, "BSD,DKH->BSKH")
-        v = self._project(ctx, self.w_v, self.b_v, "BSD,DKH->BSKH")
+        shared = None
+        if self.share != "none":  # keys (and values) from W_q
+            shared = q if context is None else self._project(ctx, self.w_q, self.b_q, "BSD,DNH->BSNH")
+        k = shared if self.w_k is None else self._project(ctx, self.w_k, self.b_k, "BSD,DKH->BSKH")
+        v = shared if self.w_v is None else self._project(ctx, self.w_v, self.b_v, "BSD,DKH->BSKH")
         if self.position == "rope":
             if positions is None:
                 if cache is not None:
@@ -151,7 +177,10 @@ class Attention(nnx.Module):
             q = apply_rope(q, positions, **rope)
             k = apply_rope(k, kv_positions, **rope)
         slopes = alibi_slopes(self.n_heads) if self.position == "alibi" else None
-        scale = 1.0 / math.sqrt(self.head_dim)
+        scale = self.scale
+        if self.record_stats and cache is None:
+            self.sow(nnx.Intermediate, "attention_stats",
+                     attention_logit_stats(q, k, mask=mask, scale=scale, alibi_slopes=slopes, softcap=self.softcap))
         new_cache = None
         if cache is not None:
             o, new_cache = cache.attend(q, k, v, scale=scale, alibi_slopes=slopes,

@@ -21,7 +21,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 from jaxformer.ops import blockwise, flash, sparse
 from jaxformer.ops.masks import MaskSpec, masked_softmax
@@ -39,12 +39,12 @@ def attention_logits_bias(mask: MaskSpec, slopes, T: int, S: int):
     return -slopes[:, :, None, None] * dist.astype(jnp.float32)
 
 
-def xla_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec | None = None,
-                  bias: Float[ArrayLike, "..."] | None = None, scale: float | None = None,
-                  alibi_slopes: Slopes | None = None, softcap: float | None = None,
-                  return_weights: bool = False) -> AttnOut | tuple[AttnOut, Float[Array, "B N T S"]]:
-    """Dense attention in plain jnp: the reference every fast path is compared with."""
-    B, T, S, N, K, H = check_qkv(q, k, v)
+def attention_scores(q: Query, k: KeyValue, *, mask: MaskSpec | None = None,
+                     bias: Float[ArrayLike, "..."] | None = None, scale: float | None = None,
+                     alibi_slopes: Slopes | None = None, softcap: float | None = None,
+                     ) -> tuple[Float[Array, "B N T S"], Bool[Array, "#B #N T S"]]:
+    """Steps 1-3 of the module docstring: fp32 logits ``s [B, N, T, S]`` and where they are ``allowed``."""
+    B, T, S, N, K, H = check_qkv(q, k, k)
     G = N // K
     scale = 1.0 / math.sqrt(H) if scale is None else scale
     mask = MaskSpec() if mask is None else mask
@@ -63,14 +63,54 @@ def xla_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec | None =
         s = s + bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
     if slopes is not None:
         s = s + attention_logits_bias(mask, slopes, T, S)
+    return s, mask.dense_heads(T, S)  # allowed: [B|1, N|1, T, S]
 
-    allowed = mask.dense_heads(T, S)  # [B|1, N|1, T, S]
+
+def xla_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec | None = None,
+                  bias: Float[ArrayLike, "..."] | None = None, scale: float | None = None,
+                  alibi_slopes: Slopes | None = None, softcap: float | None = None,
+                  return_weights: bool = False) -> AttnOut | tuple[AttnOut, Float[Array, "B N T S"]]:
+    """Dense attention in plain jnp: the reference every fast path is compared with."""
+    B, T, S, N, K, H = check_qkv(q, k, v)
+    G = N // K
+    s, allowed = attention_scores(q, k, mask=mask, bias=bias, scale=scale, alibi_slopes=alibi_slopes,
+                                  softcap=softcap)
     w = masked_softmax(s, allowed)  # fully masked rows: all zeros
 
     out = jnp.einsum("BKGTS,BSKH->BTKGH", w.reshape(B, K, G, T, S).astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     out = out.reshape(B, T, N, H).astype(q.dtype)
     return (out, w) if return_weights else out
+
+
+def attention_logit_stats(q: Query, k: KeyValue, *, mask: MaskSpec | None = None, scale: float | None = None,
+                          alibi_slopes: Slopes | None = None, softcap: float | None = None,
+                          ) -> dict[str, Float[Array, ""]]:
+    """What softmax sees, averaged over the query rows that have at least two allowed keys:
+
+    * ``logit_var``: the variance of a row's logits over its allowed keys (softmax ignores a row's
+      shift, so the spread within a row is what can saturate it);
+    * ``entropy``: the row's attention entropy in nats, and ``entropy_ratio`` that entropy over
+      ``log(#allowed keys)`` (1 = uniform, 0 = one-hot: saturated);
+    * ``max_weight``: the row's largest attention weight.
+    """
+    s, allowed = attention_scores(q, k, mask=mask, scale=scale, alibi_slopes=alibi_slopes, softcap=softcap)
+    allowed = jnp.broadcast_to(allowed, s.shape)
+    n = allowed.sum(-1).astype(jnp.float32)  # [B, N, T]
+    rows = n >= 2
+    n_safe = jnp.maximum(n, 1.0)
+    mean = jnp.where(allowed, s, 0.0).sum(-1) / n_safe
+    var = jnp.where(allowed, (s - mean[..., None]) ** 2, 0.0).sum(-1) / n_safe
+    w = masked_softmax(s, allowed)
+    ent = -jnp.where(w > 0, w * jnp.log(jnp.where(w > 0, w, 1.0)), 0.0).sum(-1)
+    ratio = ent / jnp.log(jnp.maximum(n, 2.0))
+    n_rows = jnp.maximum(rows.sum(), 1).astype(jnp.float32)
+
+    def avg(x):
+        return jnp.where(rows, x, 0.0).sum() / n_rows
+
+    return {"logit_var": avg(var), "entropy": avg(ent), "entropy_ratio": avg(ratio),
+            "max_weight": avg(w.max(-1))}
 
 
 def default_impl(T: int, S: int, mask: MaskSpec | None = None) -> str:

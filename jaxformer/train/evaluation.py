@@ -1,13 +1,20 @@
 """Evaluation: validation loss and bits per byte over the validation windows, compressor baselines,
-and the evaluation of a saved run (``jaxformer eval``)."""
+the evaluation of a saved run (``jaxformer eval``), and of a saved run at another context length
+with the loss per position bucket (``jaxformer eval --seq-len``)."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import lzma
 import math
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.model import apply
 from jaxformer.train import config as C
 from jaxformer.train import sharding as shd
 from jaxformer.train.corpus import Corpus, build_corpus
@@ -98,3 +105,77 @@ def evaluate_run(run_dir: str | Path, *, max_tokens: int | None = -1, compressor
     if ev is None:
         raise ValueError(f"{run_dir}: the validation split is empty (data.val_fraction={cfg.data.val_fraction})")
     return {"step": int(meta["step"]), **ev}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _token_nll(graphdef, params, batch):
+    """Next-token negative log-likelihood (nats) of every position, fp32 ``[B, T]`` (0 where masked)."""
+    logits = apply(graphdef, params, batch["inputs"], positions=batch["positions"],
+                   segment_ids=batch["segment_ids"])
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+    return jnp.where(batch["mask"], logz - picked, 0.0)
+
+
+def learned_table_refusal(model_cfg, seq_len: int) -> str | None:
+    """Why a model cannot be run on ``seq_len``-token windows (learned positions past their table), or None."""
+    if model_cfg.position == "learned" and seq_len > model_cfg.max_seq_len:
+        return (f"position='learned' has a table of max_seq_len={model_cfg.max_seq_len} positions: it has no "
+                f"embedding for positions beyond it, so it cannot be evaluated at seq_len={seq_len}")
+    return None
+
+
+def evaluate_run_at_length(run_dir: str | Path, seq_len: int, *, max_tokens: int | None = 65536,
+                           stride: int | None = None, bucket: int | None = None) -> dict:
+    """Validation loss / bits per byte of a run's newest checkpoint on windows of ``seq_len`` tokens.
+
+    The run may have been trained at another length: positions beyond the trained context are used
+    as the encoding allows (RoPE, ALiBi, sinusoidal and none compute any position; a learned table
+    refuses lengths past ``model.max_seq_len`` with a ValueError). ``max_tokens`` caps the scored
+    tokens (evenly spaced windows; None: the whole split), ``stride`` as ``eval.stride``.
+
+    Returns the overall figures and ``buckets``: the loss by *position in the document* (the number
+    of tokens a prediction has before it, which is what a longer window adds), in buckets of ``bucket``
+    positions (default half the trained length): ``[{"from", "to", "tokens", "loss", "bpb"}]``.
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+    trained = C.load(path)
+    refusal = learned_table_refusal(trained.model, seq_len)
+    if refusal is not None:
+        raise ValueError(f"{run_dir}: {refusal}")
+    if seq_len < 2:
+        raise ValueError(f"seq_len={seq_len} must be >= 2")
+    overrides = [f"seq_len={seq_len}", "eval.stride=null"]
+    if seq_len > trained.model.max_seq_len:
+        overrides.append(f"model.max_seq_len={seq_len}")
+    cfg, trainer, params, _, meta = load_run(run_dir, overrides)
+    corpus = build_corpus(cfg.data, tokenizer_path=tokenizer_path(cfg, run_dir))
+    if not has_validation(corpus):
+        raise ValueError(f"{run_dir}: the validation split is empty (data.val_fraction={cfg.data.val_fraction})")
+    evalset = eval_windows(corpus.val_stream, seq_len=seq_len, tokenizer=corpus.tokenizer,
+                           max_tokens=max_tokens, stride=stride)
+    width = bucket or max(1, trained.seq_len // 2)
+    n_buckets = -(-seq_len // width)
+    nats, count, nbytes = np.zeros(n_buckets), np.zeros(n_buckets), np.zeros(n_buckets)
+    token_bytes = corpus.tokenizer.token_bytes
+    for b in evalset.batches(eval_batch_size(cfg, trainer.mesh)):
+        nll = np.asarray(_token_nll(trainer.graphdef, params, b), np.float64)
+        where = b["mask"]
+        idx = b["positions"][where] // width
+        nats += np.bincount(idx, nll[where], n_buckets)
+        count += np.bincount(idx, None, n_buckets)
+        if token_bytes is not None:
+            nbytes += np.bincount(idx, token_bytes[b["targets"][where]], n_buckets)
+    out = {"step": int(meta["step"]), "seq_len": seq_len, "trained_seq_len": trained.seq_len,
+           "val_loss": nats.sum() / max(count.sum(), 1.0), "val_tokens": int(count.sum())}
+    if token_bytes is not None:
+        out["val_bpb"] = nats.sum() / LN2 / max(nbytes.sum(), 1.0)
+        out["val_bytes"] = int(nbytes.sum())
+    out["buckets"] = [
+        {"from": i * width, "to": min((i + 1) * width, seq_len), "tokens": int(count[i]),
+         "loss": nats[i] / count[i], **({"bpb": nats[i] / LN2 / nbytes[i]} if token_bytes is not None else {})}
+        for i in range(n_buckets) if count[i] > 0]
+    return out

@@ -32,6 +32,10 @@ def n_leaves(config) -> int:
     (dict(param_dtype="float64"), r"param_dtype"),
     (dict(d_model=0), r"d_model"),
     (dict(unknown_key=1), r"unknown_key"),
+    (dict(n_heads=4, n_kv_heads=2, qkv_sharing="qk"), r"qkv_sharing='qk' shares W_q with W_k, so it needs "
+                                                       r"n_kv_heads = n_heads, got n_kv_heads=2"),
+    (dict(qkv_sharing="kv"), r"qkv_sharing"),
+    (dict(attn_scale=0.0), r"attn_scale"),
 ])
 def test_config_rejects(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -112,7 +116,7 @@ configs = st.builds(
     activation=st.sampled_from(["relu", "gelu_tanh", "swiglu", "geglu"]),
     tie=st.booleans(), bias=st.booleans(), embed_norm=st.booleans(),
     kv=st.sampled_from([1, 2, 4]), final_norm=st.sampled_from([None, True, False]),
-    scan=st.booleans(),
+    scan=st.booleans(), sharing=st.sampled_from(["none", "qk", "qkv"]),
 )
 
 
@@ -120,7 +124,8 @@ configs = st.builds(
 def test_count_params_equals_created_params(c):
     cfg = ModelConfig(
         kind=c["kind"], vocab_size=97, d_model=32, n_layers=2,
-        n_encoder_layers=3 if c["kind"] == "encoder_decoder" else None, n_heads=4, n_kv_heads=c["kv"],
+        n_encoder_layers=3 if c["kind"] == "encoder_decoder" else None, n_heads=4,
+        n_kv_heads=c["kv"] if c["sharing"] == "none" else 4, qkv_sharing=c["sharing"],
         norm=c["norm"], norm_position=c["norm_position"],
         sandwich_norm=c["sandwich"] and c["norm_position"] == "pre", position=c["position"],
         activation=c["activation"], tie_embeddings=c["tie"], use_bias=c["bias"],

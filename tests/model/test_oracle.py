@@ -169,18 +169,22 @@ def alibi_slopes(n):
 
 def attention(cfg, p, x, ctx, *, allowed, q_pos=None, k_pos=None, self_attn=True):
     """Multi-head / grouped-query attention; ``allowed [B, T, S]`` bool (False rows give zeros)."""
+    # Shared projections (self-attention only): "qk" keys from W_q (Reformer), "qkv" values too.
+    share = cfg.qkv_sharing if self_attn else "none"
+    wk, bk = ("w_q", "b_q") if share in ("qk", "qkv") else ("w_k", "b_k")
+    wv, bv = ("w_q", "b_q") if share == "qkv" else ("w_v", "b_v")
     q = np.einsum("btd,dnh->btnh", x, p["w_q"])
-    k = np.einsum("bsd,dkh->bskh", ctx, p["w_k"])
-    v = np.einsum("bsd,dkh->bskh", ctx, p["w_v"])
+    k = np.einsum("bsd,dkh->bskh", ctx, p[wk])
+    v = np.einsum("bsd,dkh->bskh", ctx, p[wv])
     if cfg.use_bias:
-        q, k, v = q + p["b_q"], k + p["b_k"], v + p["b_v"]
+        q, k, v = q + p["b_q"], k + p[bk], v + p[bv]
     N, K, H = q.shape[2], k.shape[2], q.shape[3]
     assert (N, K) == (cfg.n_heads, cfg.n_kv_heads or cfg.n_heads)
     if self_attn and cfg.position == "rope":
         q, k = rope(cfg, q, q_pos), rope(cfg, k, k_pos)
     # GQA: query head n reads kv head n // (N / K) (consecutive query heads share one kv head).
     k, v = np.repeat(k, N // K, axis=2), np.repeat(v, N // K, axis=2)
-    s = np.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(H)
+    s = np.einsum("btnh,bsnh->bnts", q, k) * (1.0 / math.sqrt(H) if cfg.attn_scale is None else cfg.attn_scale)
     if cfg.attn_softcap is not None:
         s = cfg.attn_softcap * np.tanh(s / cfg.attn_softcap)
     if self_attn and cfg.position == "alibi":
@@ -395,8 +399,12 @@ CASES = {
                                          rope_scaling=dict(kind="linear", factor=2.0),
                                          activation="geglu", sandwich_norm=True, attn_softcap=2.0,
                                          logits_softcap=4.0, scan_layers=True), {}, ("embed.",)),
+    # shared-QK projections (W_k = W_q, Reformer) with RoPE, MHA, and an unscaled logit (attn_scale 1)
+    "llama_shared_qk_unscaled": ("llama_tiny", dict(n_kv_heads=None, qkv_sharing="qk", attn_scale=1.0), {}, ()),
     # decoder, learned positions, LayerNorm pre + final, tanh-GELU, tied, biases
     "gpt2": ("gpt2_tiny", {}, {}, ()),
+    # W_k = W_v = W_q with biases (one b_q too), logit scale 0.3
+    "gpt2_shared_qkv": ("gpt2_tiny", dict(qkv_sharing="qkv", attn_scale=0.3), {}, ()),
     # the same untied, with token and position tables of std 1e-3: the first LayerNorm's variance
     # (~2e-6) is below eps (1e-5), so eps's placement shows in the logits
     "gpt2_untied_tiny_inputs": ("gpt2_tiny", dict(tie_embeddings=False), {}, ("embed.", "pos_embed.")),
@@ -419,6 +427,8 @@ CASES = {
     # encoder-decoder: sinusoidal, post-LN (no final norm), ReLU, sqrt(d) embedding scale, shared
     # embedding; source padding
     "vaswani": ("vaswani_tiny", {}, dict(lengths=SRC_LENGTHS), ()),
+    # shared-QK self-attention in encoder and decoder; cross-attention keeps its own W_k, W_v
+    "vaswani_shared_qk": ("vaswani_tiny", dict(qkv_sharing="qk"), dict(lengths=SRC_LENGTHS), ()),
     # encoder-decoder with DeepNorm (alpha_enc = 0.81 (N^4 M)^1/16, alpha_dec = (3M)^1/4) and packed
     # source and target documents (cross-attention within the same document)
     "vaswani_deepnorm_packed": ("vaswani_tiny", dict(norm_position="deepnorm"),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxformer.model import ModelConfig, Transformer, apply, count_params, init
+from jaxformer.model import ModelConfig, Transformer, apply, count_params, init, presets
 from jaxformer.nn import KVCacheLayer
 from jaxformer.ops.attention import dot_product_attention
 from jaxformer.ops.masks import MaskSpec
@@ -232,3 +232,22 @@ def test_deepnorm_constants_and_init():
     ed = nnx.eval_shape(lambda: Transformer(cfg.model_copy(update=dict(kind="encoder_decoder", n_encoder_layers=3))))
     assert ed.encoder.blocks[0].attn_residual.alpha == pytest.approx(0.81 * (3 ** 4 * L) ** (1 / 16))
     assert ed.decoder.blocks[0].cross_residual.alpha == pytest.approx((3 * L) ** 0.25)
+
+
+@pytest.mark.parametrize("sharing", ["qk", "qkv"])
+def test_shared_projections_and_logit_scale_through_the_kv_cache(sharing, japply):
+    """Shared W_q/W_k(/W_v) and attn_scale reach the cached path too: chunks equal the full forward."""
+    cfg = ModelConfig(**{**presets.get("llama_tiny").model_dump(), "n_kv_heads": None, "qkv_sharing": sharing,
+                         "attn_scale": 0.5})
+    gd, st = init(cfg, key(3))
+    attn = nnx.to_pure_dict(st)["decoder"]["blocks"][0]["self_attn"]
+    assert "w_k" not in attn and ("w_v" in attn) == (sharing == "qk")
+    assert sum(x.size for x in jax.tree.leaves(st)) == count_params(cfg)
+    toks = tokens(5)
+    full = japply(gd, st, toks)
+    caches = [ConcatCache.empty(cfg)] * cfg.n_layers
+    step = jax.jit(lambda s, t, p, c: apply(gd, s, t, positions=p, cache=c))
+    for a, b in [(0, 6), (6, 8)]:
+        pos = jnp.broadcast_to(jnp.arange(a, b, dtype=jnp.int32), (B, b - a))
+        logits, caches = step(st, toks[:, a:b], pos, caches)
+        np.testing.assert_allclose(logits, full[:, a:b], rtol=0, atol=ATOL)

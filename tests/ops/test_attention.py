@@ -249,3 +249,58 @@ def test_auto_picks_sparse_for_long_patterned_masks():
     q = k = v = jnp.zeros((1, 8, 2, 8))
     with pytest.raises(ValueError, match=r"num_heads=3 does not match the query heads N=2"):
         dot_product_attention(q, k, v, mask=MaskSpec(random_blocks=RandomBlocks(1, 4, num_heads=3)))
+
+
+# -- attention_logit_stats: what softmax sees (the sqrt(d_k) study reads these) ---------------------
+def numpy_logit_stats(q, k, allowed, *, scale):
+    """Float64, row by row: variance and entropy over each row's allowed keys, rows with >= 2 keys."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    B, T, N, H = q.shape
+    k = np.repeat(k, N // k.shape[2], axis=2)
+    s = np.einsum("btnh,bsnh->bnts", q, k) * scale
+    var, ent, ratio, wmax = [], [], [], []
+    for b in range(B):
+        for n in range(N):
+            for t in range(T):
+                row = s[b, n, t][np.asarray(allowed)[b, t]]
+                if len(row) < 2:
+                    continue
+                p = np.exp(row - row.max())
+                p /= p.sum()
+                var.append(row.var())
+                ent.append(-(p * np.log(p)).sum())
+                ratio.append(ent[-1] / np.log(len(row)))
+                wmax.append(p.max())
+    return {"logit_var": np.mean(var), "entropy": np.mean(ent), "entropy_ratio": np.mean(ratio),
+            "max_weight": np.mean(wmax)}
+
+
+@pytest.mark.parametrize("scale", [None, 1.0])
+def test_logit_stats_match_a_float64_row_by_row_reference(scale):
+    from jaxformer.ops.attention import attention_logit_stats
+
+    B, T, N, K, H = 2, 9, 4, 2, 16
+    q, k = rand((B, T, N, H), 1), rand((B, T, K, H), 2)
+    lengths = jnp.array([9, 5])
+    mask = MaskSpec(causal=True, kv_lengths=lengths)
+    got = jax.jit(lambda q, k: attention_logit_stats(q, k, mask=mask, scale=scale))(q, k)
+    allowed = np.asarray(mask.dense(T, T))
+    allowed = np.broadcast_to(allowed, (B, T, T))
+    want = numpy_logit_stats(q, k, allowed, scale=1 / math.sqrt(H) if scale is None else scale)
+    for key, w in want.items():
+        np.testing.assert_allclose(float(got[key]), w, rtol=2e-5, err_msg=key)  # fp32 vs fp64
+
+
+@pytest.mark.parametrize("H", [16, 256])
+def test_unit_variance_dot_products_have_variance_d_k_and_scaling_restores_one(H):
+    """The textbook claim (Vaswani et al. 2017, footnote 4) as a statistical check: q, k with
+    independent N(0, 1) entries give var(q.k) = d_k; times 1/sqrt(d_k) it is 1. 4 x 256 x 256 rows;
+    the tolerance (8%) is > 5 standard errors of the mean of the row variances."""
+    from jaxformer.ops.attention import attention_logit_stats
+
+    q, k = rand((4, 256, 1, H), 3), rand((4, 256, 1, H), 4)
+    raw = attention_logit_stats(q, k, scale=1.0)
+    scaled = attention_logit_stats(q, k)
+    np.testing.assert_allclose(float(raw["logit_var"]), H, rtol=0.08)
+    np.testing.assert_allclose(float(scaled["logit_var"]), 1.0, rtol=0.08)
+    assert float(scaled["entropy_ratio"]) > float(raw["entropy_ratio"])

@@ -1,0 +1,82 @@
+"""Probes for studies: what attention's softmax sees, and the gradient that reaches W_q and W_k.
+
+:func:`attention_probe` runs the model once on one batch with every :class:`~jaxformer.nn.attention.Attention`
+recording :func:`~jaxformer.ops.attention.attention_logit_stats` (``record_stats``), and takes the gradient
+of the mean next-token loss: the √d_k study reads it at initialisation and after training.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxformer.nn.attention import Attention
+from jaxformer.train.step import _model_loss
+
+STATS = ("logit_var", "entropy", "entropy_ratio", "max_weight")
+
+
+def _recording(graphdef, params):
+    model = nnx.merge(graphdef, params)
+    for _, m in nnx.iter_modules(model):
+        if isinstance(m, Attention):
+            m.record_stats = True
+    return model
+
+
+def _layer_stats(captured) -> list[dict]:
+    """The sown statistics (``nnx.capture``'s state), one dict per attention call, in module order."""
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            for k in sorted(node, key=lambda k: (0, k, "") if isinstance(k, int) else (1, 0, str(k))):
+                if k == "attention_stats":
+                    found.extend(node[k] if isinstance(node[k], (tuple, list)) else [node[k]])
+                else:
+                    walk(node[k])
+
+    walk(nnx.to_pure_dict(captured))
+    return found
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _probe(graphdef, params, batch):
+    model = _recording(graphdef, params)
+    _, captured = nnx.capture(model, nnx.Intermediate)(batch["inputs"], positions=batch["positions"],
+                                                          segment_ids=batch["segment_ids"])
+    layers = _layer_stats(captured)
+
+    def mean_loss(p):
+        loss_sum, (_, n) = _model_loss(graphdef, p, batch, 0.0)
+        return loss_sum / jnp.maximum(n, 1.0)
+
+    grads = jax.grad(mean_loss)(params)
+    qk = [g for path, g in jax.tree_util.tree_leaves_with_path(grads)
+          if any(getattr(k, "key", None) in ("w_q", "w_k") for k in path)]
+    return ({k: jnp.stack([s[k] for s in layers]) for k in STATS},
+            optax.tree.norm(qk), optax.tree.norm(grads))
+
+
+def attention_probe(graphdef, params, batch) -> dict:
+    """Attention statistics and gradient norms of the model ``(graphdef, params)`` on ``batch``.
+
+    Returns floats: per statistic of :data:`STATS` its mean over the self-attention layers and its
+    value in the first and last layer (``logit_var``, ``logit_var_first``, ``logit_var_last``, ...),
+    ``qk_grad_norm`` (the norm of the mean-loss gradient over every W_q and W_k) and ``grad_norm``
+    (over all parameters). A model with scanned layers cannot record per-layer statistics.
+    """
+    model = nnx.merge(graphdef, params)
+    if model.config.scan_layers:
+        raise ValueError("attention_probe: per-layer statistics need model.scan_layers=false")
+    per_layer, qk, total = jax.device_get(_probe(graphdef, params, batch))
+    out = {}
+    for k in STATS:
+        v = per_layer[k]
+        out[k], out[f"{k}_first"], out[f"{k}_last"] = float(v.mean()), float(v[0]), float(v[-1])
+    out["qk_grad_norm"], out["grad_norm"] = float(qk), float(total)
+    return out

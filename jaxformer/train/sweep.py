@@ -1,0 +1,382 @@
+"""Sweeps: many ordinary runs from one file (``jaxformer sweep``), one after another, resumable.
+
+A sweep file names a base experiment and the axes to vary::
+
+    base: ../configs/stdlib_bytes.yaml        # relative to the sweep file
+    overrides: {steps: 600, model.n_layers: 2} # nested sections or dotted keys
+    axes:                                      # the grid is the product of the axes ...
+      model.position: [none, sinusoidal, rope]
+    zip:                                       # ... and of each zip group (its lists move together)
+      - {model.n_heads: [1, 4], model.head_dim: [128, 32]}
+    seeds: [0, 1]
+    eval_lengths: [64, 128, 256]              # evaluate every finished run at these context lengths
+    eval_max_tokens: 65536                    # scored tokens per length
+    probes: [attention]                       # attention statistics at initialisation and at the end
+    report: {metric: val_bpb, x: model.position, plots: [loss_curves, final_metric]}
+
+Every point is an ordinary run directory ``OUT/<point name>/`` (what ``jaxformer train`` writes) plus
+``sweep_point.json``, its row of the summary. A point with that file is finished and skipped; one
+without resumes from its checkpoints, so a killed sweep re-run with the same command loses at most one
+checkpoint interval of one point. ``shard=(i, n)`` runs points ``i, i+n, i+2n, ...`` (a job array);
+:func:`jaxformer.train.sweep_report.write_report` gathers what every shard wrote. A run that diverges
+(non-finite loss, or a final loss above its first) is recorded as diverged, and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from jaxformer.train import config as C
+
+PLOTS = ("loss_curves", "final_metric", "metric_vs_eval_length", "loss_by_position", "probes",
+         "sinusoidal_table", "rope_decay", "alibi_bias")
+PROBES = ("attention",)
+POINT_FILE = "sweep_point.json"
+
+
+class ReportConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    metric: str = Field("val_bpb", description="the summary column the table and plots compare")
+    x: str | None = Field(None, description="the axis on the x of the final_metric plot (default: the first)")
+    plots: tuple[Literal[PLOTS], ...] = ("loss_curves", "final_metric")  # type: ignore[valid-type]
+
+
+class SweepConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base: str = Field(description="the base experiment YAML, relative to the sweep file")
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    axes: dict[str, list[Any]] = Field(default_factory=dict)
+    zip: list[dict[str, list[Any]]] = Field(default_factory=list)
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    eval_lengths: list[int] = Field(default_factory=list)
+    eval_max_tokens: int | None = Field(65536, gt=0, description="scored tokens per evaluation length")
+    probes: list[Literal[PROBES]] = Field(default_factory=list)  # type: ignore[valid-type]
+    report: ReportConfig = ReportConfig()
+
+    @field_validator("axes")
+    @classmethod
+    def _axes(cls, v):
+        for key, values in v.items():
+            if not values:
+                raise ValueError(f"axis {key!r} has no values")
+            if key == "seed":
+                raise ValueError("vary the seed with `seeds:`, not an axis")
+        return v
+
+    @field_validator("zip")
+    @classmethod
+    def _zip(cls, v):
+        for i, group in enumerate(v):
+            lengths = {k: len(vals) for k, vals in group.items()}
+            if not group or len(set(lengths.values())) != 1 or 0 in lengths.values():
+                raise ValueError(f"zip group {i} must hold lists of one common, non-zero length; got {lengths}")
+            if "seed" in group:
+                raise ValueError("vary the seed with `seeds:`, not a zip key")
+        return v
+
+    @field_validator("eval_lengths")
+    @classmethod
+    def _lengths(cls, v):
+        if any(n < 2 for n in v):
+            raise ValueError(f"eval_lengths={v}: every length must be >= 2")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self):
+        keys = list(self.axes) + [k for g in self.zip for k in g]
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        if dup:
+            raise ValueError(f"keys varied twice (axes / zip): {dup}")
+        if self.report.x is not None and self.report.x not in keys:
+            raise ValueError(f"report.x={self.report.x!r} is not one of the varied keys {keys}")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds={self.seeds} repeats a seed")
+        return self
+
+    @property
+    def varied(self) -> list[str]:
+        """The varied dotted keys in order: axes first, then zip groups."""
+        return list(self.axes) + [k for g in self.zip for k in g]
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run of a sweep: its directory name, the varied values, the seed and the validated config."""
+
+    name: str
+    values: dict[str, Any]
+    seed: int
+    config: C.ExperimentConfig
+
+
+@dataclass(frozen=True)
+class Sweep:
+    path: Path
+    spec: SweepConfig
+    points: list[Point]
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+
+# -- loading and expanding ---------------------------------------------------------------------
+
+def _set(raw: dict, dotted: str, value: Any, where: str) -> None:
+    node = raw
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        elif not isinstance(child, dict):
+            raise C.ConfigError(f"{where}: {dotted}: {p!r} is not a section")
+        node = child
+    node[parts[-1]] = C._deepcopy(value)
+
+
+def _merge(raw: dict, overrides: dict, where: str, prefix: str = "") -> None:
+    """Apply ``overrides`` (nested sections merge key by key; dotted keys set one value)."""
+    for k, v in overrides.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and "." not in k and isinstance(_get(raw, key), dict):
+            _merge(raw, v, where, prefix=f"{key}.")
+        else:
+            _set(raw, key, v, where)
+
+
+def _get(raw: dict, dotted: str):
+    node: Any = raw
+    for p in dotted.split("."):
+        if not isinstance(node, dict) or p not in node:
+            return None
+        node = node[p]
+    return node
+
+
+def format_value(v: Any) -> str:
+    """A value as it appears in a point name: ``None`` -> none, lists joined by x."""
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (list, tuple)):
+        return "x".join(format_value(x) for x in v)
+    if isinstance(v, dict):
+        return "-".join(f"{k}{format_value(x)}" for k, x in v.items())
+    return str(v)
+
+
+def point_name(values: dict[str, Any], seed: int) -> str:
+    """``position-rope_seed-0``: each varied key by its last part (the full key when two share it)."""
+    last = [k.split(".")[-1] for k in values]
+    parts = []
+    for key, short in zip(values, last):
+        label = short if last.count(short) == 1 else key.replace(".", "_")
+        parts.append(f"{label}-{format_value(values[key])}")
+    parts.append(f"seed-{seed}")
+    return re.sub(r"[^A-Za-z0-9.+_-]", "", "_".join(parts))
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Read, validate and expand a sweep file; every error names the file and the dotted key."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise C.ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise C.ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise C.ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    try:
+        spec = SweepConfig.model_validate(raw)
+    except ValidationError as e:
+        raise C.ConfigError(C.format_errors(e, str(path))) from None
+    base_path = (path.parent / spec.base).resolve()
+    try:
+        base = yaml.safe_load(base_path.read_text()) or {}
+    except OSError as e:
+        raise C.ConfigError(f"{path}: base: cannot read {base_path}: {e.strerror}") from None
+    if not isinstance(base, dict):
+        raise C.ConfigError(f"{path}: base: {base_path} is not a mapping")
+    _merge(base, spec.overrides, f"{path}: overrides")
+
+    groups: list[list[dict[str, Any]]] = [[{k: v} for v in vals] for k, vals in spec.axes.items()]
+    groups += [[{k: g[k][i] for k in g} for i in range(len(next(iter(g.values()))))] for g in spec.zip]
+    points, names = [], set()
+    for combo in itertools.product(*groups):
+        values = {k: v for part in combo for k, v in part.items()}
+        for seed in spec.seeds:
+            name = point_name(values, seed)
+            if name in names:
+                raise C.ConfigError(f"{path}: two points are both named {name!r}; give the values distinct "
+                                    "spellings")
+            names.add(name)
+            raw_point = C._deepcopy(base)
+            for k, v in values.items():
+                _set(raw_point, k, v, f"{path}: axes")
+            raw_point["seed"] = seed
+            cfg = C.from_dict(raw_point, f"{path} (point {name})")
+            points.append(Point(name, values, seed, cfg))
+    return Sweep(path, spec, points)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` with ``0 <= I < N`` -> ``(I, N)``."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not m or not 0 <= int(m[1]) < int(m[2]):
+        raise ValueError(f"--shard {text!r}: expected I/N with 0 <= I < N, e.g. 0/4")
+    return int(m[1]), int(m[2])
+
+
+def shard_points(points: list[Point], shard: tuple[int, int]) -> list[Point]:
+    """Every N-th point starting at I: the shards of one sweep partition its points."""
+    i, n = shard
+    return points[i::n]
+
+
+QUICK_STEPS = 2
+
+
+def quick_config(cfg: C.ExperimentConfig) -> C.ExperimentConfig:
+    """The same point for :data:`QUICK_STEPS` steps with tiny evaluations (smoke tests)."""
+    raw = C.to_dict(cfg)
+    raw.update(steps=QUICK_STEPS)
+    raw["checkpoint"].update(every=1)
+    raw["logging"].update(every=1, progress=False, tensorboard=False)
+    raw["eval"].update(every=None, max_tokens=cfg.seq_len, final_max_tokens=cfg.seq_len, stride=None,
+                       compare_compressors=False, sample=None)
+    return C.from_dict(raw, "<quick>")
+
+
+# -- running -----------------------------------------------------------------------------------
+
+def default_out(sweep: Sweep, quick: bool) -> Path:
+    return Path("runs") / "sweeps" / (sweep.name + ("-quick" if quick else ""))
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def read_point(out: Path, point: Point) -> dict | None:
+    path = out / point.name / POINT_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def run_sweep(sweep: Sweep, out: str | Path, *, shard: tuple[int, int] = (0, 1), quick: bool = False,
+              say=print) -> list[dict]:
+    """Run this shard's points one after another (finished ones skipped); their summary rows."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mine = shard_points(sweep.points, shard)
+    rows = []
+    for i, point in enumerate(mine, 1):
+        done = read_point(out, point)
+        if done is not None:
+            say(f"[{i}/{len(mine)}] {point.name}: finished, skipped")
+            rows.append(done)
+            continue
+        say(f"[{i}/{len(mine)}] {point.name}")
+        row = run_point(sweep, point, out / point.name, quick=quick)
+        _write_json(out / point.name / POINT_FILE, row)
+        metric = row.get(sweep.spec.report.metric)
+        say(f"[{i}/{len(mine)}] {point.name}: " + ("diverged" if row["diverged"] else
+                                                    f"{sweep.spec.report.metric} {metric:.4f}" if metric is not None
+                                                    else "done") + f" in {row['wall_s']:.0f} s")
+        rows.append(row)
+    return rows
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def run_point(sweep: Sweep, point: Point, run_dir: Path, *, quick: bool = False) -> dict:
+    """Train (or resume) one point, then its length evaluations and probes: its summary row."""
+    from jaxformer.train.loop import NonFiniteError, train
+    from jaxformer.train.metrics import read_metrics
+
+    cfg = quick_config(point.config) if quick else point.config
+    t0 = time.perf_counter()
+    row: dict[str, Any] = {"name": point.name, "values": point.values, "seed": point.seed,
+                           "diverged": False}
+    try:
+        summary = train(cfg, run_dir)
+    except NonFiniteError as e:
+        summary = {}
+        row.update(diverged=True, diverged_reason=str(e))
+    train_rows = [r for r in read_metrics(run_dir) if "loss" in r]
+    for k in ("step", "loss", "val_loss", "val_bpb", "val_tokens", "gzip9_bpb", "xz9e_bpb"):
+        if summary.get(k) is not None:
+            row[k] = summary[k]
+    row["tokens_per_s"] = _median(r.get("tokens_per_s") for r in train_rows)
+    if not row["diverged"] and len(train_rows) >= 2:
+        first, last = train_rows[0]["loss"], train_rows[-1]["loss"]
+        if not math.isfinite(last) or last > first:
+            row.update(diverged=True, diverged_reason=f"final train loss {last:.4f} above the first {first:.4f}")
+    if not row["diverged"]:
+        if sweep.spec.eval_lengths:
+            row["eval_lengths"] = eval_lengths(run_dir, cfg, sweep.spec.eval_lengths,
+                                               max_tokens=None if quick else sweep.spec.eval_max_tokens,
+                                               quick=quick)
+        if "attention" in sweep.spec.probes:
+            row["probes"] = probe_run(run_dir)
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+def eval_lengths(run_dir: Path, cfg: C.ExperimentConfig, lengths: list[int], *, max_tokens: int | None,
+                 quick: bool = False) -> dict:
+    """``{str(length): evaluation}`` at each length; a length the model cannot run is ``{"na": reason}``."""
+    from jaxformer.train.evaluation import evaluate_run_at_length, learned_table_refusal
+
+    out = {}
+    for n in lengths:
+        refusal = learned_table_refusal(cfg.model, n)
+        if refusal is not None:
+            out[str(n)] = {"na": refusal}
+            continue
+        out[str(n)] = evaluate_run_at_length(run_dir, n, max_tokens=n if quick else max_tokens)
+    return out
+
+
+def probe_run(run_dir: Path) -> dict:
+    """:func:`jaxformer.train.probes.attention_probe` at initialisation (the run's seed) and at its end,
+    on the first batch of validation windows."""
+    from jaxformer.train.corpus import build_corpus
+    from jaxformer.train.evaluation import eval_batch_size, eval_set
+    from jaxformer.train.probes import attention_probe
+    from jaxformer.train.run_dir import load_run, tokenizer_path
+
+    cfg, trainer, params, _, _ = load_run(run_dir)
+    corpus = build_corpus(cfg.data, tokenizer_path=tokenizer_path(cfg, run_dir))
+    evalset = eval_set(cfg, corpus, cfg.eval.max_tokens)
+    if evalset is None:
+        raise ValueError(f"{run_dir}: probes need a validation split")
+    batch = next(evalset.batches(eval_batch_size(cfg, trainer.mesh)))
+    init_params = trainer.init_state(cfg.seed)["params"]
+    return {"init": attention_probe(trainer.graphdef, init_params, batch),
+            "final": attention_probe(trainer.graphdef, params, batch)}
+
+
+__all__ = ["PLOTS", "Point", "Sweep", "SweepConfig", "default_out", "load_sweep", "parse_shard", "point_name",
+           "quick_config", "read_point", "run_sweep", "shard_points"]

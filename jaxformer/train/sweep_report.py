@@ -1,0 +1,349 @@
+"""A sweep's report: ``summary.jsonl`` (one row per finished point), ``report.md`` (mean ± spread over
+seeds per setting) and PNG plots (matplotlib, imported only here, from the ``experiments`` extra).
+
+Plots (``report.plots`` of the sweep file):
+
+* ``loss_curves``: train loss vs step, one line per setting (mean over seeds);
+* ``final_metric``: ``report.metric`` per value of ``report.x`` with the seeds' spread as error bars;
+* ``metric_vs_eval_length``: ``report.metric`` at each of ``eval_lengths`` (log-log);
+* ``loss_by_position``: bits per byte (else loss) by position bucket at the longest evaluation length;
+* ``probes``: the attention probe (logit variance, entropy ratio, gradient norm at W_q/W_k) vs ``report.x``,
+  at initialisation and after training;
+* ``sinusoidal_table``, ``rope_decay``, ``alibi_bias``: the encodings themselves, from ``jaxformer.ops``
+  at the first point's sizes (the table, RoFormer's relative upper bound vs distance, ALiBi's biases).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from jaxformer.train.metrics import read_metrics
+from jaxformer.train.sweep import Sweep, format_value, read_point
+
+PROBE_KEYS = ("logit_var", "entropy_ratio", "max_weight", "qk_grad_norm")
+
+
+def gather(sweep: Sweep, out: Path) -> list[dict]:
+    """The rows of every finished point (any shard), in the sweep's point order."""
+    return [r for p in sweep.points if (r := read_point(out, p)) is not None]
+
+
+def setting_key(row: dict, keys: list[str]) -> tuple:
+    return tuple(json.dumps(row["values"].get(k)) for k in keys)
+
+
+def label(values: dict, keys: list[str]) -> str:
+    return ", ".join(f"{k.split('.')[-1]}={format_value(values.get(k))}" for k in keys) or "all"
+
+
+def mean_spread(xs: list[float]) -> tuple[float | None, float | None]:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return None, None
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
+
+
+def fmt(m: float | None, s: float | None, digits: int = 4) -> str:
+    if m is None:
+        return "n/a"
+    return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if s is not None else "")
+
+
+def _settings(sweep: Sweep, rows: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """``(values, rows over seeds)`` per setting, in the sweep's order."""
+    keys = sweep.spec.varied
+    groups: dict[tuple, tuple[dict, list[dict]]] = {}
+    for p in sweep.points:
+        groups.setdefault(setting_key({"values": p.values}, keys), (p.values, []))
+    for r in rows:
+        groups[setting_key(r, keys)][1].append(r)
+    return [g for g in groups.values() if g[1]]
+
+
+def write_report(sweep: Sweep, out: str | Path) -> Path:
+    """Write ``summary.jsonl``, ``report.md`` and the plots into ``out``; returns the report's path."""
+    out = Path(out)
+    rows = gather(sweep, out)
+    with (out / "summary.jsonl").open("w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    plots = draw_plots(sweep, out, rows) if rows else []
+    path = out / "report.md"
+    path.write_text(report_markdown(sweep, rows, plots))
+    return path
+
+
+def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str]) -> str:
+    spec, keys = sweep.spec, sweep.spec.varied
+    metric = spec.report.metric
+    n_seeds = len(spec.seeds)
+    lines = [f"# Sweep `{sweep.name}`", "",
+             f"`jaxformer sweep {sweep.path}` · {len(rows)} of {len(sweep.points)} points finished · "
+             f"seeds {spec.seeds} · mean ± standard deviation over seeds", ""]
+    head = [k.split(".")[-1] for k in keys] + [f"{metric}", "train loss", "tokens/s", "wall s", "diverged"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for values, rs in _settings(sweep, rows):
+        ok = [r for r in rs if not r["diverged"]]
+        cells = [format_value(values.get(k)) for k in keys]
+        cells += [fmt(*mean_spread([r.get(metric) for r in ok])), fmt(*mean_spread([r.get("loss") for r in ok])),
+                  fmt(*mean_spread([r.get("tokens_per_s") for r in ok]), digits=0),
+                  fmt(*mean_spread([r.get("wall_s") for r in rs]), digits=0),
+                  f"{len(rs) - len(ok)} of {len(rs)}" + ("" if len(rs) == n_seeds else f" (of {n_seeds} seeds)")]
+        lines.append("| " + " | ".join(cells) + " |")
+    if spec.eval_lengths:
+        lines += ["", f"{metric} at each evaluation length (trained at seq_len "
+                  f"{sweep.points[0].config.seq_len}; n/a: the model cannot run that length)", ""]
+        head = [k.split(".")[-1] for k in keys] + [str(n) for n in spec.eval_lengths]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for values, rs in _settings(sweep, rows):
+            cells = [format_value(values.get(k)) for k in keys]
+            for n in spec.eval_lengths:
+                evs = [r.get("eval_lengths", {}).get(str(n), {}) for r in rs if not r["diverged"]]
+                cells.append(fmt(*mean_spread([e.get(metric) for e in evs])))
+            lines.append("| " + " | ".join(cells) + " |")
+    if spec.probes:
+        lines += ["", "Attention probe (mean over layers, one validation batch): at initialisation → after "
+                  "training", ""]
+        head = [k.split(".")[-1] for k in keys] + list(PROBE_KEYS)
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for values, rs in _settings(sweep, rows):
+            cells = [format_value(values.get(k)) for k in keys]
+            for key in PROBE_KEYS:
+                a = mean_spread([r["probes"]["init"][key] for r in rs if "probes" in r])[0]
+                b = mean_spread([r["probes"]["final"][key] for r in rs if "probes" in r])[0]
+                cells.append("n/a" if a is None else f"{a:.3g} → {b:.3g}")
+            lines.append("| " + " | ".join(cells) + " |")
+    if plots:
+        lines += [""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+# -- plots -------------------------------------------------------------------------------------
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _x_axis(sweep: Sweep) -> str | None:
+    return sweep.spec.report.x or (sweep.spec.varied[0] if sweep.spec.varied else None)
+
+
+def _series(sweep: Sweep, rows: list[dict]):
+    """``(series label, [(x value, rows)])``: settings grouped by every varied key but ``x``."""
+    x = _x_axis(sweep)
+    others = [k for k in sweep.spec.varied if k != x]
+    series: dict[str, list] = {}
+    for values, rs in _settings(sweep, rows):
+        series.setdefault(label(values, others), []).append((values.get(x), rs))
+    return x, series
+
+
+def _place_x(ax, xs: list) -> list:
+    """Numbers on a (log2 when wide) numeric axis; anything else categorical in the given order."""
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None for v in xs):
+        pos = [float(v) for v in xs]
+        if min(pos) > 0 and max(pos) / min(pos) >= 8:
+            ax.set_xscale("log", base=2)
+        return pos
+    names = [format_value(v) for v in xs]
+    ax.set_xticks(range(len(names)), names)
+    return list(range(len(names)))
+
+
+def draw_plots(sweep: Sweep, out: Path, rows: list[dict]) -> list[str]:
+    plt = _pyplot()
+    made = []
+    for name in sweep.spec.report.plots:
+        fig = globals()[f"_plot_{name}"](plt, sweep, out, rows)
+        if fig is None:
+            continue
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+        made.append(f"{name}.png")
+    return made
+
+
+def _plot_loss_curves(plt, sweep, out, rows):
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for values, rs in _settings(sweep, rows):
+        curves = []
+        for r in rs:
+            pts = [(m["step"], m["loss"]) for m in read_metrics(out / r["name"]) if "loss" in m]
+            if pts:
+                curves.append(dict(pts))
+        if not curves:
+            continue
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps],
+                label=label(values, sweep.spec.varied), lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("train loss (nats/token), mean over seeds")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax.set_title(f"{sweep.name}: training loss")
+    return fig
+
+
+def _plot_final_metric(plt, sweep, out, rows):
+    metric = sweep.spec.report.metric
+    x, series = _series(sweep, rows)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, pts in series.items():
+        stats = [mean_spread([r.get(metric) for r in rs if not r["diverged"]]) for _, rs in pts]
+        keep = [(v, m, s) for (v, _), (m, s) in zip(pts, stats) if m is not None]
+        if not keep:
+            continue
+        xs = _place_x(ax, [v for v, _, _ in keep])
+        ax.errorbar(xs, [m for _, m, _ in keep], yerr=[s or 0.0 for _, _, s in keep], marker="o", capsize=3,
+                    label=name)
+    ax.set_xlabel(x or "")
+    ax.set_ylabel(f"{metric} (mean ± sd over seeds)")
+    if len(series) > 1:
+        ax.legend(fontsize=7)
+    ax.set_title(f"{sweep.name}: final {metric}")
+    return fig
+
+
+def _plot_metric_vs_eval_length(plt, sweep, out, rows):
+    metric, lengths = sweep.spec.report.metric, sweep.spec.eval_lengths
+    if not lengths:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for values, rs in _settings(sweep, rows):
+        ms = [mean_spread([r.get("eval_lengths", {}).get(str(n), {}).get(metric) for r in rs]) for n in lengths]
+        keep = [(n, m, s) for n, (m, s) in zip(lengths, ms) if m is not None]
+        if keep:
+            ax.errorbar([n for n, _, _ in keep], [m for _, m, _ in keep], yerr=[s or 0 for _, _, s in keep],
+                        marker="o", capsize=3, label=label(values, sweep.spec.varied))
+    ax.axvline(sweep.points[0].config.seq_len, color="grey", ls=":", lw=1, label="trained length")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("evaluation context length (tokens)")
+    ax.set_ylabel(f"{metric} (mean over seeds)")
+    ax.legend(fontsize=7)
+    ax.set_title(f"{sweep.name}: {metric} vs evaluation length")
+    return fig
+
+
+def _plot_loss_by_position(plt, sweep, out, rows):
+    lengths = sweep.spec.eval_lengths
+    if not lengths:
+        return None
+    n = max(lengths)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for values, rs in _settings(sweep, rows):
+        per = [r.get("eval_lengths", {}).get(str(n), {}).get("buckets") for r in rs]
+        per = [b for b in per if b]
+        if not per:
+            continue
+        key = "bpb" if "bpb" in per[0][0] else "loss"
+        by_from: dict[int, list] = {}
+        for buckets in per:
+            for b in buckets:
+                by_from.setdefault(b["from"], []).append(b[key])
+        xs = sorted(by_from)
+        ax.plot([x + 0.5 * (xs[1] - xs[0] if len(xs) > 1 else 1) for x in xs],
+                [statistics.fmean(by_from[x]) for x in xs], marker=".", label=label(values, sweep.spec.varied))
+    ax.axvline(sweep.points[0].config.seq_len, color="grey", ls=":", lw=1, label="trained length")
+    ax.set_yscale("log")
+    ax.set_xlabel("position in the document (tokens before the prediction)")
+    ax.set_ylabel("bits per byte in the bucket (mean over seeds)")
+    ax.legend(fontsize=7)
+    ax.set_title(f"{sweep.name}: loss by position, {n}-token windows")
+    return fig
+
+
+def _plot_probes(plt, sweep, out, rows):
+    if not sweep.spec.probes:
+        return None
+    x, series = _series(sweep, rows)
+    fig, axes = plt.subplots(1, len(PROBE_KEYS), figsize=(4 * len(PROBE_KEYS), 3.8))
+    for ax, key in zip(axes, PROBE_KEYS):
+        for name, pts in series.items():
+            for when, ls in (("init", "--"), ("final", "-")):
+                vals = [mean_spread([r["probes"][when][key] for r in rs if "probes" in r])[0] for _, rs in pts]
+                keep = [(v, m) for (v, _), m in zip(pts, vals) if m is not None]
+                if keep:
+                    xs = _place_x(ax, [v for v, _ in keep])
+                    ax.plot(xs, [m for _, m in keep], ls=ls, marker="o", label=f"{name} ({when})")
+        ax.set_yscale("log")
+        ax.set_xlabel(x or "")
+        ax.set_title(key, fontsize=9)
+    axes[0].legend(fontsize=6)
+    fig.suptitle(f"{sweep.name}: attention at initialisation (dashed) and after training (solid)", fontsize=9)
+    return fig
+
+
+def _plot_sinusoidal_table(plt, sweep, out, rows):
+    from jaxformer.ops.positional import sinusoidal_positions
+
+    m = sweep.points[0].config.model
+    n = max([sweep.points[0].config.seq_len, *sweep.spec.eval_lengths])
+    table = np.asarray(sinusoidal_positions(np.arange(n), m.d_model))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    im = ax.imshow(table, aspect="auto", cmap="RdBu", vmin=-1, vmax=1, interpolation="nearest")
+    ax.set_xlabel("dimension")
+    ax.set_ylabel("position")
+    fig.colorbar(im, ax=ax)
+    ax.set_title(f"sinusoidal position table (d_model {m.d_model}, {n} positions)")
+    return fig
+
+
+def rope_relative_bound(head_dim: int, distances: np.ndarray, base: float = 10000.0) -> np.ndarray:
+    """RoFormer's long-term-decay curve (Su et al. 2021, §3.4.3): ``(1/(d/2)) Σ_j |S_j|`` with
+    ``S_j = Σ_{i<j} exp(i m θ_i)``, ``θ_i = base^(-2i/d)``, at each relative distance ``m``."""
+    theta = base ** (-2.0 * np.arange(head_dim // 2) / head_dim)
+    phases = np.exp(1j * np.outer(distances, theta))  # [M, d/2]
+    partial = np.cumsum(phases, axis=1)
+    return np.abs(partial).mean(axis=1)
+
+
+def _plot_rope_decay(plt, sweep, out, rows):
+    m = sweep.points[0].config.model
+    d = m.resolved_head_dim
+    dist = np.arange(0, max(1024, *sweep.spec.eval_lengths))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for base in sorted({m.rope_base, 10000.0}):
+        ax.plot(dist, rope_relative_bound(d, dist, base), lw=1, label=f"head dim {d}, base {base:g}")
+    ax.axvline(sweep.points[0].config.seq_len, color="grey", ls=":", lw=1, label="trained length")
+    ax.set_xlabel("relative distance m")
+    ax.set_ylabel("relative upper bound (1/(d/2)) Σ |S_j|")
+    ax.legend(fontsize=7)
+    ax.set_title("RoPE: long-term decay of the relative upper bound (RoFormer §3.4.3)")
+    return fig
+
+
+def _plot_alibi_bias(plt, sweep, out, rows):
+    from jaxformer.ops.positional import alibi_slopes
+
+    m = sweep.points[0].config.model
+    slopes = np.asarray(alibi_slopes(m.n_heads))
+    n = 32
+    pos = np.arange(n)
+    dist = pos[:, None] - pos[None, :]
+    cols = min(4, len(slopes))
+    rows_n = math.ceil(len(slopes) / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(3 * cols, 2.8 * rows_n), squeeze=False)
+    for h, ax in enumerate(axes.flat):
+        if h >= len(slopes):
+            ax.axis("off")
+            continue
+        bias = np.where(dist >= 0, -slopes[h] * dist, np.nan)  # causal: keys after the query are masked
+        ax.imshow(bias, cmap="viridis", interpolation="nearest")
+        ax.set_title(f"head {h}: slope {slopes[h]:.3g}", fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(f"ALiBi biases -slope·(i-j), {n} positions, causal ({m.n_heads} heads)", fontsize=9)
+    return fig
+

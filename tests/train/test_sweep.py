@@ -1,0 +1,318 @@
+"""``jaxformer sweep``: grid expansion, point names, shards, skip-finished, resume after a kill, divergence
+recorded, bad sweep files named by file and key; ``jaxformer eval --seq-len`` against the run's own
+evaluation; and every study file under ``experiments/studies/`` parses, expands and runs one point."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxformer.cli import main
+from jaxformer.train import config as C
+from jaxformer.train.sweep import POINT_FILE, load_sweep, parse_shard, point_name, run_sweep, shard_points
+from tests.train.helpers import make_corpus, tiny_raw, write_config
+
+REPO = Path(__file__).resolve().parents[2]
+STUDIES = sorted((REPO / "experiments" / "studies").glob("*.yaml"))
+
+
+def write_sweep(tmp: Path, spec: dict, base: dict | None = None) -> Path:
+    """``tmp/base.yaml`` (a tiny experiment) and ``tmp/sweep.yaml`` naming it relatively."""
+    if base is None:
+        base = tiny_raw(make_corpus(tmp / "corpus"), eval={"at_end": True, "max_tokens": 128})
+    write_config(tmp / "base.yaml", base)
+    path = tmp / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"base": "base.yaml", **spec}, sort_keys=False))
+    return path
+
+
+# -- expansion and names ------------------------------------------------------------------------
+
+def test_grid_is_the_product_of_axes_zip_groups_and_seeds(tmp_path):
+    path = write_sweep(tmp_path, {
+        "overrides": {"steps": 7, "model.n_layers": 1, "model.n_kv_heads": 1, "optimizer": {"lr": 0.01}},
+        "axes": {"model.position": ["rope", "alibi"], "model.norm": ["layernorm", "rmsnorm"]},
+        "zip": [{"model.n_heads": [1, 4], "model.head_dim": [16, 8]}],
+        "seeds": [3, 5]})
+    sweep = load_sweep(path)
+    assert len(sweep.points) == 2 * 2 * 2 * 2
+    names = [p.name for p in sweep.points]
+    assert len(set(names)) == len(names)
+    assert names[0] == "position-rope_norm-layernorm_n_heads-1_head_dim-16_seed-3"
+    for p in sweep.points:
+        m = p.config.model
+        assert (m.position, m.norm, m.n_heads, m.head_dim) == tuple(p.values[k] for k in sweep.spec.varied)
+        assert (m.n_heads, m.head_dim) in ((1, 16), (4, 8))  # zipped, never crossed
+        assert p.config.seed == p.seed and p.config.steps == 7 and m.n_layers == 1
+        assert p.config.optimizer.lr == 0.01 and p.config.optimizer.b2 == 0.95  # nested override merges
+    assert {p.seed for p in sweep.points} == {3, 5}
+
+
+def test_point_names_use_the_full_key_when_two_axes_share_a_last_part():
+    assert point_name({"model.n_layers": 2, "optimizer.lr": 0.001}, 0) == "n_layers-2_lr-0.001_seed-0"
+    assert point_name({"a.x": None, "b.x": [64, 0]}, 1) == "a_x-none_b_x-64x0_seed-1"
+    assert point_name({}, 2) == "seed-2"
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 30), shards=st.integers(1, 8))
+def test_shards_partition_the_points_exactly(n, shards):
+    points = list(range(n))
+    parts = [shard_points(points, (i, shards)) for i in range(shards)]
+    assert sorted(x for part in parts for x in part) == points  # every point once, none twice
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+@pytest.mark.parametrize("text", ["2/2", "1", "-1/3", "a/b", "3/0"])
+def test_bad_shard_is_refused(text):
+    with pytest.raises(ValueError, match="--shard"):
+        parse_shard(text)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"axes": {"model.position": ["rope"]}, "sedes": [0]}, r"sweep\.yaml: sedes: unknown key"),
+    ({"axes": {"model.position": []}}, r"sweep\.yaml: axes: .*axis 'model.position' has no values"),
+    ({"zip": [{"model.n_heads": [1, 2], "model.head_dim": [8]}]}, r"sweep\.yaml: zip: .*one common"),
+    ({"axes": {"model.norm": ["rmsnorm"]}, "report": {"x": "model.position"}}, r"report.x='model.position'"),
+    ({"axes": {"model.position": ["rope", "spiral"]}},
+     r"sweep\.yaml \(point position-spiral_seed-0\): model.position: Input should be"),
+    ({"axes": {"model.n_layerz": [1]}}, r"sweep\.yaml \(point n_layerz-1_seed-0\): model.n_layerz: unknown key"),
+    ({"eval_lengths": [1, 64]}, r"sweep\.yaml: eval_lengths: .*>= 2"),
+    ({"axes": {"seed": [1, 2]}}, r"`seeds:`"),
+])
+def test_bad_sweep_files_name_file_and_key(tmp_path, spec, match):
+    path = write_sweep(tmp_path, spec, base={"seq_len": 64, "model": {"preset": "llama_tiny"}})
+    with pytest.raises(C.ConfigError, match=match):
+        load_sweep(path)
+
+
+def test_a_missing_base_names_the_sweep_file(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("base: nowhere.yaml\n")
+    with pytest.raises(C.ConfigError, match=r"s\.yaml: base: cannot read .*nowhere\.yaml"):
+        load_sweep(path)
+
+
+# -- running ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    """A two-point sweep run to the end through the CLI: (sweep path, out dir)."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    path = write_sweep(tmp, {"overrides": {"steps": 4}, "axes": {"model.position": ["rope", "learned"]},
+                             "eval_lengths": [16, 64], "eval_max_tokens": 256, "probes": ["attention"],
+                             "report": {"plots": ["loss_curves", "final_metric", "metric_vs_eval_length",
+                                                  "loss_by_position", "probes", "rope_decay"]}})
+    out = tmp / "out"
+    assert main(["sweep", str(path), "--out", str(out)]) == 0
+    return path, out
+
+
+def test_sweep_writes_run_dirs_summary_report_and_plots(ran):
+    path, out = ran
+    sweep = load_sweep(path)
+    rows = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
+    assert [r["name"] for r in rows] == [p.name for p in sweep.points]
+    for r in rows:
+        assert (out / r["name"] / "config.yaml").exists() and (out / r["name"] / "checkpoints").is_dir()
+        assert r["step"] == 4 and not r["diverged"] and r["val_bpb"] > 0 and r["tokens_per_s"] > 0
+        assert set(r["probes"]) == {"init", "final"} and r["probes"]["init"]["qk_grad_norm"] > 0
+    rope, learned = rows
+    assert set(learned["eval_lengths"]["64"]) == {"na"}
+    assert "max_seq_len=32" in learned["eval_lengths"]["64"]["na"]
+    assert rope["eval_lengths"]["64"]["val_tokens"] > 0
+    report = (out / "report.md").read_text()
+    assert "| rope |" in report and "n/a" in report
+    for plot in ("loss_curves", "final_metric", "metric_vs_eval_length", "loss_by_position", "probes",
+                 "rope_decay"):
+        assert (out / f"{plot}.png").stat().st_size > 1000
+
+
+def test_a_finished_sweep_is_skipped_point_by_point(ran, capsys):
+    path, out = ran
+    files = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.suffix != ".png"
+             and p.name not in ("summary.jsonl", "report.md")}
+    said = []
+    run_sweep(load_sweep(path), out, say=said.append)
+    assert all("finished, skipped" in s for s in said) and len(said) == 2
+    assert {p: p.stat().st_mtime_ns for p in files} == files
+
+
+def test_report_only_gathers_shards(ran, tmp_path):
+    path, out = ran
+    assert main(["sweep", str(path), "--out", str(out), "--report"]) == 0
+    assert len((out / "summary.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_diverging_point_is_recorded_and_the_sweep_goes_on(tmp_path):
+    base = tiny_raw(make_corpus(tmp_path / "corpus"), steps=3, eval={"at_end": True, "max_tokens": 64},
+                    optimizer={"lr": 1e30, "clip_norm": None, "weight_decay": 0.0})
+    path = write_sweep(tmp_path, {"axes": {"optimizer.lr": [1e30, 1e-3]}}, base=base)
+    rows = run_sweep(load_sweep(path), tmp_path / "out", say=lambda s: None)
+    assert [r["diverged"] for r in rows] == [True, False]
+    assert rows[0]["diverged_reason"]
+    assert json.loads((tmp_path / "out" / rows[0]["name"] / POINT_FILE).read_text())["diverged"]
+
+
+KILLER = """
+import os, signal, sys, time
+from pathlib import Path
+import jaxformer.train.loop as L
+from jaxformer.train.sweep import load_sweep, run_sweep
+
+sweep, out = load_sweep(sys.argv[1]), Path(sys.argv[2])
+victim = out / sweep.points[1].name
+orig = L.train
+
+def train(cfg, run_dir, **kw):
+    def hook(step, row):
+        if Path(run_dir) == victim and step == 3:  # step 2's checkpoint is being written: wait for it
+            done = victim / "checkpoints" / "2" / "commit_success.txt"
+            deadline = time.time() + 120
+            while not done.exists() and time.time() < deadline:
+                time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return orig(cfg, run_dir, on_step=hook)
+
+L.train = train
+run_sweep(sweep, out, say=print)
+"""
+
+
+def test_killed_sweep_resumes_to_the_same_results(tmp_path):
+    """SIGKILL mid-way through the second point; the same command again skips the first and resumes the
+    second from its checkpoint: every final metric equals an uninterrupted sweep's."""
+    base = tiny_raw(make_corpus(tmp_path / "corpus"), steps=4, checkpoint={"every": 2, "keep": 3},
+                    eval={"at_end": True, "max_tokens": 128})
+    path = write_sweep(tmp_path, {"axes": {"model.n_layers": [1, 2]}}, base=base)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env.pop("XLA_FLAGS", None)
+    cli = [sys.executable, "-m", "jaxformer.cli", "sweep", str(path), "--out"]
+    ref = subprocess.run(cli + [str(tmp_path / "ref")], env=env, capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    out = tmp_path / "out"
+    killed = subprocess.run([sys.executable, "-c", KILLER, str(path), str(out)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    names = [p.name for p in load_sweep(path).points]
+    assert (out / names[0] / POINT_FILE).exists() and not (out / names[1] / POINT_FILE).exists()
+    assert (out / names[1] / "checkpoints" / "2").is_dir() and not (out / names[1] / "checkpoints" / "4").exists()
+
+    again = subprocess.run(cli + [str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{names[0]}: finished, skipped" in again.stdout and "resuming at step 2" in again.stdout
+
+    def finals(d):
+        keep = ("step", "loss", "val_loss", "val_bpb", "diverged")
+        return [{k: r.get(k) for k in keep} for r in map(json.loads, (d / "summary.jsonl").read_text().splitlines())]
+    assert finals(out) == finals(tmp_path / "ref")  # exact: same floats
+
+
+# -- evaluation at another length ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("len")
+    cfg = write_config(tmp / "cfg.yaml", tiny_raw(make_corpus(tmp / "corpus"), steps=3, model={
+        "preset": "llama_tiny", "vocab_size": 264, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 32},
+        eval={"at_end": True}))
+    run = tmp / "run"
+    assert main(["train", str(cfg), "--run-dir", str(run)]) == 0
+    return run
+
+
+def test_eval_at_the_trained_length_equals_the_runs_own_evaluation(trained):
+    """Two code paths: the trainer's jitted eval step (sums) vs per-token NLLs bucketed on the host."""
+    from jaxformer.train.evaluation import evaluate_run, evaluate_run_at_length
+
+    want = evaluate_run(trained, max_tokens=None)
+    got = evaluate_run_at_length(trained, 32, max_tokens=None, bucket=8)
+    assert got["val_tokens"] == want["val_tokens"] and got["val_bytes"] == want["val_bytes"]
+    np.testing.assert_allclose(got["val_loss"], want["val_loss"], rtol=1e-6)  # fp32 sums in another order
+    np.testing.assert_allclose(got["val_bpb"], want["val_bpb"], rtol=1e-6)
+    b = got["buckets"]
+    assert [x["from"] for x in b] == [0, 8, 16, 24] and sum(x["tokens"] for x in b) == got["val_tokens"]
+    pooled = sum(x["loss"] * x["tokens"] for x in b) / got["val_tokens"]
+    np.testing.assert_allclose(pooled, got["val_loss"], rtol=1e-9)
+    # buckets count positions in the *document* (a new one starts after each EOS), not in the window
+    from jaxformer.train.corpus import build_corpus
+    from jaxformer.train.eval_windows import eval_windows
+
+    cfg = C.load(trained / "config.yaml")
+    corpus = build_corpus(cfg.data)
+    ev = eval_windows(corpus.val_stream, seq_len=32, tokenizer=corpus.tokenizer)
+    eos, pad = corpus.tokenizer.eos_id, corpus.tokenizer.pad_id
+    counts = np.zeros(4, int)
+    for row in ev.rows:
+        n = int(np.sum(row != pad))
+        p = 0
+        for i in range(min(n, 33) - 1):  # input i predicts token i+1
+            if i > 0:
+                p = 0 if row[i - 1] == eos else p + 1
+            if row[i] != eos:
+                counts[p // 8] += 1
+    assert [x["tokens"] for x in b] == counts.tolist()
+    assert counts[0] > counts[-1]  # document starts inside windows: short contexts are over-represented
+
+
+def test_eval_beyond_the_trained_length_via_the_cli(trained, capsys):
+    capsys.readouterr()
+    assert main(["eval", str(trained), "--seq-len", "128", "--max-tokens", "512"]) == 0
+    ev = json.loads(capsys.readouterr().out)
+    assert ev["seq_len"] == 128 and ev["trained_seq_len"] == 32 and 0 < ev["val_tokens"] <= 512
+    assert ev["buckets"][-1]["to"] <= 128 and ev["buckets"][0]["from"] == 0
+
+
+def test_learned_positions_beyond_their_table_are_a_clear_error(tmp_path, capsys):
+    cfg = write_config(tmp_path / "cfg.yaml", tiny_raw(make_corpus(tmp_path / "corpus"), steps=1, model={
+        "preset": "gpt2_tiny", "vocab_size": 264, "max_seq_len": 32}))
+    run = tmp_path / "run"
+    assert main(["train", str(cfg), "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run), "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "position='learned' has a table of max_seq_len=32 positions" in err and "seq_len=64" in err
+
+
+# -- the study files ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.stem)
+def test_every_study_file_parses_expands_and_resolves(study, capsys):
+    assert main(["sweep", str(study), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    sweep = load_sweep(study)
+    assert f"{len(sweep.points)} points" in out and all(p.name in out for p in sweep.points)
+    assert len(sweep.spec.seeds) >= 2
+
+
+def _quick_one(study: Path, tmp: Path, shard: str):
+    out = tmp / "out"
+    assert main(["sweep", str(study), "--quick", "--shard", shard, "--out", str(out)]) == 0
+    rows = [json.loads(x) for x in (out / "summary.jsonl").read_text().splitlines()]
+    assert len(rows) == len(shard_points(load_sweep(study).points, parse_shard(shard)))
+    assert all(r["step"] == 2 for r in rows)
+    assert (out / "report.md").exists()
+
+
+@pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.stem)
+def test_one_point_of_every_study_runs_quick(study, tmp_path):
+    _quick_one(study, tmp_path, f"0/{len(load_sweep(study).points)}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.stem)
+def test_every_point_of_every_study_runs_quick(study, tmp_path):
+    _quick_one(study, tmp_path, "0/1")
