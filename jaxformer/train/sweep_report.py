@@ -65,9 +65,17 @@ def _settings(sweep: Sweep, rows: list[dict]) -> list[tuple[dict, list[dict]]]:
     return [g for g in groups.values() if g[1]]
 
 
+def _color(sweep: Sweep, values: dict) -> str:
+    """One colour per setting, the same in every plot (a setting missing from one plot shifts nothing)."""
+    keys = sweep.spec.varied
+    order = list(dict.fromkeys(setting_key({"values": p.values}, keys) for p in sweep.points))
+    return f"C{order.index(setting_key({'values': values}, keys)) % 10}"
+
+
 def write_report(sweep: Sweep, out: str | Path) -> Path:
     """Write ``summary.jsonl``, ``report.md`` and the plots into ``out``; returns the report's path."""
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     rows = gather(sweep, out)
     with (out / "summary.jsonl").open("w") as f:
         for r in rows:
@@ -167,7 +175,6 @@ def draw_plots(sweep: Sweep, out: Path, rows: list[dict]) -> list[str]:
         fig = globals()[f"_plot_{name}"](plt, sweep, out, rows)
         if fig is None:
             continue
-        fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=110)
         plt.close(fig)
         made.append(f"{name}.png")
@@ -175,7 +182,7 @@ def draw_plots(sweep: Sweep, out: Path, rows: list[dict]) -> list[str]:
 
 
 def _plot_loss_curves(plt, sweep, out, rows):
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     for values, rs in _settings(sweep, rows):
         curves = []
         for r in rs:
@@ -186,7 +193,7 @@ def _plot_loss_curves(plt, sweep, out, rows):
             continue
         steps = sorted(set.intersection(*(set(c) for c in curves)))
         ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps],
-                label=label(values, sweep.spec.varied), lw=1.2)
+                label=label(values, sweep.spec.varied), lw=1.2, color=_color(sweep, values))
     ax.set_xlabel("step")
     ax.set_ylabel("train loss (nats/token), mean over seeds")
     ax.set_yscale("log")
@@ -198,7 +205,7 @@ def _plot_loss_curves(plt, sweep, out, rows):
 def _plot_final_metric(plt, sweep, out, rows):
     metric = sweep.spec.report.metric
     x, series = _series(sweep, rows)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     for name, pts in series.items():
         stats = [mean_spread([r.get(metric) for r in rs if not r["diverged"]]) for _, rs in pts]
         keep = [(v, m, s) for (v, _), (m, s) in zip(pts, stats) if m is not None]
@@ -219,13 +226,13 @@ def _plot_metric_vs_eval_length(plt, sweep, out, rows):
     metric, lengths = sweep.spec.report.metric, sweep.spec.eval_lengths
     if not lengths:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     for values, rs in _settings(sweep, rows):
         ms = [mean_spread([r.get("eval_lengths", {}).get(str(n), {}).get(metric) for r in rs]) for n in lengths]
         keep = [(n, m, s) for n, (m, s) in zip(lengths, ms) if m is not None]
         if keep:
             ax.errorbar([n for n, _, _ in keep], [m for _, m, _ in keep], yerr=[s or 0 for _, _, s in keep],
-                        marker="o", capsize=3, label=label(values, sweep.spec.varied))
+                        marker="o", capsize=3, label=label(values, sweep.spec.varied), color=_color(sweep, values))
     ax.axvline(sweep.points[0].config.seq_len, color="grey", ls=":", lw=1, label="trained length")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -241,7 +248,7 @@ def _plot_loss_by_position(plt, sweep, out, rows):
     if not lengths:
         return None
     n = max(lengths)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     for values, rs in _settings(sweep, rows):
         per = [r.get("eval_lengths", {}).get(str(n), {}).get("buckets") for r in rs]
         per = [b for b in per if b]
@@ -254,7 +261,8 @@ def _plot_loss_by_position(plt, sweep, out, rows):
                 by_from.setdefault(b["from"], []).append(b[key])
         xs = sorted(by_from)
         ax.plot([x + 0.5 * (xs[1] - xs[0] if len(xs) > 1 else 1) for x in xs],
-                [statistics.fmean(by_from[x]) for x in xs], marker=".", label=label(values, sweep.spec.varied))
+                [statistics.fmean(by_from[x]) for x in xs], marker=".", label=label(values, sweep.spec.varied),
+                color=_color(sweep, values))
     ax.axvline(sweep.points[0].config.seq_len, color="grey", ls=":", lw=1, label="trained length")
     ax.set_yscale("log")
     ax.set_xlabel("position in the document (tokens before the prediction)")
@@ -268,7 +276,7 @@ def _plot_probes(plt, sweep, out, rows):
     if not sweep.spec.probes:
         return None
     x, series = _series(sweep, rows)
-    fig, axes = plt.subplots(1, len(PROBE_KEYS), figsize=(4 * len(PROBE_KEYS), 3.8))
+    fig, axes = plt.subplots(1, len(PROBE_KEYS), figsize=(4 * len(PROBE_KEYS), 3.8), layout="constrained")
     for ax, key in zip(axes, PROBE_KEYS):
         for name, pts in series.items():
             for when, ls in (("init", "--"), ("final", "-")):
@@ -291,7 +299,7 @@ def _plot_sinusoidal_table(plt, sweep, out, rows):
     m = sweep.points[0].config.model
     n = max([sweep.points[0].config.seq_len, *sweep.spec.eval_lengths])
     table = np.asarray(sinusoidal_positions(np.arange(n), m.d_model))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     im = ax.imshow(table, aspect="auto", cmap="RdBu", vmin=-1, vmax=1, interpolation="nearest")
     ax.set_xlabel("dimension")
     ax.set_ylabel("position")
@@ -313,9 +321,10 @@ def _plot_rope_decay(plt, sweep, out, rows):
     m = sweep.points[0].config.model
     d = m.resolved_head_dim
     dist = np.arange(0, max(1024, *sweep.spec.eval_lengths))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for base in sorted({m.rope_base, 10000.0}):
-        ax.plot(dist, rope_relative_bound(d, dist, base), lw=1, label=f"head dim {d}, base {base:g}")
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    for dim in sorted({d, 128}):
+        ax.plot(dist, rope_relative_bound(dim, dist, m.rope_base), lw=1,
+                label=f"head dim {dim}, base {m.rope_base:g}" + (" (this model)" if dim == d else ""))
     ax.axvline(sweep.points[0].config.seq_len, color="grey", ls=":", lw=1, label="trained length")
     ax.set_xlabel("relative distance m")
     ax.set_ylabel("relative upper bound (1/(d/2)) Σ |S_j|")
@@ -334,16 +343,20 @@ def _plot_alibi_bias(plt, sweep, out, rows):
     dist = pos[:, None] - pos[None, :]
     cols = min(4, len(slopes))
     rows_n = math.ceil(len(slopes) / cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(3 * cols, 2.8 * rows_n), squeeze=False)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(3 * cols, 2.8 * rows_n), squeeze=False, layout="constrained")
+    low = -float(slopes.max()) * (n - 1)  # one colour scale for every head: the slopes' spread shows
+    im = None
     for h, ax in enumerate(axes.flat):
         if h >= len(slopes):
             ax.axis("off")
             continue
         bias = np.where(dist >= 0, -slopes[h] * dist, np.nan)  # causal: keys after the query are masked
-        ax.imshow(bias, cmap="viridis", interpolation="nearest")
+        im = ax.imshow(bias, cmap="viridis", interpolation="nearest", vmin=low, vmax=0.0)
         ax.set_title(f"head {h}: slope {slopes[h]:.3g}", fontsize=8)
         ax.set_xticks([])
         ax.set_yticks([])
-    fig.suptitle(f"ALiBi biases -slope·(i-j), {n} positions, causal ({m.n_heads} heads)", fontsize=9)
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
+    fig.suptitle(f"ALiBi biases -slope·(i-j) on one colour scale, {n} positions, causal ({m.n_heads} heads)",
+                 fontsize=9)
     return fig
 
