@@ -89,6 +89,7 @@ class ModelConfig(BaseModel):
     norm_eps: float = Field(1e-5, gt=0.0)
     final_norm: bool | None = Field(None, description="None: True for pre-norm, False otherwise")
     embed_norm: bool = Field(False, description="a norm right after the token embedding (BLOOM)")
+    residual: bool = Field(True, description="False drops every sublayer's identity path x + (the residuals study)")
     position: Literal["rope", "alibi", "sinusoidal", "learned", "none"] = "rope"
     rope_base: float = Field(10000.0, gt=1.0)
     rope_scaling: RopeScalingConfig | None = None

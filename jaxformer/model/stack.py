@@ -50,7 +50,7 @@ def make_block(cfg: ModelConfig, *, cross: bool, alpha: float | None, beta: floa
         return Residual(
             make_norm_for(cfg, rngs), norm_position=cfg.norm_position,
             branch_norm=make_norm_for(cfg, rngs) if cfg.sandwich_norm else None,
-            alpha=alpha if cfg.norm_position == "deepnorm" else 1.0,
+            alpha=alpha if cfg.norm_position == "deepnorm" else 1.0, skip=cfg.residual,
         )
 
     self_attn = Attention(D, N, K, H, position=self_pos, rope_base=cfg.rope_base,

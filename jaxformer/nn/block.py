@@ -7,6 +7,9 @@ sandwich norm on the branch output, alpha = 1 except for DeepNorm):
 * ``"post"``     ``Ln(x + Lb(f(x)))``                       (Vaswani et al.)
 * ``"deepnorm"`` ``Ln(alpha * x + Lb(f(x)))``               (DeepNet, Wang et al. 2022)
 
+``skip=False`` drops the identity path (``x +`` / ``alpha * x +``), for the residuals study:
+``Lb(f(Ln(x)))`` (pre) or ``Ln(Lb(f(x)))`` (post, deepnorm).
+
 DeepNorm's other half, the beta-scaled initialisation of W_v, W_o and the FFN
 weights, is applied by whoever builds the sublayers (see ``jaxformer.model``).
 """
@@ -29,7 +32,7 @@ class Residual(nnx.Module):
     """A residual connection around a branch, with its norm(s) placed by ``norm_position``."""
 
     def __init__(self, norm: nnx.Module, *, norm_position: str = "pre",
-                 branch_norm: nnx.Module | None = None, alpha: float = 1.0):
+                 branch_norm: nnx.Module | None = None, alpha: float = 1.0, skip: bool = True):
         if norm_position not in NORM_POSITIONS:
             raise ValueError(f"norm_position {norm_position!r} is not one of {NORM_POSITIONS}")
         if alpha != 1.0 and norm_position != "deepnorm":
@@ -38,14 +41,18 @@ class Residual(nnx.Module):
         self.branch_norm = branch_norm
         self.norm_position = norm_position
         self.alpha = float(alpha)
+        self.skip = bool(skip)
 
     def __call__(self, x: Float[ArrayLike, "*B D"], branch: Callable) -> Float[Array, "*B D"]:
         if self.norm_position == "pre":
             h = branch(self.norm(x))
-            return x + (h if self.branch_norm is None else self.branch_norm(h))
+            h = h if self.branch_norm is None else self.branch_norm(h)
+            return x + h if self.skip else h
         h = branch(x)
         if self.branch_norm is not None:
             h = self.branch_norm(h)
+        if not self.skip:
+            return self.norm(h)
         if self.alpha != 1.0:
             x = (x * self.alpha).astype(x.dtype)
         return self.norm(x + h)

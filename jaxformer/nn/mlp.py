@@ -1,4 +1,9 @@
-"""Position-wise feed-forward networks: plain ``act(x W_in) W_out`` and gated ``glu(x W_g, x W_u) W_d``."""
+"""Position-wise feed-forward networks: plain ``act(x W_in) W_out`` and gated ``glu(x W_g, x W_u) W_d``.
+
+With ``record_stats = True`` (an attribute, off by default) a call also sows, as ``nnx.Intermediate``
+``"fired"``, where the activation's input (the gate's, for GLUs) is positive, bool ``[..., F]``: a
+ReLU unit that is never positive on the data never fires (is dead). Read with ``nnx.capture``.
+"""
 
 from __future__ import annotations
 
@@ -34,9 +39,13 @@ class MLP(nnx.Module):
         self.w_out = param(rngs, normal(out_std), (d_ff, d_model), ("mlp", "embed"), param_dtype)
         self.b_in = param(rngs, zeros, (d_ff,), ("mlp",), param_dtype) if use_bias else None
         self.b_out = param(rngs, zeros, (d_model,), ("embed",), param_dtype) if use_bias else None
+        self.record_stats = False
 
     def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
-        h = activation_fn(self.activation)(dense(x, self.w_in, self.b_in, self.dtype, _IN))
+        pre = dense(x, self.w_in, self.b_in, self.dtype, _IN)
+        if self.record_stats:
+            self.sow(nnx.Intermediate, "fired", pre > 0)
+        h = activation_fn(self.activation)(pre)
         return dense(h, self.w_out, self.b_out, self.dtype, _OUT)
 
 
@@ -56,9 +65,12 @@ class GatedMLP(nnx.Module):
         self.b_gate = param(rngs, zeros, (d_ff,), ("mlp",), param_dtype) if use_bias else None
         self.b_up = param(rngs, zeros, (d_ff,), ("mlp",), param_dtype) if use_bias else None
         self.b_down = param(rngs, zeros, (d_model,), ("embed",), param_dtype) if use_bias else None
+        self.record_stats = False
 
     def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
         gate = dense(x, self.w_gate, self.b_gate, self.dtype, _IN)
+        if self.record_stats:
+            self.sow(nnx.Intermediate, "fired", gate > 0)
         up = dense(x, self.w_up, self.b_up, self.dtype, _IN)
         return dense(_GLU[self.activation](gate, up), self.w_down, self.b_down, self.dtype, _OUT)
 

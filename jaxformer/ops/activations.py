@@ -16,8 +16,13 @@ from jaxtyping import Array, Float
 
 from jaxformer.typing import ArrayLike
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
+ACTIVATIONS = ("identity", "relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu")
 _GATED = ("swiglu", "geglu")
+
+
+def identity(x: Float[ArrayLike, "*shape"]) -> Float[Array, "*shape"]:
+    """No non-linearity: the FFN becomes one linear map ``x W_in W_out`` (for the activations study)."""
+    return jnp.asarray(x)
 
 
 def relu(x: Float[ArrayLike, "*shape"]) -> Float[Array, "*shape"]:
@@ -79,6 +84,7 @@ def activation_fn(name: str) -> Callable:
     """The elementwise function for ``name``; for gated names, the gate's activation."""
     _check_name(name)
     return {
+        "identity": identity,
         "relu": relu,
         "gelu": gelu,
         "gelu_tanh": functools.partial(gelu, approximate=True),

@@ -150,6 +150,8 @@ class CheckpointConfig(_Section):
 
 class LoggingConfig(_Section):
     every: int = Field(10, gt=0, description="write a metrics row every N steps")
+    layer_grad_norms: bool = Field(False, description="add grad_norm_layers (each block's gradient norm, "
+                                   "first block first) to the train rows")
     progress: bool = True
     tensorboard: bool = True
 

@@ -192,7 +192,8 @@ class _StepLog:
         every = self.cfg.logging.every
         while len(self.pending) > keep:
             s, m = self.pending.pop(0)
-            m = {k: float(v) for k, v in jax.device_get(m).items()}
+            m = {k: float(v) if getattr(v, "ndim", 0) == 0 else [float(x) for x in v]
+                 for k, v in jax.device_get(m).items()}
             if not all(math.isfinite(m[k]) for k in ("loss", "grad_norm", "param_norm")):
                 self.ckpt.wait()
                 where = f"step {self.last_saved}" if self.last_saved is not None else "none"
@@ -208,6 +209,8 @@ class _StepLog:
             log = s % every == 0 or s == self.cfg.steps
             row = {"step": s, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
                    "tokens_per_s": tps, "param_norm": m["param_norm"]}
+            if "grad_norm_layers" in m:
+                row["grad_norm_layers"] = m["grad_norm_layers"]
             if log:
                 self.writer.write(row)
             self.bar.update(s, m["loss"], tps, log)

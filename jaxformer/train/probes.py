@@ -1,8 +1,10 @@
-"""Probes for studies: what attention's softmax sees, and the gradient that reaches W_q and W_k.
+"""Probes for studies: what attention's softmax sees, the gradient that reaches each layer, dead FFN units.
 
 :func:`attention_probe` runs the model once on one batch with every :class:`~jaxformer.nn.attention.Attention`
 recording :func:`~jaxformer.ops.attention.attention_logit_stats` (``record_stats``), and takes the gradient
-of the mean next-token loss: the √d_k study reads it at initialisation and after training.
+of the mean next-token loss (at W_q / W_k, and per block): the √d_k and residual studies read it at
+initialisation and after training. :func:`mlp_probe` counts the FFN units that never fire on a set of
+batches (the activations study).
 """
 
 from __future__ import annotations
@@ -11,31 +13,33 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from jaxformer.nn.attention import Attention
-from jaxformer.train.step import _model_loss
+from jaxformer.nn.mlp import MLP, GatedMLP
+from jaxformer.train.step import _model_loss, block_grad_norms
 
 STATS = ("logit_var", "entropy", "entropy_ratio", "max_weight")
 
 
-def _recording(graphdef, params):
+def _recording(graphdef, params, kinds=(Attention,)):
     model = nnx.merge(graphdef, params)
     for _, m in nnx.iter_modules(model):
-        if isinstance(m, Attention):
+        if isinstance(m, kinds):
             m.record_stats = True
     return model
 
 
-def _layer_stats(captured) -> list[dict]:
-    """The sown statistics (``nnx.capture``'s state), one dict per attention call, in module order."""
+def _layer_stats(captured, name: str = "attention_stats") -> list:
+    """The values sown as ``name`` (``nnx.capture``'s state), one per call, in module order."""
     found = []
 
     def walk(node):
         if isinstance(node, dict):
             for k in sorted(node, key=lambda k: (0, k, "") if isinstance(k, int) else (1, 0, str(k))):
-                if k == "attention_stats":
+                if k == name:
                     found.extend(node[k] if isinstance(node[k], (tuple, list)) else [node[k]])
                 else:
                     walk(node[k])
@@ -59,7 +63,7 @@ def _probe(graphdef, params, batch):
     qk = [g for path, g in jax.tree_util.tree_leaves_with_path(grads)
           if any(getattr(k, "key", None) in ("w_q", "w_k") for k in path)]
     return ({k: jnp.stack([s[k] for s in layers]) for k in STATS},
-            optax.tree.norm(qk), optax.tree.norm(grads))
+            optax.tree.norm(qk), optax.tree.norm(grads), block_grad_norms(grads))
 
 
 def attention_probe(graphdef, params, batch) -> dict:
@@ -67,16 +71,44 @@ def attention_probe(graphdef, params, batch) -> dict:
 
     Returns floats: per statistic of :data:`STATS` its mean over the self-attention layers and its
     value in the first and last layer (``logit_var``, ``logit_var_first``, ``logit_var_last``, ...),
-    ``qk_grad_norm`` (the norm of the mean-loss gradient over every W_q and W_k) and ``grad_norm``
-    (over all parameters). A model with scanned layers cannot record per-layer statistics.
+    ``qk_grad_norm`` (the norm of the mean-loss gradient over every W_q and W_k), ``grad_norm``
+    (over all parameters) and ``grad_norm_layers`` (per block, first first). A model with scanned
+    layers cannot record per-layer statistics.
     """
     model = nnx.merge(graphdef, params)
     if model.config.scan_layers:
         raise ValueError("attention_probe: per-layer statistics need model.scan_layers=false")
-    per_layer, qk, total = jax.device_get(_probe(graphdef, params, batch))
+    per_layer, qk, total, layers = jax.device_get(_probe(graphdef, params, batch))
     out = {}
     for k in STATS:
         v = per_layer[k]
         out[k], out[f"{k}_first"], out[f"{k}_last"] = float(v.mean()), float(v[0]), float(v[-1])
     out["qk_grad_norm"], out["grad_norm"] = float(qk), float(total)
+    out["grad_norm_layers"] = [float(x) for x in layers]
     return out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fired(graphdef, params, batch):
+    """Per FFN (in module order), whether each unit's activation input was positive on any real token."""
+    model = _recording(graphdef, params, (MLP, GatedMLP))
+    _, captured = nnx.capture(model, nnx.Intermediate)(batch["inputs"], positions=batch["positions"],
+                                                          segment_ids=batch["segment_ids"])
+    real = batch["segment_ids"] > 0  # padding rows and tails are not data
+    return jnp.stack([jnp.any(f & real[..., None], axis=(0, 1)) for f in _layer_stats(captured, "fired")])
+
+
+def mlp_probe(graphdef, params, batches) -> dict:
+    """The FFN units whose activation input is never positive on any token of ``batches`` (for ReLU:
+    dead units, they never fire): ``dead_fraction`` over all layers and ``dead_fraction_layers``."""
+    model = nnx.merge(graphdef, params)
+    if model.config.scan_layers:
+        raise ValueError("mlp_probe: per-layer statistics need model.scan_layers=false")
+    fired = None
+    for b in batches:
+        f = np.asarray(_fired(graphdef, params, b))
+        fired = f if fired is None else fired | f
+    if fired is None:
+        raise ValueError("mlp_probe: no batches")
+    dead = 1.0 - fired.mean(axis=1)
+    return {"dead_fraction": float(1.0 - fired.mean()), "dead_fraction_layers": [float(x) for x in dead]}

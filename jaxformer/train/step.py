@@ -57,6 +57,19 @@ def _model_loss(graphdef, params, batch, z_loss: float):
     return loss * n, (m["ce"] * n, n)
 
 
+def block_grad_norms(grads) -> jax.Array:
+    """The gradient norm of each block of the (decoder) stack, ``[L]`` float32, first block first.
+
+    Works for both layouts: blocks as ``{0: ..., 1: ...}`` or scanned (every leaf ``[L, ...]``).
+    """
+    stack = grads["decoder"] if "decoder" in grads else grads["encoder"]
+    blocks = stack["blocks"]
+    if all(isinstance(k, int) for k in blocks):
+        return jnp.stack([optax.tree.norm(blocks[i]) for i in sorted(blocks)]).astype(jnp.float32)
+    sq = [jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim))) for g in jax.tree.leaves(blocks)]
+    return jnp.sqrt(sum(sq))
+
+
 def opt_state_shardings(abstract_opt, abstract_params, param_shardings, default):
     """Each optimiser-state leaf sharded like the parameter whose key path ends its own (same shape).
 
@@ -85,7 +98,8 @@ def make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
     """
     decay = cfg.schedule.decay_steps or cfg.steps
     key = cfg.model_copy(update={"steps": decay, "seed": 0, "data": DataConfig(), "mesh": MeshConfig(),
-                                 "checkpoint": CheckpointConfig(), "logging": LoggingConfig(),
+                                 "checkpoint": CheckpointConfig(),
+                                 "logging": LoggingConfig(layer_grad_norms=cfg.logging.layer_grad_norms),
                                  "eval": EvalConfig()})
     return _make_trainer(key, mesh)
 
@@ -140,6 +154,8 @@ def _make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
         new_params = optax.apply_updates(params, updates)
         metrics = {"loss": ce_sum / denom, "grad_norm": grad_norm, "lr": schedule(state["step"]),
                    "param_norm": optax.tree.norm(new_params), "n_tokens": n}
+        if cfg.logging.layer_grad_norms:
+            metrics["grad_norm_layers"] = block_grad_norms(grads)
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1,
                      "rng": state["rng"]}
         return new_state, metrics

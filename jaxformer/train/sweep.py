@@ -11,7 +11,8 @@ A sweep file names a base experiment and the axes to vary::
     seeds: [0, 1]
     eval_lengths: [64, 128, 256]              # evaluate every finished run at these context lengths
     eval_max_tokens: 65536                    # scored tokens per length
-    probes: [attention]                       # attention statistics at initialisation and at the end
+    probes: [attention, mlp]                  # attention statistics, per-block gradient norms and dead
+                                              # FFN units, at initialisation and at the end
     report: {metric: val_bpb, x: model.position, plots: [loss_curves, final_metric]}
 
 Every point is an ordinary run directory ``OUT/<point name>/`` (what ``jaxformer train`` writes) plus
@@ -42,7 +43,7 @@ from jaxformer.train import config as C
 
 PLOTS = ("loss_curves", "final_metric", "metric_vs_eval_length", "loss_by_position", "probes",
          "sinusoidal_table", "rope_decay", "alibi_bias")
-PROBES = ("attention",)
+PROBES = ("attention", "mlp")
 POINT_FILE = "sweep_point.json"
 
 
@@ -338,8 +339,8 @@ def run_point(sweep: Sweep, point: Point, run_dir: Path, *, quick: bool = False)
             row["eval_lengths"] = eval_lengths(run_dir, cfg, sweep.spec.eval_lengths,
                                                max_tokens=None if quick else sweep.spec.eval_max_tokens,
                                                quick=quick)
-        if "attention" in sweep.spec.probes:
-            row["probes"] = probe_run(run_dir)
+        if sweep.spec.probes:
+            row["probes"] = probe_run(run_dir, sweep.spec.probes)
     row["wall_s"] = time.perf_counter() - t0
     return row
 
@@ -359,12 +360,13 @@ def eval_lengths(run_dir: Path, cfg: C.ExperimentConfig, lengths: list[int], *, 
     return out
 
 
-def probe_run(run_dir: Path) -> dict:
-    """:func:`jaxformer.train.probes.attention_probe` at initialisation (the run's seed) and at its end,
-    on the first batch of validation windows."""
+def probe_run(run_dir: Path, probes=("attention",)) -> dict:
+    """The ``probes`` at initialisation (the run's seed) and at the run's end: ``attention``
+    (:func:`jaxformer.train.probes.attention_probe` on the first batch of validation windows) and
+    ``mlp`` (:func:`jaxformer.train.probes.mlp_probe` over the validation windows of ``eval.max_tokens``)."""
     from jaxformer.train.corpus import build_corpus
     from jaxformer.train.evaluation import eval_batch_size, eval_set
-    from jaxformer.train.probes import attention_probe
+    from jaxformer.train.probes import attention_probe, mlp_probe
     from jaxformer.train.run_dir import load_run, tokenizer_path
 
     cfg, trainer, params, _, _ = load_run(run_dir)
@@ -372,10 +374,15 @@ def probe_run(run_dir: Path) -> dict:
     evalset = eval_set(cfg, corpus, cfg.eval.max_tokens)
     if evalset is None:
         raise ValueError(f"{run_dir}: probes need a validation split")
-    batch = next(evalset.batches(eval_batch_size(cfg, trainer.mesh)))
-    init_params = trainer.init_state(cfg.seed)["params"]
-    return {"init": attention_probe(trainer.graphdef, init_params, batch),
-            "final": attention_probe(trainer.graphdef, params, batch)}
+    batches = list(evalset.batches(eval_batch_size(cfg, trainer.mesh)))
+    out = {}
+    for when, p in (("init", trainer.init_state(cfg.seed)["params"]), ("final", params)):
+        out[when] = {}
+        if "attention" in probes:
+            out[when].update(attention_probe(trainer.graphdef, p, batches[0]))
+        if "mlp" in probes:
+            out[when].update(mlp_probe(trainer.graphdef, p, batches))
+    return out
 
 
 __all__ = ["PLOTS", "Point", "Sweep", "SweepConfig", "default_out", "load_sweep", "parse_shard", "point_name",

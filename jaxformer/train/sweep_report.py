@@ -25,7 +25,13 @@ import numpy as np
 from jaxformer.train.metrics import read_metrics
 from jaxformer.train.sweep import Sweep, format_value, read_point
 
-PROBE_KEYS = ("logit_var", "entropy_ratio", "max_weight", "qk_grad_norm")
+PROBE_KEYS = ("logit_var", "entropy_ratio", "max_weight", "qk_grad_norm", "dead_fraction")
+
+
+def probe_keys(rows: list[dict]) -> list[str]:
+    """The probe columns the rows have (attention statistics and/or dead FFN units)."""
+    have = {k for r in rows if "probes" in r for k in r["probes"]["init"]}
+    return [k for k in PROBE_KEYS if k in have]
 
 
 def gather(sweep: Sweep, out: Path) -> list[dict]:
@@ -115,13 +121,14 @@ def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str]) -> str:
                 cells.append(fmt(*mean_spread([e.get(metric) for e in evs])))
             lines.append("| " + " | ".join(cells) + " |")
     if spec.probes:
-        lines += ["", "Attention probe (mean over layers, one validation batch): at initialisation → after "
-                  "training", ""]
-        head = [k.split(".")[-1] for k in keys] + list(PROBE_KEYS)
+        lines += ["", "Probes (attention: mean over layers, one validation batch; dead_fraction: FFN units never "
+                  "positive on the validation windows): at initialisation → after training", ""]
+        pkeys = probe_keys(rows)
+        head = [k.split(".")[-1] for k in keys] + pkeys
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for values, rs in _settings(sweep, rows):
             cells = [format_value(values.get(k)) for k in keys]
-            for key in PROBE_KEYS:
+            for key in pkeys:
                 a = mean_spread([r["probes"]["init"][key] for r in rs if "probes" in r])[0]
                 b = mean_spread([r["probes"]["final"][key] for r in rs if "probes" in r])[0]
                 cells.append("n/a" if a is None else f"{a:.3g} → {b:.3g}")
@@ -276,8 +283,10 @@ def _plot_probes(plt, sweep, out, rows):
     if not sweep.spec.probes:
         return None
     x, series = _series(sweep, rows)
-    fig, axes = plt.subplots(1, len(PROBE_KEYS), figsize=(4 * len(PROBE_KEYS), 3.8), layout="constrained")
-    for ax, key in zip(axes, PROBE_KEYS):
+    pkeys = probe_keys(rows)
+    fig, axes = plt.subplots(1, len(pkeys), figsize=(4 * len(pkeys), 3.8), squeeze=False, layout="constrained")
+    axes = axes[0]
+    for ax, key in zip(axes, pkeys):
         for name, pts in series.items():
             for when, ls in (("init", "--"), ("final", "-")):
                 vals = [mean_spread([r["probes"][when][key] for r in rs if "probes" in r])[0] for _, rs in pts]
@@ -285,11 +294,12 @@ def _plot_probes(plt, sweep, out, rows):
                 if keep:
                     xs = _place_x(ax, [v for v, _ in keep])
                     ax.plot(xs, [m for _, m in keep], ls=ls, marker="o", label=f"{name} ({when})")
-        ax.set_yscale("log")
+        ax.set_yscale("symlog" if key == "dead_fraction" else "log", **({"linthresh": 1e-3}
+                                                                        if key == "dead_fraction" else {}))
         ax.set_xlabel(x or "")
         ax.set_title(key, fontsize=9)
     axes[0].legend(fontsize=6)
-    fig.suptitle(f"{sweep.name}: attention at initialisation (dashed) and after training (solid)", fontsize=9)
+    fig.suptitle(f"{sweep.name}: probes at initialisation (dashed) and after training (solid)", fontsize=9)
     return fig
 
 

@@ -124,7 +124,7 @@ def silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-ACT = {"relu": lambda x: np.maximum(x, 0.0), "gelu": gelu, "gelu_tanh": gelu_tanh, "silu": silu,
+ACT = {"identity": lambda x: x, "relu": lambda x: np.maximum(x, 0.0), "gelu": gelu, "gelu_tanh": gelu_tanh, "silu": silu,
        "swiglu": silu, "geglu": gelu}
 
 
@@ -220,13 +220,18 @@ def mlp(cfg, p, x):
 
 def residual(cfg, p, x, branch, alpha):
     """pre: x + Lb(f(Ln x)); post: Ln(x + f(x)); deepnorm: Ln(alpha x + f(x)) (Lb: sandwich only)."""
+    # residual=False (the residuals study): the same without the identity path
+    keep = 1.0 if cfg.residual else 0.0
     if cfg.norm_position == "pre":
         h = branch(norm(cfg, p["norm"], x))
         if cfg.sandwich_norm:
             h = norm(cfg, p["branch_norm"], h)
-        return x + h
+        return keep * x + h
     a = alpha if cfg.norm_position == "deepnorm" else 1.0
-    return norm(cfg, p["norm"], a * x + branch(x))
+    h = branch(x)
+    if cfg.sandwich_norm:
+        h = norm(cfg, p["branch_norm"], h)
+    return norm(cfg, p["norm"], keep * a * x + h)
 
 
 def deepnet_alpha(cfg, which):
@@ -405,6 +410,11 @@ CASES = {
     "gpt2": ("gpt2_tiny", {}, {}, ()),
     # W_k = W_v = W_q with biases (one b_q too), logit scale 0.3
     "gpt2_shared_qkv": ("gpt2_tiny", dict(qkv_sharing="qkv", attn_scale=0.3), {}, ()),
+    # no residual paths, pre-LN with sandwich norm, and a linear FFN (identity activation)
+    "gpt2_no_residual_linear": ("gpt2_tiny", dict(residual=False, sandwich_norm=True, activation="identity"),
+                                {}, ()),
+    # no residual paths in a post-LN stack
+    "gpt2_post_no_residual": ("gpt2_tiny", dict(residual=False, norm_position="post"), {}, ()),
     # the same untied, with token and position tables of std 1e-3: the first LayerNorm's variance
     # (~2e-6) is below eps (1e-5), so eps's placement shows in the logits
     "gpt2_untied_tiny_inputs": ("gpt2_tiny", dict(tie_embeddings=False), {}, ("embed.", "pos_embed.")),

@@ -86,6 +86,7 @@ def test_activation_registry():
     x = jnp.asarray(X, jnp.float32)
     xs = np.asarray(x, np.float64)
     want = {
+        "identity": xs,
         "relu": np.maximum(xs, 0),
         "gelu": ref(gelu_exact64, xs),
         "gelu_tanh": ref(gelu_tanh64, xs),

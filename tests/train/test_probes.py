@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -75,6 +76,56 @@ def test_gradient_norms_match_plain_jax_grad():
     np.testing.assert_allclose(got["qk_grad_norm"], float(optax.tree.norm(qk)), rtol=1e-5)
     np.testing.assert_allclose(got["grad_norm"], float(optax.tree.norm(g)), rtol=1e-5)
     assert 0 < got["qk_grad_norm"] < got["grad_norm"]
+    per_block = [float(optax.tree.norm(blocks[i])) for i in range(3)]
+    np.testing.assert_allclose(got["grad_norm_layers"], per_block, rtol=1e-5)
+
+
+def test_block_grad_norms_agree_between_plain_and_scanned_layouts():
+    from jaxformer.train.step import block_grad_norms
+
+    rng = np.random.default_rng(0)
+    plain = {"decoder": {"blocks": {i: {"a": rng.normal(size=(3, 4)), "b": {"c": rng.normal(size=5)}}
+                                    for i in range(4)}}}
+    scanned = {"decoder": {"blocks": jax.tree.map(lambda *xs: np.stack(xs), *[plain["decoder"]["blocks"][i]
+                                                                               for i in range(4)])}}
+    want = [math.sqrt(sum(float(np.sum(x ** 2)) for x in jax.tree.leaves(plain["decoder"]["blocks"][i])))
+            for i in range(4)]
+    np.testing.assert_allclose(block_grad_norms(plain), want, rtol=1e-6)
+    np.testing.assert_allclose(block_grad_norms(scanned), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("activation", ["relu", "swiglu"])
+def test_dead_units_match_numpy(activation):
+    """One pre-LN layer: the FFN input is LN(x + attention(LN(x))); recomputed here from the module's own
+    attention output is circular, so the check uses position='none' attention with W_o = 0: the FFN then
+    sees LN(embedding) exactly, and a unit is dead iff (LN(e) W_in + b)[unit] <= 0 on every real token."""
+    from jaxformer.train.probes import mlp_probe
+
+    cfg = ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, position="none", norm="layernorm",
+                      activation=activation, max_seq_len=T, use_bias=True, init_std=0.3)
+    gd, st = init(cfg, jax.random.key(4))
+    params = nnx.to_pure_dict(st)
+    blk = params["decoder"]["blocks"][0]
+    blk["self_attn"]["w_o"] = jnp.zeros_like(blk["self_attn"]["w_o"])
+    blk["self_attn"]["b_o"] = jnp.zeros_like(blk["self_attn"]["b_o"])
+    w_name, b_name = ("w_in", "b_in") if activation == "relu" else ("w_gate", "b_gate")
+    blk["mlp"][b_name] = blk["mlp"][b_name] - 3.0 * (jnp.arange(cfg.resolved_d_ff) % 2)  # half pushed down
+    b1, b2 = batch(0), batch(1)
+    b2["segment_ids"][0, 5:] = 0  # padding: those tokens must not count
+    got = mlp_probe(gd, params, [b1, b2])
+
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    pb = p["decoder"]["blocks"][0]
+    fired = np.zeros(cfg.resolved_d_ff, bool)
+    for b in (b1, b2):
+        e = p["embed"]["embedding"][b["inputs"]]
+        n = pb["mlp_residual"]["norm"]
+        pre = layer_norm64(e, n["scale"]) + n["bias"]
+        pre = pre @ pb["mlp"][w_name] + pb["mlp"][b_name]
+        fired |= np.any((pre > 0) & (b["segment_ids"] > 0)[..., None], axis=(0, 1))
+    assert 0 < got["dead_fraction"] < 1
+    np.testing.assert_allclose(got["dead_fraction"], 1 - fired.mean(), atol=1e-12)
+    assert got["dead_fraction_layers"] == [got["dead_fraction"]]
 
 
 def test_scanned_layers_are_refused():
@@ -82,3 +133,24 @@ def test_scanned_layers_are_refused():
     gd, st = init(cfg, jax.random.key(0))
     with pytest.raises(ValueError, match="scan_layers=false"):
         attention_probe(gd, nnx.to_pure_dict(st), batch())
+
+
+def test_layer_grad_norms_in_the_metrics(tmp_path):
+    """``logging.layer_grad_norms``: each train row carries one norm per block; together they are part
+    of the whole gradient (the embeddings and final norm hold the rest), and without the flag the rows
+    stay as they were."""
+    from jaxformer.train import config as C
+    from jaxformer.train.loop import train
+    from jaxformer.train.metrics import read_metrics
+    from tests.train.helpers import make_corpus, tiny_raw
+
+    corpus = make_corpus(tmp_path / "corpus")
+    train(C.from_dict(tiny_raw(corpus, steps=3, logging={"layer_grad_norms": True})), tmp_path / "run")
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(rows) == 3
+    for r in rows:
+        layers = r["grad_norm_layers"]
+        assert len(layers) == 2 and all(x > 0 for x in layers)
+        assert math.sqrt(sum(x * x for x in layers)) < r["grad_norm"]
+    train(C.from_dict(tiny_raw(corpus, steps=1)), tmp_path / "plain")
+    assert all("grad_norm_layers" not in r for r in read_metrics(tmp_path / "plain"))

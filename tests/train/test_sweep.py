@@ -110,7 +110,7 @@ def ran(tmp_path_factory):
     """A two-point sweep run to the end through the CLI: (sweep path, out dir)."""
     tmp = tmp_path_factory.mktemp("sweep")
     path = write_sweep(tmp, {"overrides": {"steps": 4}, "axes": {"model.position": ["rope", "learned"]},
-                             "eval_lengths": [16, 64], "eval_max_tokens": 256, "probes": ["attention"],
+                             "eval_lengths": [16, 64], "eval_max_tokens": 256, "probes": ["attention", "mlp"],
                              "report": {"plots": ["loss_curves", "final_metric", "metric_vs_eval_length",
                                                   "loss_by_position", "probes", "rope_decay"]}})
     out = tmp / "out"
@@ -127,6 +127,7 @@ def test_sweep_writes_run_dirs_summary_report_and_plots(ran):
         assert (out / r["name"] / "config.yaml").exists() and (out / r["name"] / "checkpoints").is_dir()
         assert r["step"] == 4 and not r["diverged"] and r["val_bpb"] > 0 and r["tokens_per_s"] > 0
         assert set(r["probes"]) == {"init", "final"} and r["probes"]["init"]["qk_grad_norm"] > 0
+        assert 0 <= r["probes"]["final"]["dead_fraction"] < 1 and len(r["probes"]["init"]["grad_norm_layers"]) == 2
     rope, learned = rows
     assert set(learned["eval_lengths"]["64"]) == {"na"}
     assert "max_seq_len=32" in learned["eval_lengths"]["64"]["na"]
