@@ -76,7 +76,9 @@ def bench_memory(seed: int = 0, budget_slots: int = 32768, max_len: int = 2048, 
         (f"paged (L={page})", n_paged, f"{util_paged:.1%}", f"{1 - util_paged:.1%}"),
     ]
     summary = dict(waste_paged=1 - util_paged, seq_ratio=n_paged / n_contig,
-                   median_len=float(np.median(lengths)), mean_len=float(lengths.mean()))
+                   median_len=float(np.median(lengths)), mean_len=float(lengths.mean()),
+                   util_contig=float(util_contig), util_paged=float(util_paged), n_contig=int(n_contig),
+                   n_paged=int(n_paged), lengths=lengths)
     return rows, summary
 
 
@@ -121,7 +123,8 @@ def bench_cache_vs_recompute(context: int = 1024, new: int = 16):
     t_cache, t_full = statistics.median(t_cache), statistics.median(t_full)
     rows = [("KV cache", f"{new / t_cache:,.1f}", f"{1e3 * t_cache / new:.2f}"),
             ("full recompute", f"{new / t_full:,.1f}", f"{1e3 * t_full / new:.2f}")]
-    return rows, dict(speedup=t_full / t_cache, config=cfg)
+    return rows, dict(speedup=t_full / t_cache, config=cfg, cache_tokens_per_s=new / t_cache,
+                      recompute_tokens_per_s=new / t_full)
 
 
 # --------------------------------------------------------------------------- (c) engine vs one by one

@@ -318,8 +318,10 @@ def run_point(sweep: Sweep, point: Point, run_dir: Path, *, quick: bool = False)
 
     cfg = quick_config(point.config) if quick else point.config
     t0 = time.perf_counter()
+    from jaxformer.model import count_params
+
     row: dict[str, Any] = {"name": point.name, "values": point.values, "seed": point.seed,
-                           "diverged": False}
+                           "params": count_params(cfg.model), "diverged": False}
     try:
         summary = train(cfg, run_dir)
     except NonFiniteError as e:

@@ -35,8 +35,17 @@ def probe_keys(rows: list[dict]) -> list[str]:
 
 
 def gather(sweep: Sweep, out: Path) -> list[dict]:
-    """The rows of every finished point (any shard), in the sweep's point order."""
-    return [r for p in sweep.points if (r := read_point(out, p)) is not None]
+    """The rows of every finished point (any shard), in the sweep's point order (``params`` filled in
+    from the point's config for rows written before it was recorded)."""
+    from jaxformer.model import count_params
+
+    rows = []
+    for p in sweep.points:
+        r = read_point(out, p)
+        if r is not None:
+            r.setdefault("params", count_params(p.config.model))
+            rows.append(r)
+    return rows
 
 
 def setting_key(row: dict, keys: list[str]) -> tuple:
@@ -99,12 +108,13 @@ def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str]) -> str:
     lines = [f"# Sweep `{sweep.name}`", "",
              f"`jaxformer sweep {sweep.path}` · {len(rows)} of {len(sweep.points)} points finished · "
              f"seeds {spec.seeds} · mean ± standard deviation over seeds", ""]
-    head = [k.split(".")[-1] for k in keys] + [f"{metric}", "train loss", "tokens/s", "wall s", "diverged"]
+    head = [k.split(".")[-1] for k in keys] + ["params", f"{metric}", "train loss", "tokens/s", "wall s", "diverged"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for values, rs in _settings(sweep, rows):
         ok = [r for r in rs if not r["diverged"]]
         cells = [format_value(values.get(k)) for k in keys]
-        cells += [fmt(*mean_spread([r.get(metric) for r in ok])), fmt(*mean_spread([r.get("loss") for r in ok])),
+        cells += [f"{rs[0]['params']:,}" if "params" in rs[0] else "n/a",
+                  fmt(*mean_spread([r.get(metric) for r in ok])), fmt(*mean_spread([r.get("loss") for r in ok])),
                   fmt(*mean_spread([r.get("tokens_per_s") for r in ok]), digits=0),
                   fmt(*mean_spread([r.get("wall_s") for r in rs]), digits=0),
                   f"{len(rs) - len(ok)} of {len(rs)}" + ("" if len(rs) == n_seeds else f" (of {n_seeds} seeds)")]

@@ -1,0 +1,116 @@
+"""LayerNorm vs RMSNorm, side by side in one run: the op alone (forward, forward+backward) and a whole
+jitted train step of the main job's model with each norm (study 5: "RMSNorm is 10-15% faster").
+
+Calls alternate (layernorm, rmsnorm, layernorm, ...) in rounds so drift on a shared machine hits both;
+the table shows median times and the ratio RMSNorm / LayerNorm (below 1: RMSNorm faster).
+
+    python experiments/bench/norms.py                 # CPU-sized default
+    python experiments/bench/norms.py --quick         # toy sizes, one round (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from timing import timed
+
+from jaxformer.ops.normalization import layer_norm, rms_norm
+from jaxformer.train import config as C
+from jaxformer.train import sharding as S
+from jaxformer.train.corpus import build_corpus
+from jaxformer.train.pipeline import TrainIterator
+from jaxformer.train.step import make_trainer
+
+
+def op_fns(shape):
+    """Jitted forward and forward+backward of each norm on ``x [rows, D]`` with a learned scale (and, for
+    LayerNorm, a bias: LLaMA drops it with RMSNorm; GPT-2's LayerNorm has it)."""
+    D = shape[-1]
+    key = jax.random.key(0)
+    x = jax.random.normal(key, shape, jnp.float32)
+    scale, bias = jnp.ones((D,)), jnp.zeros((D,))
+    fwd = {"layernorm": jax.jit(lambda x, s, b: layer_norm(x, s, b)),
+           "rmsnorm": jax.jit(lambda x, s, b: rms_norm(x, s))}
+
+    def grad_of(f):
+        return jax.jit(jax.grad(lambda x, s, b: jnp.sum(f(x, s, b) ** 2), argnums=(0, 1)))
+
+    bwd = {k: grad_of(f) for k, f in fwd.items()}
+    return (x, scale, bias), fwd, bwd
+
+
+def step_fns(args):
+    """The main job's model (stdlib_bytes.yaml) with each norm: a jitted train step and one batch."""
+    out = {}
+    for norm in ("layernorm", "rmsnorm"):
+        cfg = C.load(args.config, [f"model.norm={norm}", f"batch_size={args.batch}", "mesh.data=1"])
+        trainer = make_trainer(cfg, S.make_mesh(cfg.mesh))
+        state = trainer.init_state(0)
+        corpus = build_corpus(cfg.data)
+        batch = S.put_batch(next(TrainIterator(corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=0)),
+                            trainer.mesh)
+        out[norm] = (trainer, state, batch)
+    return out
+
+
+def alternate(fns: dict, args_of, rounds: int, reps: int) -> dict:
+    """Median seconds per call of each function, timed in alternating rounds of ``reps`` calls."""
+    times = {k: [] for k in fns}
+    for k, f in fns.items():  # compile + warm up
+        jax.block_until_ready(f(*args_of(k)))
+    for _ in range(rounds):
+        for k, f in fns.items():
+            for _ in range(reps):
+                times[k].append(timed(f, *args_of(k))[1])
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="experiments/configs/stdlib_bytes.yaml")
+    p.add_argument("--batch", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--quick", action="store_true", help="toy sizes, one round")
+    args = p.parse_args(argv)
+    rounds = 1 if args.quick else args.rounds
+    shapes = [(64, 32)] if args.quick else [(12 * 128, 128), (8192, 1024)]
+    rows = []
+    for shape in shapes:
+        xsb, fwd, bwd = op_fns(shape)
+        reps = 3 if args.quick else 20
+        for what, fns in (("forward", fwd), ("forward+backward", bwd)):
+            med = alternate(fns, lambda k: xsb, rounds, reps)
+            rows.append((f"op {what}, x {list(shape)}", med["layernorm"], med["rmsnorm"]))
+    if args.quick:
+        args.batch = 2
+    steps = step_fns(args)
+
+    states = {k: v[1] for k, v in steps.items()}  # the step donates its state: thread it through
+
+    def run_step(k):
+        trainer, _, batch = steps[k]
+
+        def one():
+            states[k], m = trainer.train_step(states[k], batch)
+            return m["loss"]
+        return one
+
+    med = alternate({k: run_step(k) for k in steps}, lambda k: (), rounds, 2 if args.quick else 5)
+    cfg = steps["layernorm"][0].cfg
+    rows.append((f"train step ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
+                 f"{args.batch} x {cfg.seq_len} tokens)", med["layernorm"], med["rmsnorm"]))
+
+    print(f"{'what':58s} {'LayerNorm':>11s} {'RMSNorm':>11s} {'RMS/LN':>7s}")
+    for what, ln, rms in rows:
+        print(f"{what:58s} {ln * 1e3:9.3f}ms {rms * 1e3:9.3f}ms {rms / ln:7.3f}")
+    print(f"(median of {rounds} alternating rounds; {jax.default_backend()}, {jax.device_count()} device(s); "
+          f"numpy {np.__version__}, jax {jax.__version__})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""Study 9: long context. Claim: "dense attention is O(n^2) (512 -> 128K is 62,500x the work); sparse
+attention is O(n); FlashAttention keeps the math but not the n x n matrix".
+
+Time and memory of one self-attention call vs length, for dense (XLA, the T x T
+matrix), blockwise (this library's FlashAttention-style path in plain JAX: all T x T work, O(T)
+memory) and block-sparse (Longformer window 512 + 2 global tokens: O(T) work), forward and
+forward+backward, from 512 up to the longest length that fits the memory limit; the Pallas kernels
+run where an accelerator is present (``experiments/bench/gpu_suite.py``), not on this CPU. Every case
+is ``experiments/bench/sparse.py``'s worker in a fresh subprocess (no code copied): median wall time,
+XLA's temp bytes (the scratch beyond inputs and outputs) and the resident-set peak. Exponents are the
+least-squares slopes of log(time) and log(temp) vs log(T) over the lengths each path ran.
+
+    python experiments/studies/long_context.py                      # the study (~10 min on 2 cores)
+    python experiments/studies/long_context.py --dry-run            # list the cases
+    python experiments/studies/long_context.py --quick              # toy lengths, in-process (tests)
+    python experiments/studies/long_context.py --out experiments/results/studies/long_context
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "experiments" / "bench"))
+
+import sparse as bench  # noqa: E402  (experiments/bench/sparse.py: worker, run_case, slope)
+
+IMPLS = {"dense": "dense", "blockwise": "blockwise", "sparse": "sparse"}
+LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def cases(lengths, modes, repeats: int, mem_limit_gb: float):
+    for mode in modes:
+        for T in lengths:
+            for impl in IMPLS:
+                yield dict(workload="longformer", impl=impl, T=T, mode=mode, heads=1, head_dim=64, block=64,
+                           repeats=repeats if T <= 4096 else max(1, repeats // 2), mem_limit_gb=mem_limit_gb)
+
+
+def fit(results, key: str) -> dict:
+    """``{(impl, mode): exponent}`` of ``key`` (seconds or temp_bytes) vs T."""
+    out = {}
+    for r in results:
+        pts = out.setdefault((r["impl"], r["mode"]), [])
+        if r.get(key, 0) > 0 and "skipped" not in r and "error" not in r:
+            pts.append((r["T"], r[key]))
+    return {k: bench.slope(v) for k, v in out.items()}
+
+
+def plot(results, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    for key, ylabel, name in (("seconds", "seconds per call", "time_vs_length.png"),
+                              ("temp_bytes", "XLA temp bytes (scratch beyond inputs/outputs)",
+                               "memory_vs_length.png")):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+        for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
+            for i, impl in enumerate(IMPLS):
+                pts = [(r["T"], r[key]) for r in results if r["impl"] == impl and r["mode"] == mode
+                       and r.get(key, 0) > 0 and "error" not in r and ("skipped" not in r or key == "temp_bytes")]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", color=f"C{i}", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length T")
+            ax.set_ylabel(ylabel)
+            ax.set_title(mode, fontsize=9)
+            if ax.get_lines():
+                ax.legend(fontsize=8)
+        fig.suptitle("Causal self-attention vs length: dense O(T²), blockwise O(T²) work / O(T) memory, "
+                     "sparse (window 512 + 2 global) O(T)", fontsize=9)
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        made.append(name)
+    return made
+
+
+def table(results) -> str:
+    lines = ["| T | pass | dense s | blockwise s | sparse s | dense temp MiB | blockwise temp MiB | sparse temp MiB |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    by = {(r["T"], r["mode"], r["impl"]): r for r in results}
+    for mode in ("fwd", "fwd+bwd"):
+        for T in sorted({r["T"] for r in results}):
+            row = [by.get((T, mode, i), {}) for i in IMPLS]
+            if not any(row):
+                continue
+            secs = [bench._fmt_s(r) if r else "-" for r in row]
+            temps = [bench._mib(r) if r else "-" for r in row]
+            lines.append(f"| {T} | {mode} | " + " | ".join(secs + temps) + " |")
+    t_fit, m_fit = fit(results, "seconds"), fit(results, "temp_bytes")
+    lines += ["", "| exponent (log-log slope) | pass | dense | blockwise | sparse |", "|---|---|---:|---:|---:|"]
+    for what, f in (("time", t_fit), ("XLA temp", m_fit)):
+        for mode in ("fwd", "fwd+bwd"):
+            cells = [f"{f[(i, mode)]:.2f}" if f.get((i, mode)) is not None else "-" for i in IMPLS]
+            lines.append(f"| {what} | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-t", type=int, default=LENGTHS[-1])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--mem-limit-gb", type=float, default=6.0, help="a case whose XLA temp exceeds this is not run")
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="T = 128, 256, forward only, in-process")
+    ap.add_argument("--out", type=Path, help="directory for results.jsonl, table.md and the plots")
+    args = ap.parse_args(argv)
+    lengths = (128, 256) if args.quick else tuple(t for t in LENGTHS if t <= args.max_t)
+    todo = list(cases(lengths, ("fwd",) if args.quick else ("fwd", "fwd+bwd"), 1 if args.quick else args.repeats,
+                      args.mem_limit_gb))
+    if args.dry_run:
+        for c in todo:
+            print(json.dumps(c))
+        print(f"{len(todo)} cases")
+        return 0
+    results = []
+    for c in todo:
+        r = bench.worker(c) if args.quick else bench.run_case(c)
+        results.append(r)
+        print(f"T={c['T']:>6} {c['mode']:<8} {c['impl']:<9} {bench._fmt_s(r):>9} s  temp {bench._mib(r)} MiB",
+              file=sys.stderr, flush=True)
+    text = table(results)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+        (args.out / "table.md").write_text(text + "\n")
+        plot(results, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    raise SystemExit(main())
