@@ -228,6 +228,10 @@ def cmd_sweep(args) -> int:
         return 0
     if not args.report:
         run_sweep(sweep, out, shard=shard, quick=args.quick)
+        if args.shard:  # shards may finish together: one report, by --report, once all of them are done
+            print(f"shard {args.shard} done; when every shard is, gather them: jaxformer sweep {args.sweep_file} "
+                  f"--out {out} --report")
+            return 0
     from jaxformer.train.sweep_report import write_report
 
     path = write_report(sweep, out)

@@ -86,7 +86,8 @@ def xla_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec | None =
 def attention_logit_stats(q: Query, k: KeyValue, *, mask: MaskSpec | None = None, scale: float | None = None,
                           alibi_slopes: Slopes | None = None, softcap: float | None = None,
                           ) -> dict[str, Float[Array, ""]]:
-    """What softmax sees, averaged over the query rows that have at least two allowed keys:
+    """What softmax sees, averaged over the query rows that have at least two allowed keys (and, when
+    the mask has ``q_segment_ids``, are not padding: segment 0):
 
     * ``logit_var``: the variance of a row's logits over its allowed keys (softmax ignores a row's
       shift, so the spread within a row is what can saturate it);
@@ -98,6 +99,8 @@ def attention_logit_stats(q: Query, k: KeyValue, *, mask: MaskSpec | None = None
     allowed = jnp.broadcast_to(allowed, s.shape)
     n = allowed.sum(-1).astype(jnp.float32)  # [B, N, T]
     rows = n >= 2
+    if mask is not None and mask.q_segment_ids is not None:  # padding rows may see each other: not data
+        rows = rows & (jnp.asarray(mask.q_segment_ids) > 0)[:, None, :]
     n_safe = jnp.maximum(n, 1.0)
     mean = jnp.where(allowed, s, 0.0).sum(-1) / n_safe
     var = jnp.where(allowed, (s - mean[..., None]) ** 2, 0.0).sum(-1) / n_safe

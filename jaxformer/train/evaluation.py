@@ -134,8 +134,9 @@ def evaluate_run_at_length(run_dir: str | Path, seq_len: int, *, max_tokens: int
     refuses lengths past ``model.max_seq_len`` with a ValueError). ``max_tokens`` caps the scored
     tokens (evenly spaced windows; None: the whole split), ``stride`` as ``eval.stride``.
 
-    Returns the overall figures and ``buckets``: the loss by *position in the document* (the number
-    of tokens a prediction has before it, which is what a longer window adds), in buckets of ``bucket``
+    Returns the overall figures and ``buckets``: the loss by *position in the document as the window
+    holds it* (the number of tokens of its file a prediction has before it inside the window; a window
+    that starts mid-file starts at 0: what a longer window adds), in buckets of ``bucket``
     positions (default half the trained length): ``[{"from", "to", "tokens", "loss", "bpb"}]``.
     """
     run_dir = Path(run_dir)
@@ -148,6 +149,10 @@ def evaluate_run_at_length(run_dir: str | Path, seq_len: int, *, max_tokens: int
         raise ValueError(f"{run_dir}: {refusal}")
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} must be >= 2")
+    if bucket is not None and bucket <= 0:
+        raise ValueError(f"bucket={bucket} must be > 0 positions")
+    if stride is not None and not 1 <= stride <= seq_len:
+        raise ValueError(f"stride={stride} must be in [1, seq_len={seq_len}]")
     overrides = [f"seq_len={seq_len}", "eval.stride=null"]
     if seq_len > trained.model.max_seq_len:
         overrides.append(f"model.max_seq_len={seq_len}")
@@ -176,6 +181,7 @@ def evaluate_run_at_length(run_dir: str | Path, seq_len: int, *, max_tokens: int
         out["val_bytes"] = int(nbytes.sum())
     out["buckets"] = [
         {"from": i * width, "to": min((i + 1) * width, seq_len), "tokens": int(count[i]),
-         "loss": nats[i] / count[i], **({"bpb": nats[i] / LN2 / nbytes[i]} if token_bytes is not None else {})}
+         "loss": nats[i] / count[i], **({"bpb": nats[i] / LN2 / nbytes[i]} if token_bytes is not None and nbytes[i]
+                                        else {})}
         for i in range(n_buckets) if count[i] > 0]
     return out

@@ -25,9 +25,10 @@ STATS = ("logit_var", "entropy", "entropy_ratio", "max_weight")
 
 
 def _recording(graphdef, params, kinds=(Attention,)):
+    """The model with ``record_stats`` on in every module of ``kinds`` (attention: self-attention only)."""
     model = nnx.merge(graphdef, params)
-    for _, m in nnx.iter_modules(model):
-        if isinstance(m, kinds):
+    for path, m in nnx.iter_modules(model):
+        if isinstance(m, kinds) and (not isinstance(m, Attention) or path[-1] == "self_attn"):
             m.record_stats = True
     return model
 
@@ -72,7 +73,8 @@ def attention_probe(graphdef, params, batch) -> dict:
     Returns floats: per statistic of :data:`STATS` its mean over the self-attention layers and its
     value in the first and last layer (``logit_var``, ``logit_var_first``, ``logit_var_last``, ...),
     ``qk_grad_norm`` (the norm of the mean-loss gradient over every W_q and W_k), ``grad_norm``
-    (over all parameters) and ``grad_norm_layers`` (per block, first first). A model with scanned
+    (over all parameters), ``grad_norm_layers`` (per block, first first) and ``grad_norm_first_block``.
+    Statistics are of self-attention only (cross-attention is not recorded). A model with scanned
     layers cannot record per-layer statistics.
     """
     model = nnx.merge(graphdef, params)
@@ -85,6 +87,7 @@ def attention_probe(graphdef, params, batch) -> dict:
         out[k], out[f"{k}_first"], out[f"{k}_last"] = float(v.mean()), float(v[0]), float(v[-1])
     out["qk_grad_norm"], out["grad_norm"] = float(qk), float(total)
     out["grad_norm_layers"] = [float(x) for x in layers]
+    out["grad_norm_first_block"] = out["grad_norm_layers"][0]
     return out
 
 

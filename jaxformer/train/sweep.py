@@ -18,9 +18,11 @@ A sweep file names a base experiment and the axes to vary::
 Every point is an ordinary run directory ``OUT/<point name>/`` (what ``jaxformer train`` writes) plus
 ``sweep_point.json``, its row of the summary. A point with that file is finished and skipped; one
 without resumes from its checkpoints, so a killed sweep re-run with the same command loses at most one
-checkpoint interval of one point. ``shard=(i, n)`` runs points ``i, i+n, i+2n, ...`` (a job array);
+checkpoint interval of one point; a finished point whose recorded config differs from the sweep file's
+is refused, naming the keys. ``shard=(i, n)`` runs points ``i, i+n, i+2n, ...`` (a job array);
 :func:`jaxformer.train.sweep_report.write_report` gathers what every shard wrote. A run that diverges
-(non-finite loss, or a final loss above its first) is recorded as diverged, and the sweep goes on.
+(non-finite loss, or its last train losses above its first: :func:`blew_up`) is recorded as
+diverged, and the sweep goes on.
 """
 
 from __future__ import annotations
@@ -282,12 +284,33 @@ def read_point(out: Path, point: Point) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def check_finished(point: Point, done: dict, cfg: C.ExperimentConfig, quick: bool, where: Path) -> None:
+    """A finished point's file must hold this point's config (a changed sweep file or a --quick run in
+    the same --out is refused, naming the keys), so old results are never reported as new ones."""
+    saved = done.get("config")
+    if saved is None:
+        return  # written before configs were recorded: nothing to compare
+    if bool(done.get("quick")) != quick:
+        raise C.ConfigError(f"{where}: point {point.name} was run {'with' if done.get('quick') else 'without'} "
+                            f"--quick; use another --out for {'quick' if quick else 'full'} runs")
+    changed = C.diff(C.from_dict(saved, str(where)), cfg)
+    if changed:
+        keys = ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, a, b in changed)
+        raise C.ConfigError(f"{where}: point {point.name} finished with another config: {keys}. Use a new --out, "
+                            f"or delete that point's directory to run it again")
+
+
 def run_sweep(sweep: Sweep, out: str | Path, *, shard: tuple[int, int] = (0, 1), quick: bool = False,
               say=print) -> list[dict]:
     """Run this shard's points one after another (finished ones skipped); their summary rows."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     mine = shard_points(sweep.points, shard)
+    for point in mine:  # refuse before any work if a finished point disagrees with the sweep file
+        done = read_point(out, point)
+        if done is not None:
+            check_finished(point, done, quick_config(point.config) if quick else point.config, quick,
+                           out / point.name / POINT_FILE)
     rows = []
     for i, point in enumerate(mine, 1):
         done = read_point(out, point)
@@ -311,39 +334,60 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
+DIVERGENCE_MARGIN = 0.02
+"""A finite run is diverged when the mean of its last few train losses exceeds the mean of its first few
+by more than this fraction (a flat run that does not learn is not diverged)."""
+
+
+def blew_up(losses: list[float]) -> str | None:
+    """Why a run with these logged train losses diverged (non-finite, or ended above its start), else None."""
+    if not losses:
+        return None
+    if not all(math.isfinite(x) for x in losses):
+        return "non-finite train loss"
+    k = max(1, min(5, len(losses) // 4))
+    first, last = statistics.fmean(losses[:k]), statistics.fmean(losses[-k:])
+    if last > first * (1 + DIVERGENCE_MARGIN):
+        return f"final train loss {last:.4f} (mean of the last {k} rows) above the first {first:.4f}"
+    return None
+
+
 def run_point(sweep: Sweep, point: Point, run_dir: Path, *, quick: bool = False) -> dict:
-    """Train (or resume) one point, then its length evaluations and probes: its summary row."""
+    """Train (or resume) one point, then its length evaluations and probes: its summary row.
+
+    A run stopped by a non-finite loss keeps its initialisation probe only (its last checkpoint is from
+    before the blow-up); a finite run that diverged is evaluated and probed like any other.
+    """
+    from jaxformer.model import count_params
     from jaxformer.train.loop import NonFiniteError, train
     from jaxformer.train.metrics import read_metrics
 
     cfg = quick_config(point.config) if quick else point.config
     t0 = time.perf_counter()
-    from jaxformer.model import count_params
-
     row: dict[str, Any] = {"name": point.name, "values": point.values, "seed": point.seed,
                            "params": count_params(cfg.model), "diverged": False}
     try:
         summary = train(cfg, run_dir)
+        stopped = False
     except NonFiniteError as e:
-        summary = {}
+        summary, stopped = {}, True
         row.update(diverged=True, diverged_reason=str(e))
     train_rows = [r for r in read_metrics(run_dir) if "loss" in r]
     for k in ("step", "loss", "val_loss", "val_bpb", "val_tokens", "gzip9_bpb", "xz9e_bpb"):
         if summary.get(k) is not None:
             row[k] = summary[k]
     row["tokens_per_s"] = _median(r.get("tokens_per_s") for r in train_rows)
-    if not row["diverged"] and len(train_rows) >= 2:
-        first, last = train_rows[0]["loss"], train_rows[-1]["loss"]
-        if not math.isfinite(last) or last > first:
-            row.update(diverged=True, diverged_reason=f"final train loss {last:.4f} above the first {first:.4f}")
-    if not row["diverged"]:
-        if sweep.spec.eval_lengths:
-            row["eval_lengths"] = eval_lengths(run_dir, cfg, sweep.spec.eval_lengths,
-                                               max_tokens=None if quick else sweep.spec.eval_max_tokens,
-                                               quick=quick)
-        if sweep.spec.probes:
-            row["probes"] = probe_run(run_dir, sweep.spec.probes)
+    reason = None if stopped else blew_up([r["loss"] for r in train_rows if isinstance(r["loss"], float)])
+    if reason is not None:
+        row.update(diverged=True, diverged_reason=reason)
+    if sweep.spec.eval_lengths and not stopped:
+        row["eval_lengths"] = eval_lengths(run_dir, cfg, sweep.spec.eval_lengths,
+                                           max_tokens=None if quick else sweep.spec.eval_max_tokens, quick=quick)
+    if sweep.spec.probes:
+        row["probes"] = probe_run(run_dir, sweep.spec.probes, cfg=cfg, final=not stopped)
     row["wall_s"] = time.perf_counter() - t0
+    row["quick"] = quick
+    row["config"] = C.to_dict(cfg)
     return row
 
 
@@ -362,16 +406,23 @@ def eval_lengths(run_dir: Path, cfg: C.ExperimentConfig, lengths: list[int], *, 
     return out
 
 
-def probe_run(run_dir: Path, probes=("attention",)) -> dict:
-    """The ``probes`` at initialisation (the run's seed) and at the run's end: ``attention``
-    (:func:`jaxformer.train.probes.attention_probe` on the first batch of validation windows) and
-    ``mlp`` (:func:`jaxformer.train.probes.mlp_probe` over the validation windows of ``eval.max_tokens``)."""
+def probe_run(run_dir: Path, probes=("attention",), *, cfg: C.ExperimentConfig | None = None,
+              final: bool = True) -> dict:
+    """The ``probes`` at initialisation (the run's seed) and, when ``final``, at the run's end:
+    ``attention`` (:func:`jaxformer.train.probes.attention_probe` on the first batch of validation
+    windows) and ``mlp`` (:func:`jaxformer.train.probes.mlp_probe` over the validation windows of
+    ``eval.max_tokens``). Without ``final`` only ``cfg`` is needed (no checkpoint is read)."""
+    from jaxformer.train import sharding as shd
     from jaxformer.train.corpus import build_corpus
     from jaxformer.train.evaluation import eval_batch_size, eval_set
     from jaxformer.train.probes import attention_probe, mlp_probe
     from jaxformer.train.run_dir import load_run, tokenizer_path
+    from jaxformer.train.step import make_trainer
 
-    cfg, trainer, params, _, _ = load_run(run_dir)
+    if final:
+        cfg, trainer, params, _, _ = load_run(run_dir)
+    else:
+        trainer, params = make_trainer(cfg, shd.make_mesh(cfg.mesh)), None
     corpus = build_corpus(cfg.data, tokenizer_path=tokenizer_path(cfg, run_dir))
     evalset = eval_set(cfg, corpus, cfg.eval.max_tokens)
     if evalset is None:
@@ -379,6 +430,8 @@ def probe_run(run_dir: Path, probes=("attention",)) -> dict:
     batches = list(evalset.batches(eval_batch_size(cfg, trainer.mesh)))
     out = {}
     for when, p in (("init", trainer.init_state(cfg.seed)["params"]), ("final", params)):
+        if p is None:
+            continue
         out[when] = {}
         if "attention" in probes:
             out[when].update(attention_probe(trainer.graphdef, p, batches[0]))

@@ -25,12 +25,12 @@ import numpy as np
 from jaxformer.train.metrics import read_metrics
 from jaxformer.train.sweep import Sweep, format_value, read_point
 
-PROBE_KEYS = ("logit_var", "entropy_ratio", "max_weight", "qk_grad_norm", "dead_fraction")
+PROBE_KEYS = ("logit_var", "entropy_ratio", "max_weight", "qk_grad_norm", "grad_norm_first_block", "dead_fraction")
 
 
 def probe_keys(rows: list[dict]) -> list[str]:
     """The probe columns the rows have (attention statistics and/or dead FFN units)."""
-    have = {k for r in rows if "probes" in r for k in r["probes"]["init"]}
+    have = {k for r in rows for when in r.get("probes", {}).values() for k in when}
     return [k for k in PROBE_KEYS if k in have]
 
 
@@ -78,6 +78,11 @@ def _settings(sweep: Sweep, rows: list[dict]) -> list[tuple[dict, list[dict]]]:
     for r in rows:
         groups[setting_key(r, keys)][1].append(r)
     return [g for g in groups.values() if g[1]]
+
+
+def probe(row: dict, when: str, key: str) -> float | None:
+    """A probe value of a row (None where the row lacks it: diverged, or another set of probes)."""
+    return row.get("probes", {}).get(when, {}).get(key)
 
 
 def _color(sweep: Sweep, values: dict) -> str:
@@ -139,9 +144,8 @@ def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str]) -> str:
         for values, rs in _settings(sweep, rows):
             cells = [format_value(values.get(k)) for k in keys]
             for key in pkeys:
-                a = mean_spread([r["probes"]["init"][key] for r in rs if "probes" in r])[0]
-                b = mean_spread([r["probes"]["final"][key] for r in rs if "probes" in r])[0]
-                cells.append("n/a" if a is None else f"{a:.3g} → {b:.3g}")
+                a, b = (mean_spread([probe(r, when, key) for r in rs])[0] for when in ("init", "final"))
+                cells.append(" → ".join("n/a" if v is None else f"{v:.3g}" for v in (a, b)))
             lines.append("| " + " | ".join(cells) + " |")
     if plots:
         lines += [""] + [f"![{p}]({p})" for p in plots]
@@ -173,16 +177,17 @@ def _series(sweep: Sweep, rows: list[dict]):
     return x, series
 
 
-def _place_x(ax, xs: list) -> list:
-    """Numbers on a (log2 when wide) numeric axis; anything else categorical in the given order."""
-    if all(isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None for v in xs):
-        pos = [float(v) for v in xs]
-        if min(pos) > 0 and max(pos) / min(pos) >= 8:
+def _x_positions(sweep: Sweep, ax) -> dict:
+    """``{json value: x position}`` for ``report.x`` over every point, set once per axes: numbers on a
+    (log2 when wide) numeric axis, anything else categorical in the sweep's order."""
+    x = _x_axis(sweep)
+    values = list({json.dumps(p.values.get(x)): p.values.get(x) for p in sweep.points}.values())
+    if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        if min(values) > 0 and max(values) / min(values) >= 8:
             ax.set_xscale("log", base=2)
-        return pos
-    names = [format_value(v) for v in xs]
-    ax.set_xticks(range(len(names)), names)
-    return list(range(len(names)))
+        return {json.dumps(v): float(v) for v in values}
+    ax.set_xticks(range(len(values)), [format_value(v) for v in values])
+    return {json.dumps(v): float(i) for i, v in enumerate(values)}
 
 
 def draw_plots(sweep: Sweep, out: Path, rows: list[dict]) -> list[str]:
@@ -199,18 +204,23 @@ def draw_plots(sweep: Sweep, out: Path, rows: list[dict]) -> list[str]:
 
 
 def _plot_loss_curves(plt, sweep, out, rows):
+    """Mean over the seeds that did not diverge (solid); diverged seeds each dashed, in the same colour."""
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+
+    def curve(r):
+        return dict((m["step"], m["loss"]) for m in read_metrics(out / r["name"])
+                    if "loss" in m and isinstance(m["loss"], float))
+
     for values, rs in _settings(sweep, rows):
-        curves = []
+        color, name = _color(sweep, values), label(values, sweep.spec.varied)
+        curves = [c for c in (curve(r) for r in rs if not r["diverged"]) if c]
+        if curves:
+            steps = sorted(set.intersection(*(set(c) for c in curves)))
+            ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], label=name, lw=1.2, color=color)
         for r in rs:
-            pts = [(m["step"], m["loss"]) for m in read_metrics(out / r["name"]) if "loss" in m]
-            if pts:
-                curves.append(dict(pts))
-        if not curves:
-            continue
-        steps = sorted(set.intersection(*(set(c) for c in curves)))
-        ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps],
-                label=label(values, sweep.spec.varied), lw=1.2, color=_color(sweep, values))
+            if r["diverged"] and (c := curve(r)):
+                ax.plot(sorted(c), [c[s] for s in sorted(c)], ls="--", lw=0.8, color=color,
+                        label=f"{name} (diverged, seed {r['seed']})")
     ax.set_xlabel("step")
     ax.set_ylabel("train loss (nats/token), mean over seeds")
     ax.set_yscale("log")
@@ -223,12 +233,13 @@ def _plot_final_metric(plt, sweep, out, rows):
     metric = sweep.spec.report.metric
     x, series = _series(sweep, rows)
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    where = _x_positions(sweep, ax)
     for name, pts in series.items():
         stats = [mean_spread([r.get(metric) for r in rs if not r["diverged"]]) for _, rs in pts]
         keep = [(v, m, s) for (v, _), (m, s) in zip(pts, stats) if m is not None]
         if not keep:
             continue
-        xs = _place_x(ax, [v for v, _, _ in keep])
+        xs = [where[json.dumps(v)] for v, _, _ in keep]
         ax.errorbar(xs, [m for _, m, _ in keep], yerr=[s or 0.0 for _, _, s in keep], marker="o", capsize=3,
                     label=name)
     ax.set_xlabel(x or "")
@@ -266,24 +277,26 @@ def _plot_loss_by_position(plt, sweep, out, rows):
         return None
     n = max(lengths)
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    key = "bpb"
     for values, rs in _settings(sweep, rows):
         per = [r.get("eval_lengths", {}).get(str(n), {}).get("buckets") for r in rs]
         per = [b for b in per if b]
         if not per:
             continue
-        key = "bpb" if "bpb" in per[0][0] else "loss"
+        key = "bpb" if all("bpb" in b for buckets in per for b in buckets) else "loss"
         by_from: dict[int, list] = {}
         for buckets in per:
             for b in buckets:
                 by_from.setdefault(b["from"], []).append(b[key])
+        centre = {b["from"]: 0.5 * (b["from"] + b["to"]) for buckets in per for b in buckets}
         xs = sorted(by_from)
-        ax.plot([x + 0.5 * (xs[1] - xs[0] if len(xs) > 1 else 1) for x in xs],
-                [statistics.fmean(by_from[x]) for x in xs], marker=".", label=label(values, sweep.spec.varied),
+        ax.plot([centre[x] for x in xs], [statistics.fmean(by_from[x]) for x in xs], marker=".",
+                label=label(values, sweep.spec.varied),
                 color=_color(sweep, values))
     ax.axvline(sweep.points[0].config.seq_len, color="grey", ls=":", lw=1, label="trained length")
     ax.set_yscale("log")
     ax.set_xlabel("position in the document (tokens before the prediction)")
-    ax.set_ylabel("bits per byte in the bucket (mean over seeds)")
+    ax.set_ylabel(f"{'bits per byte' if key == 'bpb' else 'loss (nats/token)'} in the bucket (mean over seeds)")
     ax.legend(fontsize=7)
     ax.set_title(f"{sweep.name}: loss by position, {n}-token windows")
     return fig
@@ -294,16 +307,19 @@ def _plot_probes(plt, sweep, out, rows):
         return None
     x, series = _series(sweep, rows)
     pkeys = probe_keys(rows)
+    if not pkeys:
+        return None
     fig, axes = plt.subplots(1, len(pkeys), figsize=(4 * len(pkeys), 3.8), squeeze=False, layout="constrained")
     axes = axes[0]
     for ax, key in zip(axes, pkeys):
-        for name, pts in series.items():
+        where = _x_positions(sweep, ax)
+        for i, (name, pts) in enumerate(series.items()):
             for when, ls in (("init", "--"), ("final", "-")):
-                vals = [mean_spread([r["probes"][when][key] for r in rs if "probes" in r])[0] for _, rs in pts]
+                vals = [mean_spread([probe(r, when, key) for r in rs])[0] for _, rs in pts]
                 keep = [(v, m) for (v, _), m in zip(pts, vals) if m is not None]
                 if keep:
-                    xs = _place_x(ax, [v for v, _ in keep])
-                    ax.plot(xs, [m for _, m in keep], ls=ls, marker="o", label=f"{name} ({when})")
+                    ax.plot([where[json.dumps(v)] for v, _ in keep], [m for _, m in keep], ls=ls, marker="o",
+                            color=f"C{i % 10}", label=f"{name} ({when})")
         ax.set_yscale("symlog" if key == "dead_fraction" else "log", **({"linthresh": 1e-3}
                                                                         if key == "dead_fraction" else {}))
         ax.set_xlabel(x or "")
@@ -340,7 +356,7 @@ def rope_relative_bound(head_dim: int, distances: np.ndarray, base: float = 1000
 def _plot_rope_decay(plt, sweep, out, rows):
     m = sweep.points[0].config.model
     d = m.resolved_head_dim
-    dist = np.arange(0, max(1024, *sweep.spec.eval_lengths))
+    dist = np.arange(0, max([1024, *sweep.spec.eval_lengths]))
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     for dim in sorted({d, 128}):
         ax.plot(dist, rope_relative_bound(dim, dist, m.rope_base), lw=1,

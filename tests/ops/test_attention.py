@@ -304,3 +304,18 @@ def test_unit_variance_dot_products_have_variance_d_k_and_scaling_restores_one(H
     np.testing.assert_allclose(float(raw["logit_var"]), H, rtol=0.08)
     np.testing.assert_allclose(float(scaled["logit_var"]), 1.0, rtol=0.08)
     assert float(scaled["entropy_ratio"]) > float(raw["entropy_ratio"])
+
+
+def test_logit_stats_leave_padding_rows_out():
+    """Rows of segment 0 (padding) may attend to each other; they are not data and must not count."""
+    from jaxformer.ops.attention import attention_logit_stats
+
+    T, H = 8, 16
+    q, k = rand((2, T, 2, H), 5), rand((2, T, 2, H), 6)
+    seg = jnp.array([[1] * T, [1] * 5 + [0] * 3])
+    got = attention_logit_stats(q, k, mask=MaskSpec(causal=True, q_segment_ids=seg), scale=1.0)
+    allowed = np.asarray(MaskSpec(causal=True, q_segment_ids=seg).dense(T, T))
+    allowed = allowed & (np.asarray(seg) > 0)[:, :, None]  # the reference drops padding rows outright
+    want = numpy_logit_stats(q, k, allowed, scale=1.0)
+    for key, w in want.items():
+        np.testing.assert_allclose(float(got[key]), w, rtol=2e-5, err_msg=key)

@@ -149,6 +149,20 @@ def test_a_finished_sweep_is_skipped_point_by_point(ran, capsys):
     assert {p: p.stat().st_mtime_ns for p in files} == files
 
 
+def test_a_finished_point_with_another_config_is_refused(ran, tmp_path):
+    """Old results are never reported as new ones: a changed sweep file, or --quick into a full run's --out."""
+    path, out = ran
+    spec = yaml.safe_load(path.read_text())
+    spec["overrides"]["steps"] = 5
+    changed = path.with_name("changed.yaml")
+    changed.write_text(yaml.safe_dump(spec))
+    with pytest.raises(C.ConfigError, match=r"point position-rope_seed-0 finished with another config: "
+                                            r"steps \(saved 4, now 5\)"):
+        run_sweep(load_sweep(changed), out, say=lambda s: None)
+    with pytest.raises(C.ConfigError, match="was run without --quick"):
+        run_sweep(load_sweep(path), out, quick=True, say=lambda s: None)
+
+
 def test_report_only_gathers_shards(ran, tmp_path):
     path, out = ran
     assert main(["sweep", str(path), "--out", str(out), "--report"]) == 0
@@ -164,6 +178,32 @@ def test_a_diverging_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert rows[0]["diverged_reason"].startswith("non-finite training at step")  # NaN/inf: the run stops
     assert "above the first" in rows[1]["diverged_reason"] and rows[1]["loss"] > 10  # finite, but blown up
     assert json.loads((tmp_path / "out" / rows[0]["name"] / POINT_FILE).read_text())["diverged"]
+
+
+def test_a_sweep_where_every_point_diverged_still_reports(tmp_path):
+    """The non-finite run keeps its initialisation probe; the report and its plots are written."""
+    base = tiny_raw(make_corpus(tmp_path / "corpus"), steps=3, eval={"at_end": True, "max_tokens": 64},
+                    optimizer={"lr": 1e30, "clip_norm": None, "weight_decay": 0.0})
+    path = write_sweep(tmp_path, {"axes": {"model.norm": ["rmsnorm", "layernorm"]}, "probes": ["attention"],
+                                  "report": {"plots": ["loss_curves", "final_metric", "probes"]}}, base=base)
+    out = tmp_path / "out"
+    rows = run_sweep(load_sweep(path), out, say=lambda s: None)
+    assert all(r["diverged"] for r in rows)
+    assert all(set(r["probes"]) == {"init"} for r in rows if "non-finite" in r["diverged_reason"])
+    assert main(["sweep", str(path), "--out", str(out), "--report"]) == 0
+    assert "2 of 2" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("losses, diverged", [
+    ([5.5, 5.4, 5.6, 5.5, 5.45, 5.55, 5.5, 5.52], False),  # flat: did not learn, did not diverge
+    ([5.5, 4.0, 3.0, 2.5, 2.4, 2.3, 2.2, 2.25], False),
+    ([5.5, 4.0, 3.0, 5.0, 7.0, 9.0, 12.0, 15.0], True),
+    ([5.5, float("nan")], True),
+])
+def test_divergence_rule(losses, diverged):
+    from jaxformer.train.sweep import blew_up
+
+    assert (blew_up(losses) is not None) == diverged
 
 
 KILLER = """
@@ -302,6 +342,8 @@ def test_every_study_file_parses_expands_and_resolves(study, capsys):
 def _quick_one(study: Path, tmp: Path, shard: str):
     out = tmp / "out"
     assert main(["sweep", str(study), "--quick", "--shard", shard, "--out", str(out)]) == 0
+    assert not (out / "report.md").exists()  # a shard leaves the report to --report
+    assert main(["sweep", str(study), "--quick", "--out", str(out), "--report"]) == 0
     rows = [json.loads(x) for x in (out / "summary.jsonl").read_text().splitlines()]
     assert len(rows) == len(shard_points(load_sweep(study).points, parse_shard(shard)))
     assert all(r["step"] == 2 for r in rows)
