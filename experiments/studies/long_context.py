@@ -75,7 +75,7 @@ def plot(results, out: Path) -> list[str]:
             ax.set_title(mode, fontsize=9)
             if ax.get_lines():
                 ax.legend(fontsize=8)
-        fig.suptitle("Causal self-attention vs length: dense O(T²), blockwise O(T²) work / O(T) memory, "
+        fig.suptitle("Self-attention vs length: dense O(T²), blockwise O(T²) work / O(T) memory, "
                      "sparse (window 512 + 2 global) O(T)", fontsize=9)
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
