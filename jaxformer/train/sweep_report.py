@@ -261,13 +261,19 @@ def _plot_metric_vs_eval_length(plt, sweep, out, rows):
         if keep:
             ax.errorbar([n for n, _, _ in keep], [m for _, m, _ in keep], yerr=[s or 0 for _, _, s in keep],
                         marker="o", capsize=3, label=label(values, sweep.spec.varied), color=_color(sweep, values))
-    ax.axvline(sweep.points[0].config.seq_len, color="grey", ls=":", lw=1, label="trained length")
     ax.set_xscale("log", base=2)
+    return _finish_vs_length(fig, ax, sweep, "evaluation context length (tokens)", f"{metric} (mean over seeds)",
+                             f"{sweep.name}: {metric} vs evaluation length")
+
+
+def _finish_vs_length(fig, ax, sweep, xlabel: str, ylabel: str, title: str):
+    """The trained length marked, a log y axis, labels, legend and title: the length plots' common end."""
+    ax.axvline(sweep.points[0].config.seq_len, color="grey", ls=":", lw=1, label="trained length")
     ax.set_yscale("log")
-    ax.set_xlabel("evaluation context length (tokens)")
-    ax.set_ylabel(f"{metric} (mean over seeds)")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=7)
-    ax.set_title(f"{sweep.name}: {metric} vs evaluation length")
+    ax.set_title(title)
     return fig
 
 
@@ -293,13 +299,10 @@ def _plot_loss_by_position(plt, sweep, out, rows):
         ax.plot([centre[x] for x in xs], [statistics.fmean(by_from[x]) for x in xs], marker=".",
                 label=label(values, sweep.spec.varied),
                 color=_color(sweep, values))
-    ax.axvline(sweep.points[0].config.seq_len, color="grey", ls=":", lw=1, label="trained length")
-    ax.set_yscale("log")
-    ax.set_xlabel("position in the document (tokens before the prediction)")
-    ax.set_ylabel(f"{'bits per byte' if key == 'bpb' else 'loss (nats/token)'} in the bucket (mean over seeds)")
-    ax.legend(fontsize=7)
-    ax.set_title(f"{sweep.name}: loss by position, {n}-token windows")
-    return fig
+    return _finish_vs_length(
+        fig, ax, sweep, "position in the document (tokens before the prediction)",
+        f"{'bits per byte' if key == 'bpb' else 'loss (nats/token)'} in the bucket (mean over seeds)",
+        f"{sweep.name}: loss by position, {n}-token windows")
 
 
 def _plot_probes(plt, sweep, out, rows):
