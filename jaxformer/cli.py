@@ -1,4 +1,9 @@
-"""``jaxformer train | eval | info | generate | sweep``: a thin argparse layer over ``jaxformer.train``."""
+"""``jaxformer train | eval | info | generate | translate | sweep | export``: a thin argparse layer over
+``jaxformer.train``.
+
+``eval`` and ``generate`` take a run directory or ``--hf DIR`` (a Hugging Face checkpoint directory);
+``translate --hf DIR`` runs a translation checkpoint (Marian); ``export RUN --hf OUT`` writes a run as one.
+"""
 
 from __future__ import annotations
 
@@ -21,13 +26,21 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     t.add_argument("--steps", type=int, help="total number of steps (overrides the config)")
     t.add_argument("--json", action="store_true", help="end with the final metrics as one JSON line")
 
-    e = sub.add_parser("eval", help="validation loss and bits per byte of a run's newest checkpoint")
-    e.add_argument("run_dir")
-    e.add_argument("--max-tokens", type=int, default=-1, help="validation tokens (default: the config's final eval)")
+    e = sub.add_parser("eval", help="validation loss and bits per byte of a run's newest checkpoint, "
+                       "or of a Hugging Face checkpoint on a text file (--hf DIR --text FILE)")
+    e.add_argument("run_dir", nargs="?")
+    e.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory instead of a run (with --text)")
+    e.add_argument("--text", metavar="FILE", help="with --hf: the UTF-8 text file to score")
+    e.add_argument("--batch-size", type=int, default=8, help="with --hf: windows per batch")
+    e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="with --hf: parameter and compute dtype")
+    e.add_argument("--max-tokens", type=int, default=-1, help="validation tokens (default: the config's final eval; "
+                   "with --hf: the whole text)")
     e.add_argument("--all", action="store_true", help="the whole validation split")
     e.add_argument("--compressors", action="store_true", help="also gzip -9 / xz -9e bits per byte")
     e.add_argument("--seq-len", type=int, help="evaluate on windows of this many tokens (another context length "
-                   "than the run's; adds the loss per position bucket); --max-tokens defaults to 65536 then")
+                   "than the run's; adds the loss per position bucket); --max-tokens defaults to 65536 then; "
+                   "with --hf: the window length (default: the model's context, at most 1024)")
     e.add_argument("--stride", type=int, help="with --seq-len: sliding windows this far apart (as eval.stride)")
     e.add_argument("--bucket", type=int, help="with --seq-len: positions per bucket (default: half the trained length)")
 
@@ -48,13 +61,36 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     w.add_argument("--quick", action="store_true", help="each point for a few steps with tiny evaluations (smoke test)")
     w.add_argument("--report", action="store_true", help="only gather what the points wrote into the report")
 
-    g = sub.add_parser("generate", help="sample from a run's newest checkpoint (continuous-batching engine, paged KV cache)")
+    g = sub.add_parser("generate", help="sample from a run's newest checkpoint or a Hugging Face checkpoint "
+                       "(--hf DIR) (continuous-batching engine, paged KV cache)")
     add_generate_args(g)
+
+    r = sub.add_parser("translate", help="translate with a Hugging Face encoder-decoder checkpoint (Marian)")
+    r.add_argument("--hf", metavar="DIR", required=True, help="the checkpoint directory (config.json, "
+                   "model.safetensors, source.spm / target.spm / vocab.json)")
+    r.add_argument("--text", action="append", default=[], help="a source sentence (repeatable); one translation "
+                   "per line is printed, in order")
+    r.add_argument("--beams", type=int, help="beam search with N beams; 1: greedy (default: the checkpoint's "
+                   "generation_config.json num_beams, else greedy)")
+    r.add_argument("--max-new-tokens", type=int, help="default: the checkpoint's max_length - 1, at most the "
+                   "model's context - 1")
+    r.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+
+    x = sub.add_parser("export", help="write a run's newest checkpoint as a Hugging Face checkpoint")
+    x.add_argument("run_dir")
+    x.add_argument("--hf", metavar="OUT", required=True, help="the directory to write (config.json, "
+                   "model.safetensors, tokenizer files)")
+    x.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="the saved tensors' dtype (default: the run's model.param_dtype)")
     return p, sub.choices
 
 
 def add_generate_args(g: argparse.ArgumentParser) -> None:
-    g.add_argument("run_dir")
+    g.add_argument("run_dir", nargs="?")
+    g.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory instead of a run directory "
+                   "(decoder-only models; prompts get the specials its tokenizer adds; stops at its EOS)")
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="with --hf: parameter and compute dtype")
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     g.add_argument("--prompts-file", help='one request per line: text, or JSON {"prompt": ..., "temperature": ...}; '
                                           "writes one JSON line per request")
@@ -114,9 +150,22 @@ def format_summary(summary: dict, run_dir: Path) -> str:
 
 
 def cmd_eval(args) -> int:
-    from jaxformer.train.evaluation import evaluate_run, evaluate_run_at_length
+    from jaxformer.train.evaluation import evaluate_hf_text, evaluate_run, evaluate_run_at_length
 
     limit = None if args.all else args.max_tokens
+    _run_or_hf(args, "eval")
+    if args.hf is not None:
+        if args.text is None:
+            raise ValueError("eval --hf DIR needs --text FILE (the text to score)")
+        if args.bucket is not None:
+            raise ValueError("eval: --bucket goes with a run directory, not --hf")
+        print(json.dumps(evaluate_hf_text(args.hf, args.text, seq_len=args.seq_len,
+                                          max_tokens=None if limit == -1 else limit, stride=args.stride,
+                                          batch_size=args.batch_size, dtype=args.dtype,
+                                          compressors=args.compressors)))
+        return 0
+    if args.text is not None:
+        raise ValueError("eval: --text FILE goes with --hf DIR (a run is evaluated on its validation split)")
     if args.seq_len is None:
         if args.stride is not None or args.bucket is not None:
             raise ValueError("eval: --stride and --bucket go with --seq-len N")
@@ -127,6 +176,102 @@ def cmd_eval(args) -> int:
     limit = 65536 if limit == -1 else limit
     print(json.dumps(evaluate_run_at_length(args.run_dir, args.seq_len, max_tokens=limit, stride=args.stride,
                                             bucket=args.bucket)))
+    return 0
+
+
+def _run_or_hf(args, command: str) -> None:
+    """Exactly one of a run directory and ``--hf DIR``."""
+    if (args.run_dir is None) == (args.hf is None):
+        raise ValueError(f"{command}: give a run directory or --hf DIR (a Hugging Face checkpoint), not "
+                         + ("both" if args.hf is not None else "neither"))
+
+
+# model_type -> kind, for families jaxformer may not read: a clear refusal either way
+_NOT_DECODERS = {"bert": "encoder", "roberta": "encoder", "distilbert": "encoder", "electra": "encoder",
+                 "marian": "encoder-decoder", "t5": "encoder-decoder", "bart": "encoder-decoder",
+                 "mbart": "encoder-decoder", "pegasus": "encoder-decoder"}
+
+
+def load_hf_decoder(path: str, *, dtype: str, command: str):
+    """``(model config, graphdef, state, tokenizer)`` of a decoder-only Hugging Face checkpoint."""
+    from jaxformer.interop.hf import CONFIG, config_from_hf, load_pretrained, read_config
+    from jaxformer.train.tokenizers import HFTextTokenizer
+
+    hf = read_config(path)
+    model_type = hf.get("model_type")
+    kind = _NOT_DECODERS.get(model_type) or config_from_hf(hf, str(Path(path) / CONFIG)).kind.replace("_", "-")
+    if kind != "decoder":
+        hint = ""
+        if kind == "encoder-decoder":
+            hint = (" (translation: jaxformer translate --hf DIR --text ...)" if _has_translate() else
+                    " (sequence-to-sequence generation is not available from the command line yet)")
+        raise ValueError(f"{command} --hf: {path} is a {model_type} checkpoint, an {kind} model; {command} needs a "
+                         f"decoder-only (causal LM) checkpoint{hint}")
+    config, graphdef, state = load_pretrained(path, dtype=dtype)
+    return config, graphdef, state, HFTextTokenizer.load(path)
+
+
+def _has_translate() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("jaxformer.decode.translate") is not None and "translate" in COMMANDS
+
+
+def cmd_translate(args) -> int:
+    """Encode each ``--text`` as the checkpoint's tokenizer does (Marian: EOS appended), translate the batch
+    greedily or by beam search with the checkpoint's generation settings (``translation_kwargs``), print one
+    translation per line."""
+    import numpy as np
+    from flax import nnx
+
+    from jaxformer.decode.translate import beam_translate, greedy_translate
+    from jaxformer.interop.hf import CONFIG, config_from_hf, load_pretrained, read_config
+    from jaxformer.interop.marian import translation_kwargs
+    from jaxformer.interop.tokenizer import load_tokenizer
+
+    if not args.text:
+        raise ValueError("translate: give --text TEXT (repeatable)")
+    if args.beams is not None and args.beams < 1:
+        raise ValueError(f"translate: --beams {args.beams} must be >= 1")
+    hf = read_config(args.hf)
+    config = config_from_hf(hf, str(Path(args.hf) / CONFIG))
+    if config.kind != "encoder_decoder" or hf.get("model_type") != "marian":
+        raise ValueError(f"translate --hf: {args.hf} is a {hf.get('model_type')} checkpoint ({config.kind}); translate "
+                         "needs a Marian encoder-decoder" + (" (a decoder: jaxformer generate --hf DIR)"
+                                                            if config.kind == "decoder" else ""))
+    kw = translation_kwargs(args.hf, beam=True)
+    beams = args.beams if args.beams is not None else kw.pop("num_beams", 1)
+    kw.pop("num_beams", None)
+    limit = config.max_seq_len - 1
+    max_new = min(args.max_new_tokens or kw.pop("max_new_tokens", limit), limit)
+    kw.pop("max_new_tokens", None)
+    if beams == 1:
+        kw = {k: v for k, v in kw.items() if k not in ("length_penalty", "early_stopping")}
+    src_tok, tgt_tok = load_tokenizer(args.hf, side="source"), load_tokenizer(args.hf, side="target")
+    rows = [np.asarray(src_tok.encode_prompt(t), np.int32) for t in args.text]
+    lengths = np.asarray([len(r) for r in rows], np.int32)
+    src = np.full((len(rows), int(lengths.max())), kw["pad_id"], np.int32)
+    for i, r in enumerate(rows):
+        src[i, :len(r)] = r
+    _, graphdef, state = load_pretrained(args.hf, dtype=args.dtype)
+    model = nnx.merge(graphdef, state)
+    if beams > 1:
+        out = beam_translate(model, src, lengths, max_new_tokens=max_new, num_beams=beams, **kw)
+    else:
+        out = greedy_translate(model, src, lengths, max_new_tokens=max_new, **kw)
+    for row in out:
+        print(tgt_tok.decode(row[1:]), flush=True)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from jaxformer.train.pretrained import export_run
+
+    out = export_run(args.run_dir, args.hf, dtype=args.dtype)
+    files = ", ".join(["config.json", "*.safetensors", *out["tokenizer_files"]])
+    print(f"exported step {out['step']} of {args.run_dir} as a {out['model_type']} checkpoint: {out['path']} ({files})")
+    print(f"  next  jaxformer generate --hf {out['path']} --prompt '...'  ·  "
+          f"transformers: AutoModelForCausalLM.from_pretrained({out['path']!r})")
     return 0
 
 
@@ -162,7 +307,10 @@ def cmd_generate(args) -> int:
 
     Several ``--prompt`` completions print under ``----- completion i of n -----`` lines; a
     completion cut by the model's context gets a note on stderr; ``--window`` (RoPE/ALiBi
-    models) continues past the context with a sliding KV window, said once on stderr.
+    models) continues past the context with a sliding KV window, said once on stderr. ``--hf DIR``
+    samples a decoder-only Hugging Face checkpoint instead of a run (prompts encoded with its
+    tokenizer's ``encode_prompt``, stopping at its EOS). The KV pool defaults to what the requests
+    can use (``--max-batch`` sequences of the longest prompt plus its new tokens, at most the context).
     """
     from jaxformer.decode.engine import RELATIVE_POSITIONS, check_window
     from jaxformer.decode.prompts import read_prompts_file, run_prompts, write_jsonl
@@ -170,17 +318,23 @@ def cmd_generate(args) -> int:
 
     if not args.prompt and not args.prompts_file:
         raise ValueError("generate: give --prompt TEXT (repeatable) or --prompts-file FILE")
-    cfg, trainer, params, tok, _ = load_run(args.run_dir)
-    if tok is None:
-        raise ValueError(f"{args.run_dir}: source='bin' has no text tokenizer to encode prompts")
-    model, window = cfg.model, check_window(args.window, cfg.model)  # ValueError: exit 2, saying why
+    _run_or_hf(args, "generate")
+    if args.hf is not None:
+        model, graphdef, params, tok = load_hf_decoder(args.hf, dtype=args.dtype, command="generate")
+    else:
+        cfg, trainer, params, tok, _ = load_run(args.run_dir)
+        if tok is None:
+            raise ValueError(f"{args.run_dir}: source='bin' has no text tokenizer to encode prompts")
+        model, graphdef = cfg.model, trainer.graphdef
+    window = check_window(args.window, model)  # ValueError: exit 2, saying why
     if window is not None:
         print(f"note: generating past the model's {model.max_seq_len}-token context with a sliding "
               f"{window}-token window (each new token sees the last {window} positions)", file=sys.stderr)
     prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
-    records = run_prompts(trainer.graphdef, params, model, tok, prompts, max_new_tokens=args.max_new_tokens,
+    num_pages = args.num_pages or _pages_needed(prompts, tok, model, args, window)
+    records = run_prompts(graphdef, params, model, tok, prompts, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          num_pages=args.num_pages, page_size=args.page_size, max_batch=args.max_batch,
+                          num_pages=num_pages, page_size=args.page_size, max_batch=args.max_batch,
                           window=window)
     jsonl = bool(args.prompts_file)
     if jsonl:
@@ -201,6 +355,24 @@ def cmd_generate(args) -> int:
             print(f"note: {name} stopped at the model's {model.max_seq_len}-token context after "
                   f"{len(r['tokens'])} new tokens; {hint}", file=sys.stderr)
     return 1 if any(r["error"] for r in records) else 0
+
+
+def _pages_needed(prompts, tok, model, args, window) -> int:
+    """KV pages per layer for ``--max-batch`` sequences each as long as the longest request can get (its prompt
+    plus its new tokens, at most the context): the requests' need, not the model's context (131072 tokens for
+    Llama 3.2 would be tens of GB)."""
+    from jaxformer.decode.engine import pages_per_sequence
+
+    encode = getattr(tok, "encode_prompt", None) or (lambda t: [0, *tok.encode(t)])
+    longest, new = 1, args.max_new_tokens
+    for p in prompts:
+        text = p.get("prompt") if isinstance(p, dict) else p
+        if isinstance(p, dict) and isinstance(p.get("max_new_tokens"), int):
+            new = max(new, p["max_new_tokens"])
+        if isinstance(text, str):
+            longest = max(longest, len(encode(text)))
+    need = min(longest + max(new, 0) + 1, model.max_seq_len)
+    return args.max_batch * pages_per_sequence(need, args.page_size, window)
 
 
 def cmd_sweep(args) -> int:
@@ -239,7 +411,8 @@ def cmd_sweep(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "info": cmd_info, "generate": cmd_generate, "sweep": cmd_sweep}
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "info": cmd_info, "generate": cmd_generate, "sweep": cmd_sweep,
+            "export": cmd_export, "translate": cmd_translate}
 
 
 def _one_line_warning(command: str):

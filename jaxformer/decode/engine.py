@@ -22,7 +22,9 @@ every token attends to its last ``W`` positions, so a sequence may run past the
 context; positions keep counting. Before each step a sequence's pages whose tokens
 all lie behind its next token's window go back to the free list, so in decode it
 holds at most ``ceil(W / L) + 1`` pages, however long it runs. A preempted sequence is
-recomputed the same way (windowed prefill, dropping pages as it goes).
+recomputed the same way (windowed prefill, dropping pages as it goes). A model trained with a
+sliding window (``attention_window=(W - 1, 0)``: Mistral, Qwen2) brings its own
+``config.causal_window`` W, which the engine always uses (a ``window=`` given too must equal it).
 
 A bad request (empty prompt, prompt longer than the context, out-of-vocabulary
 ids, invalid sampling parameters, more pages than the pool has) gets a
@@ -135,15 +137,25 @@ def pages_per_sequence(max_context: int, page_size: int, window: int | None = No
 
 
 def check_window(window: int | None, config) -> int | None:
-    """``window`` if a sliding KV window fits the model: an int in [1, max_seq_len] and relative
-    positions (RoPE, ALiBi); else ValueError naming the reason."""
-    if window is None:
+    """The sliding KV window to decode ``config``'s model with, given the requested ``window``.
+
+    A model with its own sliding window (``config.causal_window``) always uses it; a requested
+    ``window`` must then equal it. Otherwise ``window`` (or None): an int in [1, max_seq_len].
+    Either way a window needs relative positions (RoPE, ALiBi). ValueError naming the reason."""
+    model = config.causal_window
+    if model is not None:
+        if window is not None and window != model:
+            raise ValueError(f"window={window!r} differs from the model's own sliding window causal_window={model} "
+                             f"(attention_window={config.attention_window}); omit window or pass {model}")
+        window = model
+    elif window is None:
         return None
-    if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= config.max_seq_len:
+    elif not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= config.max_seq_len:
         raise ValueError(f"window={window!r} must be an int in [1, max_seq_len={config.max_seq_len}] "
                          "(the model was trained on no longer distances)")
     if config.position not in RELATIVE_POSITIONS:
-        raise ValueError(f"a sliding window needs relative positions (rope or alibi); this model has "
+        own = f" (its own, attention_window={config.attention_window})" if model is not None else ""
+        raise ValueError(f"a sliding window{own} needs relative positions (rope or alibi); this model has "
                          f"position={config.position!r}, which stops at its {config.max_seq_len}-token context")
     return window
 
@@ -160,7 +172,8 @@ class Engine:
       prefix_sharing: reuse computed pages of equal prompt prefixes.
       backend, interpret: passed to ``paged_attention`` for decode steps.
       window: a sliding KV window of this many positions (see the module docstring);
-        ``max_context`` then bounds prompts only.
+        ``max_context`` then bounds prompts only. Default: the model's own ``config.causal_window``
+        (None for a model without one).
     """
 
     def __init__(self, graphdef, state, config, *, num_pages: int, page_size: int = 16, max_batch: int = 8,

@@ -7,6 +7,10 @@ and attends with ``MaskSpec(causal=True, q_offset=lengths, kv_lengths=lengths+T)
 Rows past a sequence's length may hold stale values; the mask hides them, and a
 right-padded chunk is handled by resetting ``lengths`` afterwards
 (:func:`set_lengths`). The caller keeps ``lengths + T <= S``.
+
+``window`` W (static; a sliding-window model, ``ModelConfig.causal_window``): each query
+also sees only itself and the W - 1 keys before it, ``MaskSpec(window=(W - 1, 0))``. The
+storage stays ``S`` rows (no ring buffer): the window changes the mask, not the memory.
 """
 
 from __future__ import annotations
@@ -23,16 +27,24 @@ from jaxformer.ops.masks import MaskSpec
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """One layer's cache: ``k, v [B, S, K, H]``, ``lengths int32 [B]`` (tokens already cached)."""
+    """One layer's cache: ``k, v [B, S, K, H]``, ``lengths int32 [B]`` (tokens already cached),
+    ``window`` (static int or None: the sliding window, see the module docstring)."""
 
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
+    window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def __post_init__(self):
+        w = self.window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"KVCache.window={w!r} must be an int >= 1 or None")
 
     @classmethod
-    def zeros(cls, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype=jnp.float32) -> KVCache:
+    def zeros(cls, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype=jnp.float32, *,
+              window: int | None = None) -> KVCache:
         shape = (batch, max_len, kv_heads, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32), window)
 
     @property
     def max_len(self) -> int:
@@ -48,18 +60,20 @@ class KVCache:
         write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, axis=0))
         ck = write(self.k, k.astype(self.k.dtype), self.lengths)
         cv = write(self.v, v.astype(self.v.dtype), self.lengths)
-        mask = MaskSpec(causal=True, q_offset=self.lengths, kv_lengths=self.lengths + T)
+        band = None if self.window is None else (self.window - 1, 0)
+        mask = MaskSpec(causal=True, window=band, q_offset=self.lengths, kv_lengths=self.lengths + T)
         out = dot_product_attention(q, ck, cv, mask=mask, scale=scale, alibi_slopes=alibi_slopes,
                                     softcap=softcap, impl=impl)
-        return out, KVCache(ck, cv, self.lengths + T)
+        return out, KVCache(ck, cv, self.lengths + T, self.window)
 
 
 def init_caches(config, batch: int, max_len: int, dtype=None) -> list[KVCache]:
-    """One empty :class:`KVCache` per decoder layer of a ``ModelConfig``."""
+    """One empty :class:`KVCache` per decoder layer of a ``ModelConfig`` (``window``: its ``causal_window``)."""
     if config.kind != "decoder":
         raise ValueError(f"KV-cached decoding needs a decoder-only model; got config.kind={config.kind!r}")
     dtype = jnp.dtype(config.compute_dtype if dtype is None else dtype)
-    return [KVCache.zeros(batch, max_len, config.resolved_kv_heads, config.resolved_head_dim, dtype)
+    return [KVCache.zeros(batch, max_len, config.resolved_kv_heads, config.resolved_head_dim, dtype,
+                          window=config.causal_window)
             for _ in range(config.n_decoder_layers)]
 
 

@@ -1,7 +1,9 @@
 """Text in, JSON records out: the engine behind ``jaxformer generate --prompt / --prompts-file``.
 
 The tokenizer is duck-typed (``encode(str) -> ids``, ``decode(ids) -> str``, optional
-``bos_id`` / ``eos_id``), so this module needs nothing from ``jaxformer.train``.
+``bos_id`` / ``eos_id``; a prompt is ``[bos] + encode(text)``, or ``encode_prompt(text)`` when the
+tokenizer has it, as a Hugging Face checkpoint's does), so this module needs nothing from
+``jaxformer.train``.
 A prompts file holds one request per line: plain text, or a JSON object
 ``{"prompt": ..., "max_new_tokens": ..., "temperature": ..., "top_k": ..., "top_p": ...,
 "seed": ...}`` overriding the command line's sampling for that request. A bad
@@ -95,7 +97,10 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
                             num_preemptions=0))
         try:
             text, params = _request(item, defaults, i)
-            token_ids = ([] if bos is None else [int(bos)]) + [int(t) for t in tokenizer.encode(text)]
+            if hasattr(tokenizer, "encode_prompt"):  # a checkpoint's tokenizer: the specials it adds itself
+                token_ids = [int(t) for t in tokenizer.encode_prompt(text)]
+            else:
+                token_ids = ([] if bos is None else [int(bos)]) + [int(t) for t in tokenizer.encode(text)]
         except (ValueError, TypeError) as e:
             records[-1]["error"] = str(e)
             ids.append(None)

@@ -8,7 +8,10 @@ Unknown keys raise (``extra="forbid"``); every validation error is a
 Sparse self-attention (Longformer, BigBird): ``attention_window`` is the local
 band ``(left, right)`` (combined with ``causal`` in a decoder), widened by
 ``global_tokens`` (absolute positions in each row) and ``random_blocks``; see
-:class:`jaxformer.ops.masks.MaskSpec`. Cross-attention is never sparse.
+:class:`jaxformer.ops.masks.MaskSpec`. Cross-attention is never sparse. A decoder
+whose only pattern is the band is a sliding window (Mistral, Qwen2) of
+``causal_window`` positions, which KV caches apply; global tokens and random
+blocks refuse a cache.
 """
 
 from __future__ import annotations
@@ -94,13 +97,30 @@ class ModelConfig(BaseModel):
     rope_base: float = Field(10000.0, gt=1.0)
     rope_scaling: RopeScalingConfig | None = None
     rope_interleaved: bool = False
+    sinusoidal_layout: Literal["interleaved", "halves"] = Field(
+        "interleaved", description="position='sinusoidal' only: sin/cos interleaved (pe[2i] = sin, pe[2i+1] = cos; "
+        "Vaswani) or in halves (pe[:D/2] = sin, pe[D/2:] = cos; tensor2tensor, fairseq, Marian)")
     max_seq_len: int = Field(2048, gt=0)
     scale_embeddings: bool = Field(False, description="multiply token embeddings by sqrt(d_model) (Vaswani)")
     tie_embeddings: bool = True
     use_bias: bool = False
+    qkv_bias: bool | None = Field(
+        None, description="biases on the q/k/v projections (self- and cross-attention); None: follow use_bias. "
+        "True with use_bias=False is Qwen2 (q/k/v biases only); the output projection follows use_bias")
+    type_vocab_size: int = Field(
+        0, ge=0, description="> 0: a token-type (segment) embedding table [type_vocab_size, D] added to the "
+        "token embedding, before embed_norm (BERT); token_types default to 0")
+    head_transform: bool = Field(
+        False, description="BERT's MLM head transform before the output projection: norm(act(x W + b)), "
+        "W [D, D] (b iff use_bias), act = activation (not gated), norm = norm with norm_eps")
+    head_bias: bool = Field(
+        False, description="a bias [V] added to the logits, tied or untied head (BERT's cls.predictions.bias, "
+        "Marian's final_logits_bias)")
     attention_impl: Literal["auto", "xla", "blockwise", "pallas", "sparse"] = "auto"
     attention_window: tuple[int | None, int | None] | None = Field(
-        None, description="self-attention band (left, right); None side: unbounded")
+        None, description="self-attention band (left, right); None side: unbounded. A decoder band (W-1, right) "
+        "with no global_tokens / random_blocks is a sliding window of W (each token sees itself and the W-1 "
+        "before it; HF Mistral's sliding_window=W) and works with KV caches")
     global_tokens: tuple[int, ...] = Field((), description="Longformer global positions (needs attention_window)")
     random_blocks: RandomBlocksConfig | None = Field(
         None, description="BigBird random blocks (needs attention_window)")
@@ -156,6 +176,12 @@ class ModelConfig(BaseModel):
         if self.qkv_sharing != "none" and kv != self.n_heads:
             raise ValueError(f"qkv_sharing={self.qkv_sharing!r} shares W_q with W_k, so it needs n_kv_heads = "
                              f"n_heads, got n_kv_heads={self.n_kv_heads} and n_heads={self.n_heads}")
+        if self.sinusoidal_layout != "interleaved" and self.position != "sinusoidal":
+            raise ValueError(f"sinusoidal_layout={self.sinusoidal_layout!r} is set but position={self.position!r} "
+                             "(not 'sinusoidal')")
+        if self.head_transform and self.gated:
+            raise ValueError(f"head_transform needs a non-gated activation (act(x W + b)), got "
+                             f"activation={self.activation!r}")
         if self.sandwich_norm and self.norm_position != "pre":
             raise ValueError(f"sandwich_norm needs norm_position='pre', got norm_position={self.norm_position!r}")
         self._check_sparse()
@@ -202,6 +228,11 @@ class ModelConfig(BaseModel):
         return self.final_norm if self.final_norm is not None else self.norm_position == "pre"
 
     @property
+    def resolved_qkv_bias(self) -> bool:
+        """Whether the q/k/v projections have biases: ``qkv_bias`` or ``use_bias``."""
+        return self.use_bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
     def gated(self) -> bool:
         return is_gated(self.activation)
 
@@ -219,8 +250,17 @@ class ModelConfig(BaseModel):
 
     @property
     def sparse_attention(self) -> bool:
-        """True when self-attention has a band or a pattern (a KV cache cannot take these)."""
+        """True when self-attention has a band or a pattern."""
         return self.attention_window is not None and self.attention_window != (None, None)
+
+    @property
+    def causal_window(self) -> int | None:
+        """W, the sliding window of causal self-attention: ``attention_window[0] + 1`` (each query sees
+        itself and the W - 1 keys before it; the right side is moot under causality), or None when the
+        band's left side is unbounded or there is no band. A KV cache of a decoder applies it
+        (``KVCache.window``, ``PagedKVCache.window``, the engine's ``window``)."""
+        w = self.attention_window
+        return None if w is None or w[0] is None else w[0] + 1
 
     def self_attention_mask(self, *, causal: bool, segment_ids=None, lengths=None) -> MaskSpec:
         """The self-attention :class:`MaskSpec`: causal/segments/lengths plus the sparse pattern."""

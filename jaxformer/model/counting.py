@@ -3,9 +3,12 @@
 Notation: V vocab, D d_model, N heads, K kv heads, H head dim, F ffn width,
 L layers. Per component:
 
-* token embedding ``V D``; untied output head ``D V``; learned positions ``max_seq_len D``
+* token embedding ``V D``; untied output head ``D V``; learned positions ``max_seq_len D``;
+  token types ``type_vocab_size D``
+* output side: head transform ``D D`` (+ bias ``D`` with ``use_bias``) + one norm; logits bias ``V``
 * norm: ``2 D`` for LayerNorm with bias, ``D`` otherwise (RMSNorm, bias-free LayerNorm)
-* attention: ``W_q D N H + W_k, W_v 2 D K H + W_o N H D`` (+ biases ``N H + 2 K H + D``)
+* attention: ``W_q D N H + W_k, W_v 2 D K H + W_o N H D`` (+ q/k/v biases ``N H + 2 K H`` with
+  ``resolved_qkv_bias``, + output bias ``D`` with ``use_bias``)
 * MLP: ``2 D F`` plain, ``3 D F`` gated (+ biases ``F + D`` plain, ``2 F + D`` gated)
 * block: self-attention + MLP (+ cross-attention in an encoder-decoder's decoder),
   one norm per sublayer (two with sandwich norm); final norm per stack if enabled.
@@ -16,8 +19,8 @@ Kaplan et al. 2020 / PaLM (Chowdhery et al. 2022, App. B)::
     6 * P_matmul + 12 * T * N H * (L_self + L_cross)
 
 ``P_matmul`` counts the weights used in matrix products (attention and MLP
-weights of every layer plus the output head ``D V``; not embeddings lookups,
-norms or biases). The second term is ``q k^T`` and ``p v`` (2 matmuls x 2 flops
+weights of every layer plus the output head ``D V`` and the head transform ``D D``;
+not embeddings lookups, norms or biases). The second term is ``q k^T`` and ``p v`` (2 matmuls x 2 flops
 x T keys x N H, times 3) with the full T x T score matrix, causal or not (the
 usual convention). For an encoder-decoder, "per token" means per target token
 of a (source, target) pair both of length ``seq_len``: encoder and decoder
@@ -38,7 +41,7 @@ def _attention(cfg: ModelConfig, *, cross: bool = False) -> tuple[int, int]:
     D, N, K, H = cfg.d_model, cfg.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim
     n_kv = 2 if cross else {"none": 2, "qk": 1, "qkv": 0}[cfg.qkv_sharing]  # separate K/V projections
     weights = D * N * H + n_kv * D * K * H + N * H * D
-    biases = N * H + n_kv * K * H + D if cfg.use_bias else 0
+    biases = (N * H + n_kv * K * H if cfg.resolved_qkv_bias else 0) + (D if cfg.use_bias else 0)
     return weights, biases
 
 
@@ -71,8 +74,13 @@ def count_params(config: ModelConfig) -> int:
         total += D * V
     if cfg.position == "learned":
         total += cfg.max_seq_len * D
+    total += cfg.type_vocab_size * D
     if cfg.embed_norm:
         total += _norm(cfg)
+    if cfg.head_transform:
+        total += D * D + (D if cfg.use_bias else 0) + _norm(cfg)
+    if cfg.head_bias:
+        total += V
     total += n_enc * _block(cfg, cross=False) + n_dec * _block(cfg, cross=cross)
     if cfg.resolved_final_norm:
         total += ((n_enc > 0) + (n_dec > 0)) * _norm(cfg)
@@ -80,12 +88,13 @@ def count_params(config: ModelConfig) -> int:
 
 
 def matmul_params(config: ModelConfig) -> int:
-    """Weights used in matrix products per token: all blocks' attention and MLP weights + the head."""
+    """Weights used in matrix products per token: all blocks' attention and MLP weights + the head
+    (+ the head transform)."""
     cfg = config
     cross = cfg.kind == "encoder_decoder"
     return (cfg.n_encoder_stack_layers * _block_matmul(cfg, cross=False)
             + cfg.n_decoder_layers * _block_matmul(cfg, cross=cross)
-            + cfg.d_model * cfg.vocab_size)
+            + cfg.d_model * cfg.vocab_size + (cfg.d_model ** 2 if cfg.head_transform else 0))
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> int:

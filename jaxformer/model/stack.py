@@ -43,7 +43,7 @@ def make_block(cfg: ModelConfig, *, cross: bool, alpha: float | None, beta: floa
         mlp_stds = dict(in_std=s, out_std=s)
     dtypes = dict(param_dtype=cfg.param_dtype, dtype=cfg.compute_dtype)
     attn_kw = dict(softcap=cfg.attn_softcap, impl=cfg.attention_impl, use_bias=cfg.use_bias,
-                   **stds, **dtypes)
+                   qkv_bias=cfg.resolved_qkv_bias, **stds, **dtypes)
     self_pos = cfg.position if cfg.position in ("rope", "alibi") else "none"
 
     def residual():

@@ -10,10 +10,22 @@ Token and output embeddings are one table when ``tie_embeddings``; source and
 target share the token table in the encoder-decoder (Vaswani et al. §3.4).
 Logits are float32 whatever the compute dtype.
 
+Options for loading published checkpoints (all off by default):
+
+* ``type_vocab_size > 0``: a token-type table ``type_embed`` added to the token embedding of
+  every stream the model embeds (``token_types [B, T]``, default 0); BERT's order is
+  ``embed_norm(token + type + position)``.
+* ``head_transform``: ``logits`` first applies ``head_transform`` (``norm(act(x W + b))``,
+  :class:`jaxformer.nn.HeadTransform`; BERT's MLM head), so ``encode`` still returns the last
+  hidden states.
+* ``head_bias``: ``logits_bias [V]`` added to the logits (before ``logits_softcap``).
+
 Self-attention (encoder and decoder) follows the config's sparse pattern
 (``attention_window``, ``global_tokens``, ``random_blocks``): global positions
 are absolute row positions, so in a packed row only the first document sees
-position 0 as global. A KV cache owns its mask, so a sparse config refuses one.
+position 0 as global. A KV cache owns its mask: a decoder band ``(W-1, right)`` is a sliding
+window a cache applies (its ``window`` must be ``config.causal_window``); global tokens and random
+blocks refuse a cache.
 """
 
 from __future__ import annotations
@@ -27,7 +39,8 @@ from jaxtyping import Array, Float
 
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.stack import Stack, make_norm_for
-from jaxformer.nn.embedding import Embed, LearnedPositions, LMHead
+from jaxformer.nn.embedding import Embed, HeadTransform, LearnedPositions, LMHead
+from jaxformer.nn.params import add_bias, param, zeros
 from jaxformer.ops.masks import MaskSpec
 from jaxformer.ops.normalization import DeepNormConstants, deepnorm_constants
 from jaxformer.ops.positional import sinusoidal_positions
@@ -64,6 +77,24 @@ def _check_bt(name: str, x, tokens_name: str, tokens, allow_t: bool) -> None:
         raise ValueError(f"{name}.shape={jnp.shape(x)} must be {want} for {tokens_name}.shape={(B, T)}")
 
 
+def _check_cache_window(cfg: ModelConfig, cache: Sequence) -> None:
+    """ValueError unless a KV cache can give this config's self-attention mask (see the module doc)."""
+    if cfg.random_blocks is not None or cfg.global_tokens:
+        raise ValueError(
+            f"a KV cache takes no global_tokens={cfg.global_tokens}, random_blocks={cfg.random_blocks} (the "
+            "cache owns the mask and supports neither); decode without cache, or use a config without them")
+    want = cfg.causal_window
+    if want is None:
+        return
+    for i, c in enumerate(cache):
+        got = getattr(c, "window", None)
+        if got != want:
+            raise ValueError(
+                f"cache[{i}].window={got} but config.attention_window={cfg.attention_window} is a sliding window "
+                f"of causal_window={want} positions; build the caches from this config (init_caches(config, ...), "
+                "or an Engine, which takes the window from the config)")
+
+
 class Transformer(nnx.Module):
     """Decoder-only LM, encoder (MLM head) or encoder-decoder, per ``config.kind``."""
 
@@ -75,6 +106,8 @@ class Transformer(nnx.Module):
         self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs, **dtypes)
         self.pos_embed = (LearnedPositions(cfg.max_seq_len, cfg.d_model, rngs=rngs, **dtypes)
                           if cfg.position == "learned" else None)
+        self.type_embed = (Embed(cfg.type_vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs, **dtypes)
+                           if cfg.type_vocab_size else None)
         self.embed_norm = make_norm_for(cfg, rngs) if cfg.embed_norm else None
 
         n_enc, n_dec = cfg.n_encoder_stack_layers, cfg.n_decoder_layers
@@ -88,15 +121,34 @@ class Transformer(nnx.Module):
                               beta=dn.decoder_beta, rngs=rngs) if n_dec else None)
         self.head = (None if cfg.tie_embeddings
                      else LMHead(cfg.d_model, cfg.vocab_size, std=cfg.init_std, rngs=rngs, **dtypes))
+        self.head_transform = (HeadTransform(cfg.d_model, cfg.activation, norm=cfg.norm, eps=cfg.norm_eps,
+                                             use_bias=cfg.use_bias, std=cfg.init_std, rngs=rngs, **dtypes)
+                               if cfg.head_transform else None)
+        self.logits_bias = (param(rngs, zeros, (cfg.vocab_size,), ("vocab",), cfg.param_dtype)
+                            if cfg.head_bias else None)
 
     # -- pieces
-    def embed_tokens(self, tokens: Tokens, positions: Positions | None = None) -> Float[Array, "B T D"]:
-        """``tokens [B, T] -> x [B, T, D]``: token embedding (+ absolute positions) (+ norm)."""
+    def _check_token_types(self, token_types, tokens) -> None:
+        if token_types is None:
+            return
+        if self.type_embed is None:
+            raise ValueError(f"token_types given to a model with config.type_vocab_size="
+                             f"{self.config.type_vocab_size} (no token-type embedding)")
+        _check_bt("token_types", token_types, "tokens", tokens, allow_t=False)
+        if not jnp.issubdtype(jnp.result_type(token_types), jnp.integer):
+            raise ValueError(f"token_types must be an integer array; got dtype {jnp.result_type(token_types)}")
+
+    def embed_tokens(self, tokens: Tokens, positions: Positions | None = None,
+                     token_types: Tokens | None = None) -> Float[Array, "B T D"]:
+        """``tokens [B, T] -> x [B, T, D]``: token embedding (+ token types) (+ absolute positions) (+ norm)."""
         cfg = self.config
         T = tokens.shape[1]
+        self._check_token_types(token_types, tokens)
         x = self.embed(tokens)
         if cfg.scale_embeddings:
             x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
+        if self.type_embed is not None:
+            x = x + self.type_embed(jnp.zeros_like(tokens) if token_types is None else token_types)
         if cfg.position in ("sinusoidal", "learned"):
             if positions is None:
                 if cfg.position == "learned" and T > cfg.max_seq_len:
@@ -104,7 +156,7 @@ class Transformer(nnx.Module):
                 positions = jnp.arange(T, dtype=jnp.int32)
             pos = positions if positions.ndim == 2 else positions[None, :]
             if cfg.position == "sinusoidal":
-                pe = sinusoidal_positions(pos, cfg.d_model).astype(x.dtype)
+                pe = sinusoidal_positions(pos, cfg.d_model, layout=cfg.sinusoidal_layout).astype(x.dtype)
             else:
                 pe = self.pos_embed(pos)
             x = x + pe
@@ -113,16 +165,22 @@ class Transformer(nnx.Module):
         return x
 
     def logits(self, x: Activations) -> Logits:
-        """Final hidden states ``[B, T, D] -> logits float32 [B, T, V]`` (soft-capped if configured)."""
+        """Final hidden states ``[B, T, D] -> logits float32 [B, T, V]``: head transform (if configured),
+        output projection (tied or not), ``+ logits_bias`` (if configured), soft cap (if configured)."""
+        if self.head_transform is not None:
+            x = self.head_transform(x)
         out = self.embed.attend(x) if self.head is None else self.head(x)
+        out = add_bias(out, self.logits_bias, jnp.float32)
         cap = self.config.logits_softcap
         return out if cap is None else cap * jnp.tanh(out / cap)
 
     def encode(self, tokens: SourceTokens, *, positions: KvPositions | None = None,
-               segment_ids: KvSegmentIds | None = None, lengths: Lengths | None = None) -> Float[Array, "B S D"]:
+               segment_ids: KvSegmentIds | None = None, lengths: Lengths | None = None,
+               token_types: SourceTokens | None = None) -> Float[Array, "B S D"]:
         """Bidirectional encoder: ``tokens [B, S] -> hidden [B, S, D]``.
 
-        ``segment_ids [B, S]`` (packed sequences) and/or ``lengths [B]`` (right padding) mask keys.
+        ``segment_ids [B, S]`` (packed sequences) and/or ``lengths [B]`` (right padding) mask keys;
+        ``token_types [B, S]`` (needs ``type_vocab_size > 0``; default zeros) select token-type embeddings.
         """
         if self.encoder is None:
             raise ValueError(f"config.kind={self.config.kind!r} has no encoder")
@@ -130,17 +188,19 @@ class Transformer(nnx.Module):
         _check_bt("positions", positions, "tokens", tokens, allow_t=True)
         _check_bt("segment_ids", segment_ids, "tokens", tokens, allow_t=False)
         mask = self.config.self_attention_mask(causal=False, segment_ids=segment_ids, lengths=lengths)
-        x = self.embed_tokens(tokens, positions)
+        x = self.embed_tokens(tokens, positions, token_types)
         x, _ = self.encoder(x, positions=positions, mask=mask)
         return x
 
     def decode(self, tokens: Tokens, memory: Memory | None = None, *, positions: Positions | None = None,
                segment_ids: SegmentIds | None = None, memory_segment_ids: KvSegmentIds | None = None,
-               memory_lengths: Lengths | None = None, cache: Sequence | None = None) -> Logits | tuple[Logits, list]:
+               memory_lengths: Lengths | None = None, cache: Sequence | None = None,
+               token_types: Tokens | None = None) -> Logits | tuple[Logits, list]:
         """Causal decoder: ``tokens [B, T] -> logits [B, T, V]`` (``, new_caches`` with ``cache``).
 
         ``memory [B, S, D]`` is the encoder output (encoder-decoder only), masked by
         ``memory_segment_ids [B, S]`` (with ``segment_ids``) and/or ``memory_lengths [B]``.
+        ``token_types [B, T]`` of ``tokens`` (needs ``type_vocab_size > 0``; default zeros).
         """
         cfg = self.config
         if self.decoder is None:
@@ -153,11 +213,7 @@ class Transformer(nnx.Module):
                 raise ValueError("positions [B, T] (absolute) are required with cache")
             if segment_ids is not None:
                 raise ValueError("segment_ids cannot be combined with cache (the cache owns the mask)")
-            if cfg.sparse_attention or cfg.random_blocks is not None or cfg.global_tokens:
-                raise ValueError(
-                    f"a KV cache takes no attention_window={cfg.attention_window}, global_tokens="
-                    f"{cfg.global_tokens}, random_blocks={cfg.random_blocks} (the cache owns the mask and "
-                    "supports none of them); decode without cache, or use a config without them")
+            _check_cache_window(cfg, cache)
         cross = cfg.kind == "encoder_decoder"
         if cross and memory is None:
             raise ValueError("encoder_decoder decode needs memory = encode(src_tokens)")
@@ -173,7 +229,7 @@ class Transformer(nnx.Module):
             context_mask = MaskSpec(q_segment_ids=segment_ids, kv_segment_ids=memory_segment_ids,
                                     kv_lengths=memory_lengths)
         mask = cfg.self_attention_mask(causal=True, segment_ids=segment_ids)
-        x = self.embed_tokens(tokens, positions)
+        x = self.embed_tokens(tokens, positions, token_types)
         x, new_caches = self.decoder(x, positions=positions, mask=mask, context=memory,
                                      context_mask=context_mask, caches=cache)
         logits = self.logits(x)
@@ -183,8 +239,8 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: AnyTokens, tgt_tokens: AnyTokens | None = None, *,
                  positions: AnyPositions | None = None, segment_ids: AnyTokens | None = None,
                  lengths: Lengths | None = None, tgt_positions: AnyPositions | None = None,
-                 tgt_segment_ids: AnyTokens | None = None,
-                 cache: Sequence | None = None) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:
+                 tgt_segment_ids: AnyTokens | None = None, cache: Sequence | None = None,
+                 token_types: AnyTokens | None = None) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:
         """Logits ``float32 [B, T, V]``, or ``(logits, new_caches)`` when ``cache`` is given.
 
         decoder:          ``model(tokens, positions=, segment_ids=, cache=)``
@@ -195,13 +251,16 @@ class Transformer(nnx.Module):
 
         ``positions`` default to ``arange(T)``; packed sequences pass ``positions [B, T]``
         and ``segment_ids [B, T]``. ``cache``: one :class:`~jaxformer.nn.KVCacheLayer`
-        per decoder layer (decoder self-attention only).
+        per decoder layer (decoder self-attention only). ``token_types [B, T]`` (models with
+        ``type_vocab_size > 0``; default zeros) are those of ``tokens`` (the source of an
+        encoder-decoder, whose target takes type 0).
         """
         kind = self.config.kind
         if kind == "encoder_decoder":
             if tgt_tokens is None:
                 raise ValueError("encoder_decoder needs model(src_tokens, tgt_tokens)")
-            memory = self.encode(tokens, positions=positions, segment_ids=segment_ids, lengths=lengths)
+            memory = self.encode(tokens, positions=positions, segment_ids=segment_ids, lengths=lengths,
+                                 token_types=token_types)
             return self.decode(tgt_tokens, memory, positions=tgt_positions, segment_ids=tgt_segment_ids,
                                memory_segment_ids=segment_ids, memory_lengths=lengths, cache=cache)
         if tgt_tokens is not None or tgt_positions is not None or tgt_segment_ids is not None:
@@ -209,8 +268,10 @@ class Transformer(nnx.Module):
         if kind == "encoder":
             if cache is not None:
                 raise ValueError("an encoder takes no cache")
-            x = self.encode(tokens, positions=positions, segment_ids=segment_ids, lengths=lengths)
+            x = self.encode(tokens, positions=positions, segment_ids=segment_ids, lengths=lengths,
+                            token_types=token_types)
             return self.logits(x)
         if lengths is not None:
             raise ValueError("lengths applies to encoders; a decoder uses segment_ids or a cache")
-        return self.decode(tokens, positions=positions, segment_ids=segment_ids, cache=cache)
+        return self.decode(tokens, positions=positions, segment_ids=segment_ids, cache=cache,
+                           token_types=token_types)

@@ -2,13 +2,13 @@
 
 from jaxformer.nn.attention import Attention, KVCacheLayer
 from jaxformer.nn.block import NORM_POSITIONS, Block, Residual
-from jaxformer.nn.embedding import Embed, LearnedPositions, LMHead
+from jaxformer.nn.embedding import Embed, HeadTransform, LearnedPositions, LMHead
 from jaxformer.nn.mlp import MLP, GatedMLP, make_mlp
 from jaxformer.nn.norms import NORMS, LayerNorm, RMSNorm, make_norm
 from jaxformer.nn.params import LOGICAL_AXES, as_dtype, param
 
 __all__ = [
     "LOGICAL_AXES", "NORMS", "NORM_POSITIONS", "Attention", "Block", "Embed", "GatedMLP",
-    "KVCacheLayer", "LMHead", "LayerNorm", "LearnedPositions", "MLP", "RMSNorm", "Residual",
+    "HeadTransform", "KVCacheLayer", "LMHead", "LayerNorm", "LearnedPositions", "MLP", "RMSNorm", "Residual",
     "as_dtype", "make_mlp", "make_norm", "param",
 ]

@@ -81,6 +81,9 @@ class Attention(nnx.Module):
       rope_base, rope_scaling, rope_interleaved: passed to ``apply_rope``.
       softcap: attention-logit soft cap; impl: ``dot_product_attention``'s backend.
       scale: logits scale (default ``1/sqrt(H)``); share: "none" | "qk" | "qkv" (see the module doc).
+      use_bias: biases ``b_o [D]`` on the output projection and, unless ``qkv_bias`` says otherwise,
+        ``b_q [N, H]``, ``b_k, b_v [K, H]`` on the input projections.
+      qkv_bias: biases on q/k/v (None: ``use_bias``); ``qkv_bias=True, use_bias=False`` is Qwen2's layout.
       qk_std, v_std, o_std: init standard deviations of W_q and W_k, W_v, W_o.
     """
 
@@ -89,7 +92,7 @@ class Attention(nnx.Module):
                  rope_base: float = 10000.0, rope_scaling: RopeScaling | None = None,
                  rope_interleaved: bool = False, softcap: float | None = None, impl: str = "auto",
                  scale: float | None = None, share: str = "none",
-                 use_bias: bool = False, qk_std: float = 0.02, v_std: float = 0.02,
+                 use_bias: bool = False, qkv_bias: bool | None = None, qk_std: float = 0.02, v_std: float = 0.02,
                  o_std: float = 0.02, param_dtype="float32", dtype="float32", rngs: nnx.Rngs):
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if n_kv_heads <= 0 or n_heads % n_kv_heads:
@@ -125,13 +128,15 @@ class Attention(nnx.Module):
         self.w_v = (param(rngs, normal(v_std), (kv_dim, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
                     if share != "qkv" else None)
         self.w_o = param(rngs, normal(o_std), (N, H, d_model), ("heads", "head_dim", "embed"), param_dtype)
-        def bias(shape, axes, present=True):
-            return param(rngs, zeros, shape, axes, param_dtype) if use_bias and present else None
+        qkv_bias = use_bias if qkv_bias is None else qkv_bias
 
-        self.b_q = bias((N, H), ("heads", "head_dim"))
-        self.b_k = bias((K, H), ("kv_heads", "head_dim"), self.w_k is not None)
-        self.b_v = bias((K, H), ("kv_heads", "head_dim"), self.w_v is not None)
-        self.b_o = bias((d_model,), ("embed",))
+        def bias(shape, axes, present):
+            return param(rngs, zeros, shape, axes, param_dtype) if present else None
+
+        self.b_q = bias((N, H), ("heads", "head_dim"), qkv_bias)
+        self.b_k = bias((K, H), ("kv_heads", "head_dim"), qkv_bias and self.w_k is not None)
+        self.b_v = bias((K, H), ("kv_heads", "head_dim"), qkv_bias and self.w_v is not None)
+        self.b_o = bias((d_model,), ("embed",), use_bias)
 
     def _project(self, x, w, b, spec):
         y = jnp.einsum(spec, x.astype(self.dtype), w[...].astype(self.dtype))

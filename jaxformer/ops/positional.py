@@ -1,6 +1,7 @@
 """Position information: sinusoidal tables, rotary embeddings (with context scaling), ALiBi.
 
-* :func:`sinusoidal_positions` — Vaswani et al. 2017, §3.5, interleaved sin/cos.
+* :func:`sinusoidal_positions` — Vaswani et al. 2017, §3.5: sin/cos interleaved, or in two
+  halves (tensor2tensor / fairseq / Marian).
 * :func:`apply_rope` — RoFormer (Su et al. 2021) rotary embeddings, half-split
   (GPT-NeoX / LLaMA, the default) or interleaved (GPT-J) pairing.
 * :class:`RopeScaling` / :func:`rope_frequencies` — context extension:
@@ -28,21 +29,34 @@ RopeKind = Literal["linear", "ntk", "llama3", "yarn"]
 ROPE_KINDS = ("linear", "ntk", "llama3", "yarn")
 
 
-def sinusoidal_positions(positions: Integer[ArrayLike, "*B"], dim: int) -> Float[Array, "*B D"]:
-    """``pe[..., 2i] = sin(p / 10000^(2i/dim))``, ``pe[..., 2i+1] = cos(p / 10000^(2i/dim))``.
+SINUSOIDAL_LAYOUTS = ("interleaved", "halves")
+
+
+def sinusoidal_positions(positions: Integer[ArrayLike, "*B"], dim: int, *,
+                         layout: Literal["interleaved", "halves"] = "interleaved") -> Float[Array, "*B D"]:
+    """Sinusoidal position table with frequencies ``w_i = 10000^(-2i/dim)``, ``i = 0 .. dim/2 - 1``.
+
+    * ``layout="interleaved"`` (Vaswani et al. §3.5): ``pe[..., 2i] = sin(p w_i)``, ``pe[..., 2i+1] = cos(p w_i)``;
+    * ``layout="halves"`` (tensor2tensor, fairseq, Marian): ``pe[..., i] = sin(p w_i)``,
+      ``pe[..., dim/2 + i] = cos(p w_i)``.
 
     Args:
       positions: int array ``[...]`` (e.g. ``[T]`` or ``[B, T]``).
       dim: even model dimension D.
+      layout: "interleaved" | "halves".
     Returns:
       float32 ``[..., dim]``.
     """
     if not isinstance(dim, (int, np.integer)) or dim <= 0 or dim % 2:
         raise ValueError(f"sinusoidal_positions needs a positive even dim, got {dim=}")
+    if layout not in SINUSOIDAL_LAYOUTS:
+        raise ValueError(f"sinusoidal_positions layout={layout!r} is not one of {SINUSOIDAL_LAYOUTS}")
     positions = jnp.asarray(positions)
     inv_freq = 10000.0 ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
     inv_freq = jnp.asarray(inv_freq, jnp.float32).reshape((1,) * positions.ndim + (dim // 2,))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    if layout == "halves":
+        return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
     pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)
     return pe.reshape(positions.shape + (dim,))
 

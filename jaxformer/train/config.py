@@ -6,7 +6,7 @@
     steps: 2000
     batch_size: 32          # global, in sequences
     seq_len: 256
-    model: {preset: llama_tiny, n_layers: 4}     # or every ModelConfig field
+    model: {preset: llama_tiny, n_layers: 4}     # or every ModelConfig field, or {hf: DIR}
     data: {source: stdlib}
     optimizer: {lr: 3.0e-3, weight_decay: 0.1}
     schedule: {kind: cosine, warmup_steps: 100}
@@ -20,6 +20,14 @@ Unknown keys and wrong types fail before anything runs with
 overrides (values parsed as YAML) are applied to the raw mapping before
 validation. :func:`dump` writes the resolved config (the model with every
 field, no preset) that a run directory keeps.
+
+``model: {hf: path/to/checkpoint}`` fine-tunes a Hugging Face checkpoint: the model
+is the one its ``config.json`` describes (only fields that leave the weights as
+they are may be set beside ``hf``: :data:`HF_MODEL_OVERRIDES`), training starts
+from its parameters and the data is tokenized with its tokenizer
+(``data.tokenizer: hf``, the default then). A relative path is resolved against
+the YAML file's directory. The resolved config keeps the full model and the
+directory as ``hf_source``, so a run directory is read back without it.
 """
 
 from __future__ import annotations
@@ -32,8 +40,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
+from pydantic_core import PydanticCustomError
 
 from jaxformer.model import ModelConfig, presets
+from jaxformer.model.config import Dtype
 
 
 class ConfigError(ValueError):
@@ -50,7 +60,8 @@ class DataConfig(_Section):
     source: Literal["stdlib", "text", "bin"] = "stdlib"
     path: str | None = Field(None, description="text: a file or directory; bin: a .bin token file")
     glob: str = Field("**/*", description="text directories: which files to read")
-    tokenizer: Literal["bytes", "bpe"] = "bytes"
+    tokenizer: Literal["bytes", "bpe", "hf"] = Field(
+        "bytes", description="hf: the tokenizer of the Hugging Face checkpoint in model.hf (the default then)")
     bpe_vocab_size: int = Field(1024, gt=260, description="tokenizer='bpe': trained on the train split")
     bin_dtype: Literal["uint16", "uint32"] = "uint16"
     bin_vocab_size: int | None = Field(None, gt=0, description="source='bin': token ids are < this")
@@ -178,14 +189,79 @@ class EvalConfig(_Section):
     sample: SampleConfig | None = None
 
 
+HF_MODEL_OVERRIDES = ("attention_impl", "remat", "max_seq_len", "compute_dtype", "param_dtype")
+"""The ModelConfig fields ``model: {hf: DIR, ...}`` may set: none of them changes the checkpoint's weights."""
+
+
+def _resolve_path(value: str, info: ValidationInfo) -> str:
+    """``value`` made absolute against the config file's directory (``context["base_dir"]``, else the cwd)."""
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        base = (info.context or {}).get("base_dir")
+        path = Path(base or ".") / path
+    return os.path.abspath(path)
+
+
+class HFModelConfig(_Section):
+    """``model: {hf: DIR, ...}``: a Hugging Face checkpoint directory and the fields changed beside it."""
+
+    hf: str = Field(description="a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer)")
+    attention_impl: Literal["auto", "xla", "blockwise", "pallas", "sparse"] | None = None
+    remat: bool | None = None
+    max_seq_len: int | None = Field(None, gt=0)
+    compute_dtype: Dtype | None = None
+    param_dtype: Dtype | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fixed_fields(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            fixed = [k for k in v if k in ModelConfig.model_fields and k not in cls.model_fields]
+            if fixed:
+                allowed = ", ".join(HF_MODEL_OVERRIDES)
+                raise ValidationError.from_exception_data("HFModelConfig", [
+                    {"type": PydanticCustomError(
+                        "hf_fixed", "is fixed by the checkpoint's config.json (model.hf); beside hf only "
+                        "{allowed} may be set", {"allowed": allowed}), "loc": (k,), "input": v[k]}
+                    for k in fixed])
+        return v
+
+    @field_validator("hf", mode="after")
+    @classmethod
+    def _check_dir(cls, v: str, info: ValidationInfo) -> str:
+        from jaxformer.interop.hf import config_from_hf, read_config
+
+        path = _resolve_path(v, info)
+        try:
+            config_from_hf(read_config(path), str(Path(path) / "config.json"))
+        except (FileNotFoundError, ValueError) as e:  # ValueError: HFConfigError
+            raise ValueError(str(e)) from None
+        return path
+
+    def resolve(self) -> ModelConfig:
+        """The checkpoint's ModelConfig (float32 unless set) with the fields set here."""
+        from jaxformer.interop.hf import config_from_hf, read_config
+
+        model = config_from_hf(read_config(self.hf), str(Path(self.hf) / "config.json"),
+                               dtype=self.param_dtype or "float32")
+        changes = {k: getattr(self, k) for k in HF_MODEL_OVERRIDES if getattr(self, k) is not None}
+        if model.position == "learned" and changes.get("max_seq_len", model.max_seq_len) != model.max_seq_len:
+            raise ValidationError.from_exception_data("HFModelConfig", [{"type": PydanticCustomError(
+                "hf_fixed", "position='learned': the checkpoint's position table has {n} rows; it cannot change",
+                {"n": model.max_seq_len}), "loc": ("max_seq_len",), "input": self.max_seq_len}])
+        return ModelConfig(**{**model.model_dump(), **changes}) if changes else model
+
+
 class ExperimentConfig(_Section):
-    """A whole experiment. ``model`` may be ``{preset: NAME, **overrides}`` or full fields."""
+    """A whole experiment. ``model`` may be ``{preset: NAME, **overrides}``, full fields or ``{hf: DIR, ...}``."""
 
     seed: int = 0
     steps: int = Field(1000, gt=0)
     batch_size: int = Field(32, gt=0)
     seq_len: int = Field(256, gt=1)
     model: ModelConfig
+    hf_source: str | None = Field(None, description="the Hugging Face checkpoint directory the run starts from "
+                                  "(set by model: {hf: DIR}): its parameters at step 0, its tokenizer")
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     schedule: ScheduleConfig = ScheduleConfig()
@@ -194,9 +270,32 @@ class ExperimentConfig(_Section):
     logging: LoggingConfig = LoggingConfig()
     eval: EvalConfig = EvalConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _hf_model(cls, raw: Any) -> Any:
+        """``model: {hf: DIR}`` also sets ``hf_source`` and defaults ``data.tokenizer`` to ``hf``."""
+        if not (isinstance(raw, dict) and isinstance(raw.get("model"), dict) and "hf" in raw["model"]):
+            return raw
+        raw = dict(raw)
+        if raw.get("hf_source") is None:
+            raw["hf_source"] = raw["model"]["hf"]
+        data = raw.get("data")
+        if data is None or (isinstance(data, dict) and "tokenizer" not in data and data.get("source") != "bin"):
+            raw["data"] = {**(data or {}), "tokenizer": "hf"}
+        return raw
+
+    @field_validator("hf_source", mode="after")
+    @classmethod
+    def _absolute(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return None if v is None else _resolve_path(v, info)
+
     @field_validator("model", mode="before")
     @classmethod
-    def _resolve_preset(cls, v: Any) -> Any:
+    def _resolve_preset(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, dict) and "hf" in v:
+            if "preset" in v:
+                raise ValueError("give either hf (a Hugging Face checkpoint) or preset, not both")
+            return HFModelConfig.model_validate(v, context=info.context).resolve()
         if isinstance(v, dict) and "preset" in v:
             v = dict(v)
             name = v.pop("preset")
@@ -218,6 +317,15 @@ class ExperimentConfig(_Section):
             raise ValueError(f"batch_size={self.batch_size} not divisible by optimizer.grad_accum={accum}")
         if self.eval.stride is not None and self.eval.stride > self.seq_len:
             raise ValueError(f"eval.stride={self.eval.stride} exceeds seq_len={self.seq_len}")
+        tok = self.data.tokenizer
+        if self.hf_source is not None and self.data.source != "bin" and tok != "hf":
+            raise ValueError(f"data.tokenizer={tok!r} conflicts with model.hf: a checkpoint is trained on with its "
+                             f"own tokenizer; leave data.tokenizer unset or set it to 'hf'")
+        if tok == "hf" and self.hf_source is None:
+            raise ValueError("data.tokenizer='hf' is the tokenizer of a Hugging Face checkpoint; "
+                             "give model: {hf: DIR}")
+        if self.hf_source is not None and self.model.scan_layers:
+            raise ValueError("model.scan_layers=True cannot start from a Hugging Face checkpoint (per-layer weights)")
         return self
 
 
@@ -285,17 +393,19 @@ def _deepcopy(x):
     return x
 
 
-def from_dict(raw: Any, source: str = "<config>", overrides=(), *, planning: bool = False) -> ExperimentConfig:
+def from_dict(raw: Any, source: str = "<config>", overrides=(), *, planning: bool = False,
+              base_dir: str | Path | None = None) -> ExperimentConfig:
     """Validate a raw mapping (plus overrides); errors name ``source`` and the dotted key.
 
     ``planning``: for ``jaxformer info``, which sizes encoder and encoder-decoder models too;
-    only training needs ``model.kind='decoder'``.
+    only training needs ``model.kind='decoder'``. ``base_dir``: what relative paths in the
+    config (``model.hf``) are relative to (default: the working directory).
     """
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(raw).__name__}")
     raw = apply_overrides(raw, list(overrides))
     try:
-        return ExperimentConfig.model_validate(raw, context={"planning": planning})
+        return ExperimentConfig.model_validate(raw, context={"planning": planning, "base_dir": base_dir})
     except ValidationError as e:
         raise ConfigError(format_errors(e, source)) from None
 
@@ -311,7 +421,7 @@ def load(path: str | Path, overrides=(), *, planning: bool = False) -> Experimen
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    return from_dict(raw, str(path), overrides, planning=planning)
+    return from_dict(raw, str(path), overrides, planning=planning, base_dir=path.parent)
 
 
 def to_dict(cfg: ExperimentConfig) -> dict:

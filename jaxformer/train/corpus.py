@@ -10,7 +10,8 @@ Sources (``DataConfig.source``):
   separates documents; the last ``val_fraction`` of tokens is validation.
 
 Documents are held out for validation by a stable hash of their relative path.
-Each document becomes ``[BOS] + tokens + [EOS]``: training keeps a list of
+Each document becomes ``[BOS] + tokens + [EOS]`` (either left out if the tokenizer has none,
+as some Hugging Face tokenizers have no BOS): training keeps a list of
 documents, validation one concatenated stream.
 """
 
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from jaxformer.train.config import DataConfig
-from jaxformer.train.tokenizers import BinTokenizer, BPETokenizer, ByteTokenizer
+from jaxformer.train.tokenizers import BinTokenizer, BPETokenizer, ByteTokenizer, HFTextTokenizer
 
 TEXT_DOC_BYTES = 65536
 
@@ -78,7 +79,8 @@ class Corpus:
 
 
 def build_corpus(cfg: DataConfig, tokenizer_path: str | Path | None = None) -> Corpus:
-    """Read, split and tokenize. ``tokenizer_path``: where a trained BPE is cached (and reused)."""
+    """Read, split and tokenize. ``tokenizer_path``: where a trained BPE is cached (and reused);
+    for ``tokenizer='hf'`` the checkpoint directory whose tokenizer to use."""
     if cfg.source == "bin":
         path = Path(cfg.path)
         if not path.is_file():
@@ -92,7 +94,11 @@ def build_corpus(cfg: DataConfig, tokenizer_path: str | Path | None = None) -> C
     docs = _text_documents(cfg)
     train = [d for name, d in docs if not is_validation(name, cfg.val_fraction)]
     val = [d for name, d in docs if is_validation(name, cfg.val_fraction)]
-    if cfg.tokenizer == "bpe":
+    if cfg.tokenizer == "hf":
+        if tokenizer_path is None:
+            raise ValueError("data.tokenizer='hf' needs the checkpoint directory holding the tokenizer")
+        tok = HFTextTokenizer.load(tokenizer_path)
+    elif cfg.tokenizer == "bpe":
         if tokenizer_path is not None and Path(tokenizer_path).exists():
             tok = BPETokenizer.load(tokenizer_path)
         else:
@@ -104,7 +110,8 @@ def build_corpus(cfg: DataConfig, tokenizer_path: str | Path | None = None) -> C
 
     def wrap(d: bytes) -> np.ndarray:
         body = tok.encode(d)
-        return np.concatenate([[tok.bos_id], body, [tok.eos_id]]).astype(np.int32)
+        return np.concatenate([[t] for t in (tok.bos_id,) if t is not None] + [body]
+                              + [[t] for t in (tok.eos_id,) if t is not None]).astype(np.int32)
 
     train_docs = [wrap(d) for d in train]
     val_stream = (np.concatenate([wrap(d) for d in val]) if val else np.zeros((0,), np.int32))

@@ -185,3 +185,54 @@ def evaluate_run_at_length(run_dir: str | Path, seq_len: int, *, max_tokens: int
                                         else {})}
         for i in range(n_buckets) if count[i] > 0]
     return out
+
+
+def evaluate_hf_text(path: str | Path, text_file: str | Path, *, seq_len: int | None = None,
+                     max_tokens: int | None = None, stride: int | None = None, batch_size: int = 8,
+                     dtype: str = "float32", compressors: bool = False) -> dict:
+    """Loss and bits per byte of a Hugging Face checkpoint (``jaxformer eval --hf DIR --text FILE``).
+
+    The file is one document tokenized with the checkpoint's tokenizer (its BOS first, if it has
+    one), cut into windows of ``seq_len`` tokens (default: the model's context, at most 1024) as the
+    validation windows of a run (:func:`eval_windows`: ``stride`` for sliding windows, ``max_tokens``
+    for evenly spaced windows scoring about that many tokens; None: all of it). Every token after the
+    first is scored once. Bits per byte divide the nats by the UTF-8 bytes the scored tokens stand
+    for (the tokenizer's ``token_bytes``); ``text_bytes`` is the file's size.
+    """
+    from jaxformer.interop.hf import load_pretrained
+    from jaxformer.train.tokenizers import HFTextTokenizer
+
+    text_file = Path(text_file)
+    data = text_file.read_bytes()  # FileNotFoundError names the file
+    config, graphdef, state = load_pretrained(path, dtype=dtype)
+    if config.kind != "decoder":
+        raise ValueError(f"eval --hf: {path} is an {config.kind} model; loss per token needs a decoder-only "
+                         "(causal LM) checkpoint")
+    seq_len = min(config.max_seq_len, 1024) if seq_len is None else seq_len
+    if seq_len < 2:
+        raise ValueError(f"seq_len={seq_len} must be >= 2")
+    refusal = learned_table_refusal(config, seq_len)
+    if refusal is not None:
+        raise ValueError(f"{path}: {refusal}")
+    if stride is not None and not 1 <= stride <= seq_len:
+        raise ValueError(f"stride={stride} must be in [1, seq_len={seq_len}]")
+    tok = HFTextTokenizer.load(path)
+    body = tok.encode(data.decode("utf-8", errors="replace"))
+    stream = np.concatenate([[tok.bos_id] if tok.bos_id is not None else [], body]).astype(np.int32)
+    if len(stream) < 2:
+        raise ValueError(f"{text_file}: {len(stream)} token(s); nothing to score")
+    evalset = eval_windows(stream, seq_len=seq_len, tokenizer=tok, max_tokens=max_tokens, stride=stride)
+    token_bytes = tok.token_bytes
+    nats, count, nbytes = 0.0, 0, 0
+    for b in evalset.batches(batch_size):
+        nll = np.asarray(_token_nll(graphdef, state, b), np.float64)
+        where = b["mask"]
+        nats += float(nll[where].sum())
+        count += int(where.sum())
+        nbytes += int(token_bytes[b["targets"][where]].sum())
+    out = {"model": str(path), "text": str(text_file), "seq_len": seq_len, "stride": stride or seq_len,
+           "loss": nats / max(count, 1), "tokens": count, "bpb": nats / LN2 / max(nbytes, 1), "bytes": nbytes,
+           "text_bytes": len(data)}
+    if compressors:
+        out.update(compressor_bpb(data))
+    return out

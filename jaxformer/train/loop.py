@@ -68,7 +68,13 @@ def train(cfg: C.ExperimentConfig, run_dir: str | Path, *,
                 _say_finished(cfg, run_dir, start, console)
                 return finished
         write_run_files(cfg, run_dir, corpus.tokenizer)  # the checkpoint fits: from here on the directory is ours
-        state = restored[0] if restored is not None else trainer.init_state(cfg.seed)
+        if restored is not None:
+            state = restored[0]
+        elif cfg.hf_source is not None:  # step 0 of a fine-tune: the checkpoint's parameters
+            from jaxformer.train.pretrained import initial_state
+            state = initial_state(cfg, trainer)
+        else:
+            state = trainer.init_state(cfg.seed)
         return _run(cfg, run_dir, trainer, corpus, it, ckpt, state, start, on_step=on_step, console=console,
                     resumed=restored is not None, t0=t0)
     finally:
@@ -128,7 +134,7 @@ def _run(cfg: C.ExperimentConfig, run_dir: Path, trainer: Trainer, corpus: Corpu
             writer.write({"step": summary["step"], **final, "final": True}, prefix="eval")
             summary.update(final)
             bar.print(eval_line(summary["step"], final))
-        if cfg.eval.sample is not None and tok.bos_id is not None:
+        if cfg.eval.sample is not None and (tok.bos_id is not None or hasattr(tok, "encode_prompt")):
             sp = cfg.eval.sample
             n_new = cfg.model.max_seq_len if sp.max_new_tokens is None else sp.max_new_tokens  # None: fill it
             summary["sample"] = sample_text(trainer, state["params"], tok, prompt=sp.prompt,
@@ -224,10 +230,13 @@ def sample_text(trainer: Trainer, params, tokenizer, *, prompt: str, max_new_tok
     """Prompt + a continuation generated with the contiguous KV cache (``jaxformer.decode``)."""
     from jaxformer.decode.generate import generate
 
-    ids = [tokenizer.bos_id] + [int(t) for t in tokenizer.encode(prompt)]
+    if hasattr(tokenizer, "encode_prompt"):  # a checkpoint's tokenizer adds its own specials
+        ids = [int(t) for t in tokenizer.encode_prompt(prompt)]
+    else:
+        ids = [tokenizer.bos_id] + [int(t) for t in tokenizer.encode(prompt)]
     out = generate(trainer.graphdef, params, trainer.cfg.model, [ids], max_new_tokens=max_new_tokens,
                    temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0, seed=seed,
-                   stop_tokens=[tokenizer.eos_id])[0]
+                   stop_tokens=[] if tokenizer.eos_id is None else [tokenizer.eos_id])[0]
     return prompt + tokenizer.decode(out)
 
 

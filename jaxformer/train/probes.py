@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxformer.nn.attention import Attention
 from jaxformer.nn.mlp import MLP, GatedMLP
-from jaxformer.train.step import _model_loss, block_grad_norms
+from jaxformer.train.step import model_loss, block_grad_norms
 
 STATS = ("logit_var", "entropy", "entropy_ratio", "max_weight")
 
@@ -57,7 +57,7 @@ def _probe(graphdef, params, batch):
     layers = _layer_stats(captured)
 
     def mean_loss(p):
-        loss_sum, (_, n) = _model_loss(graphdef, p, batch, 0.0)
+        loss_sum, (_, n) = model_loss(graphdef, p, batch, 0.0)
         return loss_sum / jnp.maximum(n, 1.0)
 
     grads = jax.grad(mean_loss)(params)

@@ -1,7 +1,8 @@
 """A run directory: what a run leaves there, what a new config may do to it, and reading it back.
 
 ``RUN_DIR`` holds ``config.yaml`` (the resolved config), ``checkpoints/`` (orbax),
-``metrics.jsonl`` (+ ``tb/``) and, for a BPE run, ``tokenizer.json``. A resume compares
+``metrics.jsonl`` (+ ``tb/``), for a BPE run ``tokenizer.json``, and for a run from a Hugging
+Face checkpoint ``hf_source/`` (its config.json and tokenizer files). A resume compares
 the new config with the saved one: a checkpoint whose arrays do not fit is refused naming
 the keys that changed, a change of trajectory only warns, a run past ``steps`` is refused
 and a finished one is left as it is. Nothing is written until all of that is known
@@ -21,14 +22,18 @@ from jaxformer.train import sharding as shd
 from jaxformer.train.checkpoint import Checkpointer, IncompatibleCheckpointError
 from jaxformer.train.metrics import read_metrics
 from jaxformer.train.step import Trainer, make_trainer
-from jaxformer.train.tokenizers import BPETokenizer, ByteTokenizer
+from jaxformer.train.tokenizers import BPETokenizer, ByteTokenizer, HFTextTokenizer
 
 TRAJECTORY = ("seed", "batch_size", "seq_len", "model", "data", "optimizer", "schedule")
 """Config sections whose change alters the training trajectory (a resume warns about them)."""
 
 
 def tokenizer_path(cfg: C.ExperimentConfig, run_dir: Path) -> Path | None:
-    """Where the run keeps its trained tokenizer (BPE only)."""
+    """Where the run keeps its trained tokenizer (BPE), or reads a checkpoint's (``hf``: its
+    ``hf_source/`` copy once made, the checkpoint directory before)."""
+    if cfg.data.tokenizer == "hf":
+        from jaxformer.train.pretrained import tokenizer_dir
+        return tokenizer_dir(cfg, Path(run_dir))
     return run_dir / "tokenizer.json" if cfg.data.tokenizer == "bpe" else None
 
 
@@ -95,12 +100,16 @@ def finished_summary(cfg: C.ExperimentConfig, run_dir: Path, step: int, *, can_e
 
 
 def write_run_files(cfg: C.ExperimentConfig, run_dir: Path, tokenizer) -> None:
-    """Save the resolved config and a newly trained tokenizer (process 0 only)."""
+    """Save the resolved config and a newly trained tokenizer, or the Hugging Face checkpoint's
+    config.json and tokenizer files (``hf_source/``) (process 0 only)."""
     if jax.process_index() != 0:
         return
     C.dump(cfg, run_dir / "config.yaml")
+    if cfg.hf_source is not None:
+        from jaxformer.train.pretrained import copy_source
+        copy_source(cfg, run_dir)
     path = tokenizer_path(cfg, run_dir)
-    if path is not None and not path.exists():
+    if cfg.data.tokenizer == "bpe" and not path.exists():
         tokenizer.save(path)
 
 
@@ -125,6 +134,8 @@ def run_tokenizer(cfg: C.ExperimentConfig, run_dir: Path):
     """The tokenizer a run was trained with (None for pre-tokenized ``bin`` data)."""
     if cfg.data.source == "bin":
         return None
+    if cfg.data.tokenizer == "hf":
+        return HFTextTokenizer.load(tokenizer_path(cfg, run_dir))
     if cfg.data.tokenizer == "bpe":
         return BPETokenizer.load(run_dir / "tokenizer.json")
     return ByteTokenizer()

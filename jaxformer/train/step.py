@@ -43,13 +43,21 @@ class Trainer:
     init_fn: Any
     train_step: Any
     eval_step: Any
+    from_params_fn: Any = None
 
     def init_state(self, seed: int = 0):
         """Fresh parameters and optimiser state from ``seed``, sharded on the mesh."""
         return self.init_fn(jax.random.key(seed))
 
+    def init_state_from(self, params, seed: int = 0):
+        """The state at step 0 with the given parameters (a pure dict shaped like ``abstract_state["params"]``,
+        e.g. a pretrained checkpoint's; donated) and a fresh optimiser state."""
+        return self.from_params_fn(params, jax.random.key(seed))
 
-def _model_loss(graphdef, params, batch, z_loss: float):
+
+def model_loss(graphdef, params, batch, z_loss: float):
+    """``(loss_sum, (ce_sum, n_tokens))`` of one packed batch: the summed loss (cross-entropy + z-loss,
+    its mean times the tokens counted) to differentiate, the summed cross-entropy and the count (probes use it)."""
     logits = apply(graphdef, params, batch["inputs"], positions=batch["positions"],
                    segment_ids=batch["segment_ids"])
     loss, m = cross_entropy(logits, batch["targets"], mask=batch["mask"], z_loss=z_loss)
@@ -97,7 +105,8 @@ def make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
     steps and a fixed ``schedule.decay_steps`` reuses the compiled step.
     """
     decay = cfg.schedule.decay_steps or cfg.steps
-    key = cfg.model_copy(update={"steps": decay, "seed": 0, "data": DataConfig(), "mesh": MeshConfig(),
+    key = cfg.model_copy(update={"steps": decay, "seed": 0, "hf_source": None, "data": DataConfig(),
+                                 "mesh": MeshConfig(),
                                  "checkpoint": CheckpointConfig(),
                                  "logging": LoggingConfig(layer_grad_norms=cfg.logging.layer_grad_norms),
                                  "eval": EvalConfig()})
@@ -129,11 +138,19 @@ def _make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
 
     abstract_state = jax.eval_shape(build, jax.random.key(0))
     init_fn = jax.jit(build, out_shardings=state_sh)
+
+    def build_from(params, key):
+        key, _ = jax.random.split(key)  # the rng a fresh init from the same seed carries
+        params = jax.tree.map(lambda p, a: p.astype(a.dtype), params, abstract_state["params"])
+        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
+                "rng": jax.random.key_data(key)}
+
+    from_params_fn = jax.jit(build_from, out_shardings=state_sh, donate_argnums=0)
     z_loss = cfg.optimizer.z_loss
 
     def step(state, batch):
         params = state["params"]
-        grad_fn = jax.grad(lambda p, b: _model_loss(graphdef, p, b, z_loss), has_aux=True)
+        grad_fn = jax.grad(lambda p, b: model_loss(graphdef, p, b, z_loss), has_aux=True)
         if accum == 1:
             grads, (ce_sum, n) = grad_fn(params, batch)
         else:
@@ -166,9 +183,9 @@ def _make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
 
     def evaluate(params, batch):
         """Summed nats and scored-token count of one batch (no z-loss)."""
-        _, (ce_sum, n) = _model_loss(graphdef, params, batch, 0.0)
+        _, (ce_sum, n) = model_loss(graphdef, params, batch, 0.0)
         return ce_sum, n
 
     eval_step = jax.jit(evaluate, in_shardings=(p_sh, b_sh), out_shardings=repl)
     return Trainer(cfg, mesh, graphdef, optimizer, schedule, state_sh, abstract_state, init_fn,
-                   train_step, eval_step)
+                   train_step, eval_step, from_params_fn)

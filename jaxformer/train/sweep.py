@@ -27,6 +27,7 @@ diverged, and the sweep goes on.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -149,7 +150,7 @@ def _set(raw: dict, dotted: str, value: Any, where: str) -> None:
         elif not isinstance(child, dict):
             raise C.ConfigError(f"{where}: {dotted}: {p!r} is not a section")
         node = child
-    node[parts[-1]] = C._deepcopy(value)
+    node[parts[-1]] = copy.deepcopy(value)
 
 
 def _merge(raw: dict, overrides: dict, where: str, prefix: str = "") -> None:
@@ -230,11 +231,11 @@ def load_sweep(path: str | Path) -> Sweep:
                 raise C.ConfigError(f"{path}: two points are both named {name!r}; give the values distinct "
                                     "spellings")
             names.add(name)
-            raw_point = C._deepcopy(base)
+            raw_point = copy.deepcopy(base)
             for k, v in values.items():
                 _set(raw_point, k, v, f"{path}: axes")
             raw_point["seed"] = seed
-            cfg = C.from_dict(raw_point, f"{path} (point {name})")
+            cfg = C.from_dict(raw_point, f"{path} (point {name})", base_dir=base_path.parent)
             points.append(Point(name, values, seed, cfg))
     return Sweep(path, spec, points)
 

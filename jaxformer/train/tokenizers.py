@@ -1,4 +1,4 @@
-"""Tokenizers: bytes, byte-level BPE (trained locally), and pre-tokenized ids.
+"""Tokenizers: bytes, byte-level BPE (trained locally), a Hugging Face checkpoint's own, and pre-tokenized ids.
 
 Each has ``name``, ``vocab_size``, ``bos_id``, ``eos_id``, ``pad_id``, ``encode``,
 ``decode`` and ``token_bytes`` (bytes each id stands for, for bits per byte; None
@@ -104,6 +104,49 @@ class BPETokenizer:
     @property
     def token_bytes(self) -> np.ndarray:
         return np.asarray([len(b) for b in self._bytes], np.int64)
+
+
+class HFTextTokenizer:
+    """The tokenizer of a Hugging Face checkpoint directory (:func:`jaxformer.interop.load_tokenizer`).
+
+    ``encode`` adds no special tokens (documents become ``[BOS] + text + [EOS]`` as with the
+    other tokenizers; no BOS when the checkpoint has none); ``encode_prompt`` adds what the
+    checkpoint's tokenizer adds to an input, as ``transformers`` does. A checkpoint without a
+    pad token (Llama) pads with its EOS (padding is never scored).
+    """
+
+    name = "hf"
+
+    def __init__(self, tok):
+        self.hf = tok
+        self.path = tok.path
+        self.vocab_size = tok.vocab_size
+        self.bos_id, self.eos_id = tok.bos_id, tok.eos_id
+        self.pad_id = next((i for i in (tok.pad_id, tok.eos_id, tok.unk_id) if i is not None), 0)
+        self._token_bytes = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> HFTextTokenizer:
+        from jaxformer.interop.tokenizer import load_tokenizer
+        return cls(load_tokenizer(path))
+
+    def encode(self, data: bytes | str) -> np.ndarray:
+        return self.hf.encode(data)
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        return self.hf.encode_prompt(text)
+
+    def decode(self, ids) -> str:
+        return self.hf.decode(ids)
+
+    def decode_bytes(self, ids) -> bytes:
+        return self.decode(ids).encode("utf-8")
+
+    @property
+    def token_bytes(self) -> np.ndarray:
+        if self._token_bytes is None:
+            self._token_bytes = self.hf.token_bytes
+        return self._token_bytes
 
 
 class BinTokenizer:

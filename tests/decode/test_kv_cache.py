@@ -114,3 +114,62 @@ def test_generate_bad_inputs(llama):
 def test_set_lengths_replaces_every_layer():
     caches = set_lengths(init_caches(presets.get("llama_tiny"), 2, 8), [3, 4])
     assert len(caches) == 2 and all(list(c.lengths) == [3, 4] for c in caches)
+
+
+# ---------------------------------------------------------------- sliding-window models (Mistral, Qwen2)
+W = 4  # the model's window: band (W-1, 0), i.e. query i sees keys i-3 .. i
+
+
+@pytest.fixture(scope="module")
+def windowed(llama):
+    """The llama fixture's weights under a config with the causal band (W-1, 0)."""
+    cfg, _, state = llama
+    cfg_w = presets.get("llama_tiny", init_std=0.3, max_seq_len=40, attention_window=(W - 1, 0))
+    return cfg_w, init(cfg_w, jax.random.key(0))[0], state
+
+
+def test_windowed_model_teacher_forced_cached_logits_equal_full_forward(windowed, llama):
+    """Prefill 5, a chunk of 3, then 6 single tokens (14 > W): cached logits at every position equal
+    the windowed model's full forward (no cache: the band from ModelConfig.self_attention_mask)."""
+    cfg, graphdef, state = windowed
+    toks = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, size=(2, 14)), jnp.int32)
+    full = jax.jit(apply, static_argnums=0)(graphdef, state, toks)
+    dense = jax.jit(apply, static_argnums=0)(llama[1], state, toks)
+    # the band matters: the first W positions see the same keys, later ones fewer
+    np.testing.assert_allclose(full[:, :W], dense[:, :W], atol=1e-5, rtol=1e-5)
+    assert float(jnp.abs(full[:, W:] - dense[:, W:]).max()) > 1e-2
+    caches = init_caches(cfg, 2, 16)
+    assert all(c.window == W for c in caches)
+    step = jax.jit(lambda s, c, t, p: apply(graphdef, s, t, positions=p, cache=c))
+    got = []
+    for a, b in [(0, 5), (5, 8)] + [(i, i + 1) for i in range(8, 14)]:
+        logits, caches = step(state, caches, toks[:, a:b], jnp.broadcast_to(jnp.arange(a, b), (2, b - a)))
+        got.append(logits)
+    # fp32, same math in another order (cached keys, offset band mask): 1e-4 on logits of O(10)
+    np.testing.assert_allclose(jnp.concatenate(got, axis=1), full, atol=1e-4, rtol=1e-4)
+
+
+def test_generate_with_a_windowed_model_equals_full_recompute(windowed):
+    cfg, graphdef, state = windowed
+    prompts = [[5, 6, 7], [9, 3] * 5]
+    out = generate(graphdef, state, cfg, prompts, max_new_tokens=6)
+    full = jax.jit(lambda t: apply(graphdef, state, t))
+    for p, o in zip(prompts, out):
+        seq = list(p)
+        for _ in range(6):
+            seq.append(int(jnp.argmax(full(jnp.asarray([seq + [0] * (24 - len(seq))]))[0, len(seq) - 1])))
+        assert o == seq[len(p):]
+
+
+def test_cache_window_must_match_the_model(windowed, llama):
+    cfg, graphdef, state = windowed
+    toks, pos = jnp.zeros((1, 2), jnp.int32), jnp.arange(2)[None]
+    dense_caches = init_caches(llama[0], 1, 8)
+    assert all(c.window is None for c in dense_caches)
+    with pytest.raises(ValueError, match=r"cache\[0\].window=None but config.attention_window=\(3, 0\) .*"
+                                         r"causal_window=4"):
+        apply(graphdef, state, toks, positions=pos, cache=dense_caches)
+    with pytest.raises(ValueError, match=r"cache\[0\].window=5 .*causal_window=4"):
+        apply(graphdef, state, toks, positions=pos, cache=[KVCache.zeros(1, 8, 2, 16, window=5)] * cfg.n_layers)
+    with pytest.raises(ValueError, match=r"KVCache.window=0 must be an int >= 1"):
+        KVCache.zeros(1, 8, 2, 16, window=0)

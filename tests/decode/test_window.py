@@ -7,7 +7,9 @@ without any cache: (1) the whole sequence under a band mask ``attention_window=(
 to (1) only with one layer: deeper, the cached keys of a windowed model carry context from
 before the window). Each reference also reports its smallest top-1/top-2 logit gap, so a
 tie decided by rounding would show. Pages behind the window go back to the block manager;
-absolute-position models are refused.
+absolute-position models are refused. A model whose config has the band itself (Mistral's
+``sliding_window``) brings the window to the engine, and its paged cache gives the banded full
+forward's logits.
 """
 
 import math
@@ -19,6 +21,7 @@ import pytest
 
 from jaxformer.decode import engine as eng
 from jaxformer.decode.block_manager import BlockManager
+from jaxformer.decode.paged_cache import PagedKVCache, init_page_pools
 from jaxformer.decode.sampling import SamplingParams
 from jaxformer.model import ModelConfig, apply, init, presets
 
@@ -198,3 +201,58 @@ def test_window_refused_for_absolute_or_no_positions(position):
     for bad in (0, 41, 2.5):
         with pytest.raises(ValueError, match="max_seq_len=40"):
             eng.Engine(None, None, rope, num_pages=4, window=bad)
+
+
+# ---------------------------------------------------------------- models trained with a sliding window
+def banded_config(cfg):
+    return ModelConfig(**{**cfg.model_dump(exclude_unset=True), "attention_window": (W - 1, 0)})
+
+
+def test_model_band_is_the_engine_window(llama, llama_banded_reference):
+    """A config with attention_window=(W-1, 0) (Mistral's sliding_window=W) brings its own window: the
+    engine, given none, runs with W and reproduces the banded full forward past the context."""
+    cfg, graphdef, state = llama
+    cfg_w = banded_config(cfg)
+    graphdef_w, _ = banded(cfg, (graphdef, state))
+    want, gap = llama_banded_reference
+    assert gap > MIN_GAP
+    e, results = engine_run(cfg_w, graphdef_w, state, PROMPTS, NEW, num_pages=30)
+    assert e.window == W and e.options.window == W
+    assert [r.tokens for r in results] == want
+    assert e.stats["pages_dropped"] > 0
+    assert eng.check_window(W, cfg_w) == W and eng.check_window(None, cfg_w) == W
+    with pytest.raises(ValueError, match=rf"window={W + 1} differs from the model's own sliding window "
+                                         rf"causal_window={W} \(attention_window=\({W - 1}, 0\)\)"):
+        eng.Engine(graphdef_w, state, cfg_w, num_pages=4, window=W + 1)
+    with pytest.raises(ValueError, match=r"sliding window \(its own, attention_window=.*position='learned'"):
+        eng.Engine(None, None, cfg_w.model_copy(update=dict(position="learned")), num_pages=4)
+
+
+def test_paged_cache_teacher_forced_logits_of_a_windowed_model(llama):
+    """The paged cache under a windowed model (W = 22 < 34 tokens, pages of 4): a prefill chunk through
+    gathered pages, then one token at a time through the paged-attention kernel, gives the banded
+    full forward's logits at every position."""
+    cfg, graphdef, state = llama
+    cfg_w = banded_config(cfg)
+    graphdef_w, _ = banded(cfg, (graphdef, state))
+    n, first = 34, 10
+    toks = jnp.asarray(np.random.default_rng(3).integers(0, 256, size=(2, n)), jnp.int32)
+    full = np.asarray(_forward(graphdef_w, state, toks))
+    pools = init_page_pools(cfg_w, num_pages=2 * 9, page_size=L)
+    tables = jnp.asarray(np.arange(18).reshape(2, 9), jnp.int32)  # 9 pages of 4 per sequence
+
+    @jax.jit
+    def step(pools, t, start):
+        B, T = t.shape
+        caches = [PagedKVCache(k, v, tables, jnp.full(B, start, jnp.int32), jnp.full(B, T, jnp.int32),
+                               window=cfg_w.causal_window) for k, v in pools]
+        pos = start + jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        logits, caches = apply(graphdef_w, state, t, positions=pos, cache=caches)
+        return logits, [(c.k_pages, c.v_pages) for c in caches]
+
+    got = []
+    for a, b in [(0, first)] + [(i, i + 1) for i in range(first, n)]:
+        logits, pools = step(pools, toks[:, a:b], a)
+        got.append(np.asarray(logits))
+    # fp32; gathered pages and the kernel's online softmax sum in another order: 1e-4 on logits of O(10)
+    np.testing.assert_allclose(np.concatenate(got, axis=1), full, atol=1e-4, rtol=1e-4)

@@ -2,12 +2,13 @@
 
 import jax
 import pytest
+import yaml
 from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from jaxformer.model import ModelConfig, abstract_init, apply, count_params, flops_per_token, presets
+from jaxformer.model import ModelConfig, abstract_init, apply, count_params, flops_per_token, matmul_params, presets
 from jaxformer.model.transformer import Transformer
 from jaxformer.nn import LOGICAL_AXES
 from jaxformer.ops.positional import RopeScaling
@@ -36,6 +37,11 @@ def n_leaves(config) -> int:
                                                        r"n_kv_heads = n_heads, got n_kv_heads=2"),
     (dict(qkv_sharing="kv"), r"qkv_sharing"),
     (dict(attn_scale=0.0), r"attn_scale"),
+    (dict(type_vocab_size=-1), r"type_vocab_size"),
+    (dict(head_transform=True, activation="swiglu"), r"head_transform needs a non-gated activation.*'swiglu'"),
+    (dict(sinusoidal_layout="halves"), r"sinusoidal_layout='halves' is set but position='rope'"),
+    (dict(position="sinusoidal", sinusoidal_layout="split"), r"sinusoidal_layout"),
+    (dict(qkv_bias="maybe"), r"qkv_bias"),
 ])
 def test_config_rejects(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -53,6 +59,43 @@ def test_config_defaults_and_derived_values():
     assert scaled.rope == RopeScaling(kind="yarn", factor=4.0)
     with pytest.raises(ValidationError):  # frozen
         cfg.d_model = 8
+
+
+def test_checkpoint_options_default_off_and_derive():
+    cfg = ModelConfig()
+    assert (cfg.qkv_bias, cfg.type_vocab_size, cfg.head_transform, cfg.head_bias, cfg.sinusoidal_layout) == (
+        None, 0, False, False, "interleaved")
+    assert not cfg.resolved_qkv_bias and ModelConfig(use_bias=True).resolved_qkv_bias
+    assert ModelConfig(qkv_bias=True).resolved_qkv_bias
+    assert not ModelConfig(use_bias=True, qkv_bias=False).resolved_qkv_bias
+    # the sliding window W of a causal band (W-1, right): HF Mistral's sliding_window
+    assert cfg.causal_window is None and ModelConfig(attention_window=(None, 0)).causal_window is None
+    assert ModelConfig(attention_window=(4095, 0)).causal_window == 4096
+    assert ModelConfig(attention_window=(7, None)).causal_window == 8
+
+
+def test_checkpoint_options_from_yaml_and_preset_overrides():
+    text = """
+kind: encoder
+vocab_size: 64
+d_model: 32
+n_heads: 4
+position: sinusoidal
+sinusoidal_layout: halves
+qkv_bias: false
+use_bias: true
+type_vocab_size: 2
+head_transform: true
+head_bias: true
+"""
+    cfg = ModelConfig.model_validate(yaml.safe_load(text))
+    assert (cfg.sinusoidal_layout, cfg.qkv_bias, cfg.type_vocab_size, cfg.head_transform, cfg.head_bias) == (
+        "halves", False, 2, True, True)
+    assert ModelConfig.model_validate(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json")))) == cfg
+    mistral = presets.get("llama_tiny", attention_window=[3, 0], qkv_bias=True)
+    assert mistral.causal_window == 4 and mistral.resolved_qkv_bias
+    for name in ("qkv_bias", "type_vocab_size", "head_transform", "head_bias", "sinusoidal_layout"):
+        assert ModelConfig.model_fields[name].description, name
 
 
 def test_presets_get_overrides_and_names():
@@ -77,6 +120,31 @@ def test_presets_get_overrides_and_names():
 # value with one shared 37000-token table and no final norms is 63,082,496.
 PUBLISHED = {"gpt2_small": 124_439_808, "llama_7b": 6_738_415_616, "llama3_1b": 1_235_814_400,
              "bloom_560m": 559_214_592, "vaswani_base": 63_082_496}
+
+# Checkpoints that need the loading options, as Hugging Face counts them (model.num_parameters()):
+# BertForMaskedLM bert-base-uncased 109,514,298 (no pooler; token types, MLM transform, output bias;
+# the decoder weight is tied); Qwen2-0.5B 494,032,768 (biases on q, k, v only, tied); Mistral-7B-v0.1
+# 7,241,732,096 (the sliding window adds nothing).
+HF_CHECKPOINTS = {
+    "bert_base_mlm": (dict(kind="encoder", vocab_size=30522, d_model=768, n_layers=12, n_heads=12, d_ff=3072,
+                           activation="gelu", norm_position="post", norm_eps=1e-12, embed_norm=True,
+                           position="learned", max_seq_len=512, use_bias=True, type_vocab_size=2,
+                           head_transform=True, head_bias=True), 109_514_298),
+    "qwen2_0_5b": (dict(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2, d_ff=4864,
+                        activation="swiglu", norm="rmsnorm", norm_eps=1e-6, rope_base=1e6, max_seq_len=32768,
+                        qkv_bias=True, tie_embeddings=True), 494_032_768),
+    "mistral_7b": (dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
+                        activation="swiglu", norm="rmsnorm", max_seq_len=32768, attention_window=(4095, 0),
+                        tie_embeddings=False), 7_241_732_096),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_CHECKPOINTS))
+def test_hf_checkpoint_param_count_formula_tree_and_published(name):
+    fields, published = HF_CHECKPOINTS[name]
+    cfg = ModelConfig(**fields)
+    assert count_params(cfg) == published
+    assert n_leaves(ModelConfig(**fields, scan_layers=True)) == published
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -117,6 +185,8 @@ configs = st.builds(
     tie=st.booleans(), bias=st.booleans(), embed_norm=st.booleans(),
     kv=st.sampled_from([1, 2, 4]), final_norm=st.sampled_from([None, True, False]),
     scan=st.booleans(), sharing=st.sampled_from(["none", "qk", "qkv"]),
+    qkv_bias=st.sampled_from([None, True, False]), types=st.sampled_from([0, 3]),
+    head_transform=st.booleans(), head_bias=st.booleans(),
 )
 
 
@@ -130,6 +200,8 @@ def test_count_params_equals_created_params(c):
         sandwich_norm=c["sandwich"] and c["norm_position"] == "pre", position=c["position"],
         activation=c["activation"], tie_embeddings=c["tie"], use_bias=c["bias"],
         embed_norm=c["embed_norm"], final_norm=c["final_norm"], max_seq_len=16, scan_layers=c["scan"],
+        qkv_bias=c["qkv_bias"], type_vocab_size=c["types"], head_bias=c["head_bias"],
+        head_transform=c["head_transform"] and c["activation"] not in ("swiglu", "geglu"),
     )
     assert count_params(cfg) == n_leaves(cfg)
 
@@ -143,6 +215,13 @@ def test_flops_per_token_gpt2_small():
     assert abs(flops_per_token(presets.gpt2_small(), T) / (6 * 124_439_808) - 1) < 0.15
     with pytest.raises(ValueError, match="seq_len=0"):
         flops_per_token(presets.gpt2_small(), 0)
+
+
+def test_matmul_params_count_the_head_transform():
+    bert = ModelConfig(**HF_CHECKPOINTS["bert_base_mlm"][0])
+    L, D, F, V = 12, 768, 3072, 30522
+    assert matmul_params(bert) == L * (4 * D * D + 2 * D * F) + D * V + D * D
+    assert matmul_params(bert.model_copy(update=dict(head_transform=False))) == L * (4 * D * D + 2 * D * F) + D * V
 
 
 def test_flops_per_token_encoder_decoder_counts_cross_attention():

@@ -13,7 +13,12 @@ residual placement and DeepNorm's alpha are all written out again here, from
 * Su et al. 2021 (RoFormer, interleaved pairing), Shazeer 2020 (GeGLU), Xiong et al. 2020
   and Ding et al. 2021 (sandwich norm), Wang et al. 2022 (DeepNet alpha);
 * Beltagy et al. 2020 / Zaheer et al. 2020 (Longformer band + global tokens; BigBird's random blocks
-  only in the case where they cover every key block, since the draw itself is the library's hash).
+  only in the case where they cover every key block, since the draw itself is the library's hash);
+  Jiang et al. 2023 / Mistral (sliding window: query i sees keys i-W < j <= i);
+* the Hugging Face layouts loaded by ``jaxformer.interop``: Devlin et al. 2019 / BERT (token-type
+  embeddings, LayerNorm(word + position + type), the MLM head's dense+act+LayerNorm transform and
+  output bias), Qwen2 (biases on q, k, v only), Marian / tensor2tensor (sinusoids in two halves,
+  sin then cos; ``final_logits_bias``).
 
 Parameters are re-drawn from N(0, 0.3^2) (numpy) so norm scales and biases are far from 1 / 0,
 and two cases draw the input tables at std 1e-3 so that the first norm's mean(x^2) / variance is
@@ -128,12 +133,14 @@ ACT = {"identity": lambda x: x, "relu": lambda x: np.maximum(x, 0.0), "gelu": ge
        "swiglu": silu, "geglu": gelu}
 
 
-def sinusoid_table(pos, d):
-    """PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(p / 10000^(2i/d))  (Vaswani §3.5)."""
+def sinusoid_table(pos, d, layout="interleaved"):
+    """PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(p / 10000^(2i/d))  (Vaswani §3.5);
+    "halves" (tensor2tensor's get_timing_signal_1d, Marian): PE(p, i) = sin, PE(p, d/2 + i) = cos."""
     pe = np.zeros(pos.shape + (d,))
     for i in range(d // 2):
         angle = pos / 10000.0 ** (2 * i / d)
-        pe[..., 2 * i], pe[..., 2 * i + 1] = np.sin(angle), np.cos(angle)
+        sin_at, cos_at = (2 * i, 2 * i + 1) if layout == "interleaved" else (i, d // 2 + i)
+        pe[..., sin_at], pe[..., cos_at] = np.sin(angle), np.cos(angle)
     return pe
 
 
@@ -176,7 +183,7 @@ def attention(cfg, p, x, ctx, *, allowed, q_pos=None, k_pos=None, self_attn=True
     q = np.einsum("btd,dnh->btnh", x, p["w_q"])
     k = np.einsum("bsd,dkh->bskh", ctx, p[wk])
     v = np.einsum("bsd,dkh->bskh", ctx, p[wv])
-    if cfg.use_bias:
+    if cfg.use_bias if cfg.qkv_bias is None else cfg.qkv_bias:   # Qwen2: q/k/v biases without use_bias
         q, k, v = q + p["b_q"], k + p[bk], v + p[bv]
     N, K, H = q.shape[2], k.shape[2], q.shape[3]
     assert (N, K) == (cfg.n_heads, cfg.n_kv_heads or cfg.n_heads)
@@ -258,12 +265,15 @@ def layer(stack, i, n):
     return Params(take(blocks._tree), blocks._prefix, blocks.used)
 
 
-def embed(cfg, P, tokens, pos):
+def embed(cfg, P, tokens, pos, token_types=None):
     x = P["embed"]["embedding"][tokens]
     if cfg.scale_embeddings:
         x = x * math.sqrt(cfg.d_model)
+    if cfg.type_vocab_size:                       # BERT: word + position + token type, then LayerNorm
+        types = np.zeros_like(tokens) if token_types is None else np.asarray(token_types)
+        x = x + P["type_embed"]["embedding"][types]
     if cfg.position == "sinusoidal":
-        x = x + sinusoid_table(pos.astype(np.float64), cfg.d_model)
+        x = x + sinusoid_table(pos.astype(np.float64), cfg.d_model, cfg.sinusoidal_layout)
     elif cfg.position == "learned":
         x = x + P["pos_embed"]["embedding"][np.clip(pos, 0, cfg.max_seq_len - 1)]
     if cfg.embed_norm:
@@ -322,27 +332,28 @@ def _segments(seg, B, T):
     return np.zeros((B, T), int) if seg is None else np.asarray(seg)
 
 
-def encode(cfg, P, tokens, positions=None, segment_ids=None, lengths=None):
+def encode(cfg, P, tokens, positions=None, segment_ids=None, lengths=None, token_types=None):
     B, S = tokens.shape
     pos, seg = _pos(positions, B, S), _segments(segment_ids, B, S)
     allowed = (seg[:, :, None] == seg[:, None, :]) & sparse_allowed(cfg, S)
     if lengths is not None:
         allowed = allowed & (np.arange(S)[None, None, :] < np.asarray(lengths)[:, None, None])
-    return stack(cfg, P["encoder"], embed(cfg, P, tokens, pos), which="encoder", allowed=allowed, pos=pos)
+    return stack(cfg, P["encoder"], embed(cfg, P, tokens, pos, token_types), which="encoder", allowed=allowed,
+                 pos=pos)
 
 
 def oracle_logits(cfg, tree, tokens, tgt=None, *, positions=None, segment_ids=None, lengths=None,
-                  tgt_positions=None, tgt_segment_ids=None):
+                  tgt_positions=None, tgt_segment_ids=None, token_types=None):
     """float64 logits [B, T, V] for ``apply(graphdef, state, tokens, tgt, ...)``; also returns
     the set of parameter paths never read."""
     P = Params(to_float64_dict(tree))
     tokens = np.asarray(tokens)
     if cfg.kind == "encoder":
-        x = encode(cfg, P, tokens, positions, segment_ids, lengths)
+        x = encode(cfg, P, tokens, positions, segment_ids, lengths, token_types)
     else:
         memory, cross_allowed = None, None
         if cfg.kind == "encoder_decoder":
-            memory = encode(cfg, P, tokens, positions, segment_ids, lengths)
+            memory = encode(cfg, P, tokens, positions, segment_ids, lengths, token_types)
             B, S = tokens.shape
             T = np.shape(tgt)[1]
             cross_allowed = np.ones((B, T, S), bool)
@@ -352,16 +363,23 @@ def oracle_logits(cfg, tree, tokens, tgt=None, *, positions=None, segment_ids=No
             if lengths is not None:          # source padding
                 cross_allowed &= np.arange(S)[None, None, :] < np.asarray(lengths)[:, None, None]
             tokens, positions, segment_ids = np.asarray(tgt), tgt_positions, tgt_segment_ids
+            token_types = None                  # the target takes token type 0
         B, T = tokens.shape
         pos, seg = _pos(positions, B, T), _segments(segment_ids, B, T)
         i, j = np.arange(T)[:, None], np.arange(T)[None, :]
         allowed = (j <= i)[None] & (seg[:, :, None] == seg[:, None, :]) & sparse_allowed(cfg, T)
-        x = stack(cfg, P["decoder"], embed(cfg, P, tokens, pos), which="decoder", allowed=allowed,
+        x = stack(cfg, P["decoder"], embed(cfg, P, tokens, pos, token_types), which="decoder", allowed=allowed,
                   pos=pos, ctx=memory, cross_allowed=cross_allowed)
+    if cfg.head_transform:                        # BERT's cls.predictions.transform: LN(act(x W + b))
+        h = x @ P["head_transform"]["w"]
+        x = norm(cfg, P["head_transform"]["norm"], ACT[cfg.activation](h + P["head_transform"]["b"]
+                                                                       if cfg.use_bias else h))
     if cfg.tie_embeddings:
         logits = x @ P["embed"]["embedding"].T
     else:
         logits = x @ P["head"]["kernel"]
+    if cfg.head_bias:                             # BERT's cls.predictions.bias, Marian's final_logits_bias
+        logits = logits + P["logits_bias"]
     if cfg.logits_softcap is not None:
         logits = cfg.logits_softcap * np.tanh(logits / cfg.logits_softcap)
     unused = set(leaf_paths(P._tree)) - P.used
@@ -391,6 +409,12 @@ SRC_SEG, SRC_POS = _packed([(4, 6), (7, 3)], S_SRC)
 TGT_SEG, TGT_POS = _packed([(3, 5), (6, 2)], T_TGT)
 LENGTHS = np.array([T, 7], np.int32)
 SRC_LENGTHS = np.array([S_SRC, 6], np.int32)
+TYPES = np.array([[0] * 5 + [1] * 7, [0] * 3 + [1] * 9], np.int32)   # BERT sentence A / B
+SRC_TYPES = np.array([[0, 1, 2] * 3 + [0], [2] * S_SRC], np.int32)
+# BERT-base's layout at tiny size: post-LN encoder, learned positions, exact GELU, biases, LayerNorm
+# after the (word + position + type) embedding, MLM head transform and output bias, tied.
+BERT = dict(kind="encoder", norm_position="post", embed_norm=True, activation="gelu", type_vocab_size=2,
+            head_transform=True, head_bias=True, norm_eps=1e-12)
 
 # id: (preset, overrides, call kwargs, parameter paths drawn tiny)
 CASES = {
@@ -406,8 +430,15 @@ CASES = {
                                          logits_softcap=4.0, scan_layers=True), {}, ("embed.",)),
     # shared-QK projections (W_k = W_q, Reformer) with RoPE, MHA, and an unscaled logit (attn_scale 1)
     "llama_shared_qk_unscaled": ("llama_tiny", dict(n_kv_heads=None, qkv_sharing="qk", attn_scale=1.0), {}, ()),
+    # Qwen2: biases on q, k, v only (use_bias=False), with GQA and a sliding window (2, 0) (W = 3 < T)
+    "qwen2_window": ("llama_tiny", dict(qkv_bias=True, attention_window=(2, 0)), {}, ()),
+    # Mistral's sliding window W = 4 (band (3, 0); right side moot under causality) with packed documents
+    "mistral_window_packed": ("llama_tiny", dict(attention_window=(3, 5)), dict(segment_ids=SEG, positions=POS), ()),
     # decoder, learned positions, LayerNorm pre + final, tanh-GELU, tied, biases
     "gpt2": ("gpt2_tiny", {}, {}, ()),
+    # biases on the output projections, MLP and norms but not on q, k, v; token types in a decoder
+    "gpt2_no_qkv_bias_types": ("gpt2_tiny", dict(qkv_bias=False, type_vocab_size=3),
+                               dict(token_types=np.minimum(TYPES * 2, 2)), ()),
     # W_k = W_v = W_q with biases (one b_q too), logit scale 0.3
     "gpt2_shared_qkv": ("gpt2_tiny", dict(qkv_sharing="qkv", attn_scale=0.3), {}, ()),
     # no residual paths, pre-LN with sandwich norm, and a linear FFN (identity activation)
@@ -426,6 +457,13 @@ CASES = {
     # ALiBi with 6 heads (non-power-of-two slopes), N*H != D, packed documents
     "bloom_6heads_packed": ("bloom_tiny", dict(n_heads=6, head_dim=8),
                             dict(segment_ids=SEG, positions=POS), ()),
+    # BERT (bert-base layout) with sentence A/B token types and right padding; and with the default types
+    "bert": ("gpt2_tiny", BERT, dict(token_types=TYPES, lengths=LENGTHS), ()),
+    "bert_default_types": ("gpt2_tiny", BERT, {}, ()),
+    # head transform with RMSNorm and no biases, output bias on an untied head, SiLU, qkv biases alone
+    "encoder_head_transform_rms": ("llama_tiny", dict(kind="encoder", activation="silu", head_transform=True,
+                                                      head_bias=True, qkv_bias=True, type_vocab_size=2),
+                                   dict(token_types=TYPES), ()),
     # encoder (bidirectional), RoPE, RMSNorm; right padding and packed documents
     "encoder_rope_padded": ("llama_tiny", dict(kind="encoder"), dict(lengths=LENGTHS), ()),
     "encoder_rope_packed": ("llama_tiny", dict(kind="encoder"), dict(segment_ids=SEG, positions=POS), ()),
@@ -437,6 +475,11 @@ CASES = {
     # encoder-decoder: sinusoidal, post-LN (no final norm), ReLU, sqrt(d) embedding scale, shared
     # embedding; source padding
     "vaswani": ("vaswani_tiny", {}, dict(lengths=SRC_LENGTHS), ()),
+    # Marian: sinusoids in halves, final_logits_bias; source token types (the target takes type 0)
+    "marian_halves": ("vaswani_tiny", dict(sinusoidal_layout="halves", head_bias=True, type_vocab_size=3),
+                      dict(lengths=SRC_LENGTHS, token_types=SRC_TYPES), ()),
+    # qkv biases on (cross-)attention of an encoder-decoder without any other bias
+    "vaswani_qkv_bias_only": ("vaswani_tiny", dict(use_bias=False, qkv_bias=True), {}, ()),
     # shared-QK self-attention in encoder and decoder; cross-attention keeps its own W_k, W_v
     "vaswani_shared_qk": ("vaswani_tiny", dict(qkv_sharing="qk"), dict(lengths=SRC_LENGTHS), ()),
     # encoder-decoder with DeepNorm (alpha_enc = 0.81 (N^4 M)^1/16, alpha_dec = (3M)^1/4) and packed
@@ -475,3 +518,71 @@ def test_logits_match_float64_oracle(name):
     assert scale > 0.1 and np.std(want, axis=(0, 1)).mean() > 1e-3 * scale   # a real, varying output
     err = np.max(np.abs(got - want)) / scale
     assert err < REL_TOL, f"{name}: max |model - oracle| / max |oracle| = {err:.2e} (tolerance {REL_TOL:.0e})"
+
+
+# ---------------------------------------------------------------- gradients of the checkpoint-loading options
+# (case, parameter paths whose gradient is checked). Each gradient is checked along 2 random unit
+# directions d against the float64 oracle's central difference (L(p + e d) - L(p - e d)) / 2e, e = 1e-4,
+# of L = sum(logits * w) with fixed random w. The difference's own error (e^2 L''' ~ 1e-8) is far
+# below the fp32 model gradient's rounding. Error relative to |grad| (the largest directional
+# derivative) measured 3e-10 .. 1.7e-7 on these cases (CPU); GRAD_TOL is ~60x the worst.
+GRAD_CASES = {
+    "bert": ("type_embed.embedding", "head_transform.w", "head_transform.b", "head_transform.norm.scale",
+             "head_transform.norm.bias", "logits_bias"),
+    "qwen2_window": ("decoder.blocks.0.self_attn.b_q", "decoder.blocks.0.self_attn.b_v",
+                     "decoder.blocks.1.self_attn.b_v", "decoder.blocks.0.self_attn.w_q"),
+    "marian_halves": ("type_embed.embedding", "logits_bias", "decoder.blocks.0.cross_attn.b_v"),
+}
+GRAD_TOL = 1e-5
+
+
+def _get(tree, path):
+    for k in path.split("."):
+        tree = tree[k if k in tree else int(k)]
+    return tree
+
+
+def _set(tree, path, value):
+    *head, last = path.split(".")
+    parent = _get(tree, ".".join(head)) if head else tree
+    parent[last if last in parent else int(last)] = value
+
+
+@pytest.mark.parametrize("name", list(GRAD_CASES))
+def test_gradients_match_float64_oracle_differences(name):
+    preset, overrides, kw, small = CASES[name]
+    cfg = presets.get(preset, **overrides)
+    graphdef, state = random_state(cfg, 0, small=small)
+    rng = np.random.default_rng(7)
+    if cfg.kind == "encoder_decoder":
+        args = (rng.integers(0, cfg.vocab_size, (B, S_SRC)).astype(np.int32),
+                rng.integers(0, cfg.vocab_size, (B, T_TGT)).astype(np.int32))
+    else:
+        args = (rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),)
+    T_out = np.shape(args[-1])[1]
+    w = rng.standard_normal((B, T_out, cfg.vocab_size))
+
+    def model_loss(st):
+        return (apply(graphdef, st, *args, **kw) * w.astype(np.float32)).sum()
+
+    grads = nnx.to_pure_dict(jax.jit(jax.grad(model_loss))(state))
+    pure = to_float64_dict(nnx.to_pure_dict(state))
+
+    def oracle_loss(tree):
+        return float((oracle_logits(cfg, tree, *args, **kw)[0] * w).sum())
+
+    eps = 1e-4
+    for path in GRAD_CASES[name]:
+        p0, g = _get(pure, path), np.asarray(_get(grads, path), np.float64)
+        assert np.abs(g).max() > 1e-3, f"{path}: a vanishing gradient tests nothing"
+        for _ in range(2):
+            d = rng.standard_normal(p0.shape)
+            d /= np.linalg.norm(d)
+            _set(pure, path, p0 + eps * d)
+            up = oracle_loss(pure)
+            _set(pure, path, p0 - eps * d)
+            down = oracle_loss(pure)
+            _set(pure, path, p0)
+            fd, got = (up - down) / (2 * eps), float((g * d).sum())
+            err = abs(got - fd) / np.linalg.norm(g)
+            assert err < GRAD_TOL, f"{name} {path}: model {got:.6g} vs oracle difference {fd:.6g} ({err:.1e})"

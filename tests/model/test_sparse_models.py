@@ -131,11 +131,10 @@ def test_sparse_config_rejects(kwargs, pattern):
         ModelConfig(**kwargs)
 
 
-@pytest.mark.parametrize("extra", [dict(attention_window=(8, 0)), DECODER])
-def test_kv_cache_refuses_sparse_patterns(extra):
-    cfg = presets.get("llama_tiny", max_seq_len=256, **extra)
+def test_kv_cache_refuses_global_tokens_and_random_blocks():
+    cfg = presets.get("llama_tiny", max_seq_len=256, **DECODER)
     gd, st = random_model(cfg, seed=0)
     toks = tokens(0, (2, 4), vocab=cfg.vocab_size)
     pos = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 4))
-    with pytest.raises(ValueError, match=r"KV cache takes no attention_window=\(.*cache owns the mask"):
+    with pytest.raises(ValueError, match=r"KV cache takes no global_tokens=\(3,\).*cache owns the mask"):
         apply(gd, st, toks, positions=pos, cache=[object()] * cfg.n_layers)

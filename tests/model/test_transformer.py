@@ -251,3 +251,57 @@ def test_shared_projections_and_logit_scale_through_the_kv_cache(sharing, japply
         pos = jnp.broadcast_to(jnp.arange(a, b, dtype=jnp.int32), (B, b - a))
         logits, caches = step(st, toks[:, a:b], pos, caches)
         np.testing.assert_allclose(logits, full[:, a:b], rtol=0, atol=ATOL)
+
+
+# ---------------------------------------------------------------- options for loading published checkpoints
+BERT_TINY = dict(kind="encoder", vocab_size=64, d_model=32, n_layers=2, n_heads=4, activation="gelu",
+                 norm_position="post", embed_norm=True, position="learned", max_seq_len=16, use_bias=True,
+                 type_vocab_size=2, head_transform=True, head_bias=True, tie_embeddings=True)
+
+
+def test_checkpoint_option_parameters_names_shapes_and_axes():
+    cfg = ModelConfig(**BERT_TINY)
+    _, st = nnx.split(nnx.eval_shape(lambda: Transformer(cfg)))
+    flat = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(st)}
+    want = {"type_embed.embedding": ((2, 32), ("vocab", "embed")),
+            "head_transform.w": ((32, 32), ("embed", None)), "head_transform.b": ((32,), ("embed",)),
+            "head_transform.norm.scale": ((32,), ("embed",)), "head_transform.norm.bias": ((32,), ("embed",)),
+            "logits_bias": ((64,), ("vocab",))}
+    for name, (shape, axes) in want.items():
+        assert flat[name].shape == shape and tuple(flat[name].get_metadata()["out_sharding"]) == axes, name
+    assert sum(v.size for v in flat.values()) == count_params(cfg)
+    # Qwen2's layout: biases on q, k, v only (self-attention and, in an encoder-decoder, cross-attention)
+    qwen = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: Transformer(presets.get(
+        "vaswani_tiny", use_bias=False, qkv_bias=True))))[1])
+    for attn in (qwen["decoder"]["blocks"][0]["self_attn"], qwen["decoder"]["blocks"][0]["cross_attn"]):
+        assert {k for k in attn if k.startswith("b_")} == {"b_q", "b_k", "b_v"}
+    assert "bias" not in qwen["decoder"]["blocks"][0]["mlp_residual"]["norm"]
+
+
+def test_token_types_default_zero_and_head_transform_only_in_logits(japply):
+    cfg = ModelConfig(**BERT_TINY)
+    gd, st = random_model(cfg, seed=4)
+    toks = tokens(6, vocab=64)
+    zeros = jnp.zeros_like(toks)
+    ones = jnp.ones_like(toks)
+    default = japply(gd, st, toks)
+    np.testing.assert_array_equal(japply(gd, st, toks, token_types=zeros), default)
+    assert float(jnp.abs(japply(gd, st, toks, token_types=ones) - default).max()) > 1e-3
+    # encode returns the last hidden states; logits applies the head transform, the head and the bias
+    model = nnx.merge(gd, st)
+    hidden = model.encode(toks, token_types=ones)
+    assert hidden.shape == (B, T, 32)
+    np.testing.assert_allclose(model.logits(hidden), japply(gd, st, toks, token_types=ones), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.no_typecheck
+def test_token_types_errors():
+    bert = nnx.eval_shape(lambda: Transformer(ModelConfig(**BERT_TINY)))
+    gpt = nnx.eval_shape(lambda: Transformer(presets.get("gpt2_tiny")))
+    t = jax.ShapeDtypeStruct((2, 5), "int32")
+    with pytest.raises(ValueError, match=r"token_types given to a model with config.type_vocab_size=0"):
+        nnx.eval_shape(lambda m, t, y: m(t, token_types=y), gpt, t, t)
+    with pytest.raises(ValueError, match=r"token_types.shape=\(2, 4\) must be \[B, T\] for tokens.shape=\(2, 5\)"):
+        nnx.eval_shape(lambda m, t, y: m(t, token_types=y), bert, t, jax.ShapeDtypeStruct((2, 4), "int32"))
+    with pytest.raises(ValueError, match=r"token_types must be an integer array; got dtype float32"):
+        nnx.eval_shape(lambda m, t, y: m(t, token_types=y), bert, t, jax.ShapeDtypeStruct((2, 5), "float32"))

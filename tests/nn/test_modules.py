@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxformer.nn import (
-    LOGICAL_AXES, Attention, Block, Embed, GatedMLP, LayerNorm, LearnedPositions, LMHead, MLP,
+    LOGICAL_AXES, Attention, Block, Embed, GatedMLP, HeadTransform, LayerNorm, LearnedPositions, LMHead, MLP,
     Residual, RMSNorm, make_mlp, param,
 )
 from jaxformer.ops.masks import MaskSpec
@@ -56,7 +56,7 @@ def ref_attention(xp, p, x, ctx=None, *, position="none", causal=False, softcap=
     q = xp.einsum("btd,dnh->btnh", x, p["w_q"])
     k = xp.einsum("bsd,dkh->bskh", ctx, p["w_k"])
     v = xp.einsum("bsd,dkh->bskh", ctx, p["w_v"])
-    if "b_q" in p:
+    if "b_q" in p:  # q/k/v biases come together; b_o (below) on its own
         q, k, v = q + p["b_q"][None, None], k + p["b_k"][None, None], v + p["b_v"][None, None]
     N, H, K = q.shape[2], q.shape[3], k.shape[2]
     T, S = x.shape[1], ctx.shape[1]
@@ -81,15 +81,20 @@ def ref_attention(xp, p, x, ctx=None, *, position="none", causal=False, softcap=
     return y + p["b_o"][None, None] if "b_o" in p else y
 
 
-@pytest.mark.parametrize("position,N,K,causal,bias,softcap", [
-    ("none", 4, 4, False, True, None),
-    ("rope", 8, 2, True, True, None),
-    ("alibi", 4, 1, True, False, 1.5),
+@pytest.mark.parametrize("position,N,K,causal,bias,softcap,qkv_bias", [
+    ("none", 4, 4, False, True, None, None),
+    ("rope", 8, 2, True, True, None, None),
+    ("alibi", 4, 1, True, False, 1.5, None),
+    ("rope", 8, 2, True, False, None, True),   # Qwen2: q/k/v biases only
+    ("none", 4, 2, True, True, None, False),   # output bias only
 ])
-def test_attention_matches_reference_forward_and_grad(position, N, K, causal, bias, softcap):
+def test_attention_matches_reference_forward_and_grad(position, N, K, causal, bias, softcap, qkv_bias):
     D, H, B, T = 16, 4, 2, 5
-    m = build(lambda: Attention(D, N, K, H, position=position, use_bias=bias, softcap=softcap, impl="xla",
-                                rngs=nnx.Rngs(0)), 1)
+    m = build(lambda: Attention(D, N, K, H, position=position, use_bias=bias, qkv_bias=qkv_bias, softcap=softcap,
+                                impl="xla", rngs=nnx.Rngs(0)), 1)
+    has_qkv = bias if qkv_bias is None else qkv_bias
+    assert {n for n in ("b_q", "b_k", "b_v", "b_o") if getattr(m, n) is not None} == (
+        ({"b_q", "b_k", "b_v"} if has_qkv else set()) | ({"b_o"} if bias else set()))
     x = jax.random.normal(jax.random.key(2), (B, T, D))
     ct = jax.random.normal(jax.random.key(3), (B, T, D))
     mask = MaskSpec(causal=causal)
@@ -117,9 +122,11 @@ def test_attention_matches_reference_forward_and_grad(position, N, K, causal, bi
         np.testing.assert_allclose(v[...], g_p_ref[".".join(map(str, path))], rtol=1e-4, atol=1e-4)
 
 
-def test_cross_attention_matches_reference():
+@pytest.mark.parametrize("qkv_bias", [None, True])
+def test_cross_attention_matches_reference(qkv_bias):
     D, Dkv, N, K, H, B, T, S = 16, 12, 4, 2, 4, 2, 3, 7
-    m = build(lambda: Attention(D, N, K, H, kv_dim=Dkv, impl="xla", rngs=nnx.Rngs(0)), 4)
+    m = build(lambda: Attention(D, N, K, H, kv_dim=Dkv, impl="xla", qkv_bias=qkv_bias, rngs=nnx.Rngs(0)), 4)
+    assert (m.b_k is not None) == bool(qkv_bias) and m.b_o is None
     x = jax.random.normal(jax.random.key(5), (B, T, D))
     ctx = jax.random.normal(jax.random.key(6), (B, S, Dkv))
     want = ref_attention(np, params_np(m), np.asarray(x, np.float64), np.asarray(ctx, np.float64))
@@ -218,6 +225,49 @@ def test_embeddings():
     np.testing.assert_array_equal(pos(jnp.array([[2, 0, 8]])), np.asarray(pos.embedding[...])[[[2, 0, 8]]])
 
 
+@pytest.mark.parametrize("norm,use_bias,activation", [("layernorm", True, "gelu"), ("rmsnorm", False, "relu"),
+                                                      ("layernorm", False, "gelu_tanh")])
+def test_head_transform_matches_reference_forward_and_grad(norm, use_bias, activation):
+    """BERT's ``norm(act(x W + b))``: numpy float64 forward, and gradients (x and every parameter)
+    against the same formula in plain jnp."""
+    D, eps = 8, 1e-5
+    m = build(lambda: HeadTransform(D, activation, norm=norm, eps=eps, use_bias=use_bias, rngs=nnx.Rngs(0)), 21)
+    names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(m, nnx.Param))}
+    assert names == ({"w", "b", "norm.scale", "norm.bias"} if use_bias else {"w", "norm.scale"})
+    x = 2.0 * jax.random.normal(jax.random.key(22), (2, 3, D))
+    ct = jax.random.normal(jax.random.key(23), (2, 3, D))
+
+    def reference(xp, p, x, act):
+        vec = {k: v[None, None] for k, v in p.items() if v.ndim == 1}  # [D] -> [1, 1, D]
+        h = x @ p["w"]
+        h = act(h + vec["b"] if "b" in p else h)
+        if norm == "rmsnorm":
+            return h / xp.sqrt((h * h).mean(-1, keepdims=True) + eps) * vec["norm.scale"]
+        mu = h.mean(-1, keepdims=True)
+        y = (h - mu) / xp.sqrt(((h - mu) ** 2).mean(-1, keepdims=True) + eps) * vec["norm.scale"]
+        return y + vec["norm.bias"] if "norm.bias" in p else y
+
+    p = params_np(m)
+    want = reference(np, p, np.asarray(x, np.float64), lambda h: _np_act(activation, h))
+    np.testing.assert_allclose(np.asarray(run(m, x)), want, rtol=RTOL, atol=ATOL)
+
+    jnp_act = {"gelu": lambda h: 0.5 * h * (1.0 + jax.scipy.special.erf(h / math.sqrt(2.0))),
+               "gelu_tanh": lambda h: 0.5 * h * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * h ** 3))),
+               "relu": lambda h: jnp.maximum(h, 0.0)}[activation]
+    graphdef, state = nnx.split(m)
+    _, pull = jax.vjp(lambda st, xx: nnx.merge(graphdef, st)(xx), state, x)
+    g_state, g_x = jax.jit(pull)(ct)
+    pj = {k: jnp.asarray(v, jnp.float32) for k, v in p.items()}
+    _, pull_ref = jax.vjp(lambda pp, xx: reference(jnp, pp, xx, jnp_act), pj, x)
+    g_ref, g_x_ref = jax.jit(pull_ref)(ct)
+    # fp32 both sides, different op order: relative 1e-4 of O(1) gradients.
+    np.testing.assert_allclose(g_x, g_x_ref, rtol=1e-4, atol=1e-4)
+    for path, v in nnx.to_flat_state(g_state):
+        np.testing.assert_allclose(v[...], g_ref[".".join(map(str, path))], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="non-gated activation, got 'swiglu'"):
+        HeadTransform(D, "swiglu", rngs=nnx.Rngs(0))
+
+
 # ---------------------------------------------------------------- residual block
 def _branch(D, seed):
     w = 0.5 * jax.random.normal(jax.random.key(seed), (D, D))
@@ -313,7 +363,8 @@ def test_logical_axes_on_every_param():
     def make():
         r = nnx.Rngs(0)
         return [_tiny_block(8, cross=True), Embed(5, 8, rngs=r), LMHead(8, 5, rngs=r),
-                LearnedPositions(4, 8, rngs=r), LayerNorm(8, rngs=r), make_mlp(8, 16, "gelu", rngs=r)]
+                LearnedPositions(4, 8, rngs=r), LayerNorm(8, rngs=r), make_mlp(8, 16, "gelu", rngs=r),
+                HeadTransform(8, "gelu", rngs=r)]
 
     mods = nnx.eval_shape(make)
     seen = {}
@@ -329,6 +380,7 @@ def test_logical_axes_on_every_param():
     assert seen["w_gate"] == seen["w_up"] == seen["w_in"] == ("embed", "mlp")
     assert seen["w_down"] == seen["w_out"] == ("mlp", "embed")
     assert seen["kernel"] == ("embed", "vocab")
+    assert seen["w"] == ("embed", None) and seen["b"] == ("embed",)
     assert seen["scale"] == ("embed",)
 
 

@@ -41,9 +41,34 @@ def test_sinusoidal_matches_paper_loop():
     np.testing.assert_array_equal(np.asarray(sinusoidal_positions(jnp.zeros(1, jnp.int32), 4)), [[0, 1, 0, 1]])
 
 
-def test_sinusoidal_odd_dim_raises():
+@pytest.mark.parametrize("layout", ["interleaved", "halves"])
+def test_sinusoidal_layouts_match_numpy_float64(layout):
+    """Both layouts from one float64 table of sin(p w_i), cos(p w_i), w_i = 10000^(-2i/D): interleaved puts
+    the pair at (2i, 2i+1) (Vaswani), halves at (i, D/2 + i) (tensor2tensor / fairseq / Marian)."""
+    positions = np.random.default_rng(1).integers(0, 600, size=(3, 5))
+    dim = 12
+    w = 10000.0 ** (-2.0 * np.arange(dim // 2) / dim)
+    angle = positions[..., None].astype(np.float64) * w  # [3, 5, D/2]
+    ref = np.zeros(positions.shape + (dim,))
+    if layout == "interleaved":
+        ref[..., 0::2], ref[..., 1::2] = np.sin(angle), np.cos(angle)
+    else:
+        ref[..., : dim // 2], ref[..., dim // 2:] = np.sin(angle), np.cos(angle)
+    out = sinusoidal_positions(jnp.asarray(positions), dim, layout=layout)
+    assert out.dtype == jnp.float32 and out.shape == (3, 5, dim)
+    # fp32 angle p * w for p < 600 carries ~600 * 6e-8 rad of rounding error.
+    np.testing.assert_allclose(np.asarray(out), ref, atol=1e-4, rtol=0)
+    # position 0: sin 0 = 0, cos 0 = 1, in each layout's slots
+    zero = [0.0, 1.0, 0.0, 1.0] if layout == "interleaved" else [0.0, 0.0, 1.0, 1.0]
+    np.testing.assert_array_equal(np.asarray(sinusoidal_positions(jnp.zeros(1, jnp.int32), 4, layout=layout)), [zero])
+
+
+@pytest.mark.no_typecheck
+def test_sinusoidal_odd_dim_or_unknown_layout_raises():
     with pytest.raises(ValueError, match="dim=7"):
         sinusoidal_positions(jnp.arange(3), 7)
+    with pytest.raises(ValueError, match="layout='split' is not one of"):
+        sinusoidal_positions(jnp.arange(3), 8, layout="split")
 
 
 # ---------------------------------------------------------------- RoPE reference

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxformer.model import ModelConfig, init
 from jaxformer.train.probes import attention_probe
-from jaxformer.train.step import _model_loss
+from jaxformer.train.step import model_loss
 from tests.ops.test_attention import numpy_logit_stats
 
 B, T, V = 2, 12, 64
@@ -67,7 +67,7 @@ def test_gradient_norms_match_plain_jax_grad():
     got = attention_probe(gd, params, b)
 
     def loss(p):
-        s, (_, n) = _model_loss(gd, p, b, 0.0)
+        s, (_, n) = model_loss(gd, p, b, 0.0)
         return s / n
 
     g = jax.grad(loss)(params)

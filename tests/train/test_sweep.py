@@ -191,7 +191,9 @@ def test_a_sweep_where_every_point_diverged_still_reports(tmp_path):
     assert all(r["diverged"] for r in rows)
     assert all(set(r["probes"]) == {"init"} for r in rows if "non-finite" in r["diverged_reason"])
     assert main(["sweep", str(path), "--out", str(out), "--report"]) == 0
-    assert "2 of 2" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "2 of 2 points finished" in report
+    assert report.count("| 1 of 1 |") == 2, report  # each row's diverged column: its one seed diverged
 
 
 @pytest.mark.parametrize("losses, diverged", [

@@ -1,0 +1,237 @@
+"""Greedy and beam-search translation with an encoder-decoder :class:`~jaxformer.model.Transformer`.
+
+The source is encoded once (one jitted call); the target is then decoded one token per step through a
+contiguous :class:`~jaxformer.decode.kv_cache.KVCache` per decoder layer (self-attention only: each step's
+cross-attention projects the encoder output again). Every array has a fixed shape (the cache holds
+``1 + max_new_tokens`` rows, the step's position is an argument), so one compile serves every step.
+The model computes on the device; the search bookkeeping (a few ``[B, beams]`` arrays) runs in numpy.
+
+The semantics are those of ``transformers``' ``generate`` for an encoder-decoder (e.g.
+``MarianMTModel``), so a checkpoint loaded with :mod:`jaxformer.interop` gives the same tokens (ties
+aside); :func:`jaxformer.interop.marian.translation_kwargs` reads a checkpoint's settings:
+
+* the target starts with ``start_id`` (Marian: ``<pad>``) and holds at most ``1 + max_new_tokens``
+  tokens (transformers' ``max_length``);
+* ``suppress_ids`` are never generated (single-token ``bad_words_ids`` / ``suppress_tokens``: their
+  log-probability becomes ``-inf``, after the log-softmax, without renormalising);
+* ``force_eos`` (``forced_eos_token_id``): at the last allowed step every token but ``eos_id`` is ``-inf``
+  and ``eos_id`` gets log-probability 0;
+* greedy: a row that produced ``eos_id`` is padded with ``pad_id``; decoding stops when every row has;
+* beam search (transformers' vectorised ``_beam_search``, as of 5.24): each step keeps the top
+  ``2 * num_beams`` continuations of all beams by summed log-probability; those among the first
+  ``num_beams`` that end in ``eos_id`` (or reach the length limit) become finished hypotheses scored
+  ``sum_logprob / generated_length ** length_penalty`` (generated tokens counted with the ``eos``, without
+  the start token); the best ``num_beams`` unfinished ones continue. ``early_stopping``: ``True`` stops a
+  row once it has ``num_beams`` hypotheses; ``False`` (the default) once the best running beam, scored at
+  the current length, cannot beat the worst kept hypothesis; ``"never"`` as ``False`` but, for a
+  positive ``length_penalty``, scores the running beam at the maximum length. The best hypothesis is
+  returned.
+
+Outputs are int32 ``[B, 1 + n]`` including the start token, ``n`` the longest row's generated length,
+shorter rows padded with ``pad_id`` (as ``generate`` returns them).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxformer.decode.kv_cache import KVCache
+
+NEG = np.float32(-1.0e9)  # transformers' "impossible" score in beam search (finite, unlike -inf)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _encode(graphdef, state, src, lengths):
+    return nnx.merge(graphdef, state).encode(src, lengths=lengths)
+
+
+def _log_probs(graphdef, state, caches, memory, memory_lengths, tokens, position, banned, force_eos, eos_id):
+    """Feed ``tokens [B]`` at ``position``; processed next-token log-probabilities ``[B, V]`` and caches."""
+    B = tokens.shape[0]
+    positions = jnp.full((B, 1), position, jnp.int32)
+    logits, caches = nnx.merge(graphdef, state).decode(tokens[:, None], memory, positions=positions,
+                                                       memory_lengths=memory_lengths, cache=caches)
+    logp = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
+    logp = jnp.where(banned[None, :], -jnp.inf, logp)
+    only_eos = jnp.where(jnp.arange(logp.shape[-1]) == eos_id, 0.0, -jnp.inf)
+    return jnp.where(force_eos, only_eos[None, :], logp), caches
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _greedy_step(graphdef, state, caches, memory, memory_lengths, tokens, position, banned, force_eos, eos_id):
+    logp, caches = _log_probs(graphdef, state, caches, memory, memory_lengths, tokens, position, banned,
+                              force_eos, eos_id)
+    return jnp.argmax(logp, axis=-1).astype(jnp.int32), caches
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def _beam_step(graphdef, keep, state, caches, memory, memory_lengths, tokens, origin, running_scores, position,
+               banned, force_eos, eos_id):
+    """Reorder the caches to the running beams (``origin [B*K]``: the flat beam each continues), feed
+    their last tokens, and return the top ``keep`` continuations ``[B, keep]`` of all beams: summed
+    log-probability and flat index ``beam * V + token``."""
+    caches = jax.tree.map(lambda a: a[origin], caches)
+    logp, caches = _log_probs(graphdef, state, caches, memory, memory_lengths, tokens, position, banned,
+                              force_eos, eos_id)
+    B, K = running_scores.shape
+    total = (logp.reshape(B, K, -1) + running_scores[:, :, None]).reshape(B, -1)
+    values, index = jax.lax.top_k(total, keep)
+    return values, index, caches
+
+
+def _prepare(model, src_tokens, src_lengths, max_new_tokens, repeat, suppress_ids, eos_id):
+    """``(graphdef, state, memory, lengths, caches, banned)`` with each row repeated ``repeat`` times."""
+    cfg = model.config
+    if cfg.kind != "encoder_decoder":
+        raise ValueError(f"translation needs an encoder_decoder model; got config.kind={cfg.kind!r}")
+    src = jnp.asarray(src_tokens, jnp.int32)
+    if src.ndim != 2:
+        raise ValueError(f"src_tokens must be int [B, S]; got shape {src.shape}")
+    B, S = src.shape
+    lengths = jnp.full((B,), S, jnp.int32) if src_lengths is None else jnp.asarray(src_lengths, jnp.int32)
+    if lengths.shape != (B,):
+        raise ValueError(f"src_lengths.shape={lengths.shape} must be [B]={(B,)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if 1 + max_new_tokens > cfg.max_seq_len or S > cfg.max_seq_len:
+        raise ValueError(f"source length {S} / target length 1 + max_new_tokens = {1 + max_new_tokens} exceed "
+                         f"the model's max_seq_len={cfg.max_seq_len}")
+    bad = [int(i) for i in suppress_ids if not 0 <= int(i) < cfg.vocab_size] + \
+        ([eos_id] if not 0 <= eos_id < cfg.vocab_size else [])
+    if bad:
+        raise ValueError(f"token ids {bad} are outside the vocabulary [0, {cfg.vocab_size})")
+    graphdef, state = nnx.split(model)
+    memory = _encode(graphdef, state, src, lengths)
+    if repeat > 1:
+        memory, lengths = jnp.repeat(memory, repeat, axis=0), jnp.repeat(lengths, repeat, axis=0)
+    dtype = jnp.dtype(cfg.compute_dtype)
+    caches = [KVCache.zeros(B * repeat, 1 + max_new_tokens, cfg.resolved_kv_heads, cfg.resolved_head_dim, dtype)
+              for _ in range(cfg.n_layers)]
+    banned = np.zeros(cfg.vocab_size, bool)
+    banned[list(suppress_ids)] = True
+    return graphdef, state, memory, lengths, caches, jnp.asarray(banned)
+
+
+def greedy_translate(model, src_tokens, src_lengths=None, *, start_id: int, eos_id: int, max_new_tokens: int,
+                     pad_id: int | None = None, suppress_ids=(), force_eos: bool = False) -> np.ndarray:
+    """Greedy decoding of ``model`` (an encoder-decoder ``Transformer``) from ``src_tokens [B, S]``.
+
+    Args:
+      src_lengths: ``[B]`` valid source tokens per row (right padding); None: all ``S``.
+      start_id: the target's first token (``decoder_start_token_id``).
+      eos_id: ends a row.
+      max_new_tokens: tokens generated at most (the start token not counted).
+      pad_id: fills rows after their ``eos_id`` (default ``eos_id``).
+      suppress_ids: tokens never generated. force_eos: the last allowed token is ``eos_id``.
+    Returns:
+      int32 ``[B, 1 + n]``: start token, then the generated tokens (see the module docstring).
+    """
+    pad_id = eos_id if pad_id is None else pad_id
+    graphdef, state, memory, lengths, caches, banned = _prepare(model, src_tokens, src_lengths, max_new_tokens, 1,
+                                                                suppress_ids, eos_id)
+    B = memory.shape[0]
+    out = [np.full(B, start_id, np.int32)]
+    running = np.ones(B, bool)
+    for step in range(max_new_tokens):
+        force = force_eos and step == max_new_tokens - 1
+        nxt, caches = _greedy_step(graphdef, state, caches, memory, lengths, jnp.asarray(out[-1]), step, banned,
+                                   force, eos_id)
+        nxt = np.where(running, np.asarray(nxt), pad_id).astype(np.int32)
+        out.append(nxt)
+        running &= nxt != eos_id
+        if not running.any():
+            break
+    return np.stack(out, axis=1)
+
+
+def beam_translate(model, src_tokens, src_lengths=None, *, start_id: int, eos_id: int, max_new_tokens: int,
+                   num_beams: int, length_penalty: float = 1.0, early_stopping: bool | str = False,
+                   pad_id: int | None = None, suppress_ids=(), force_eos: bool = False) -> np.ndarray:
+    """Beam search (transformers' rules, see the module docstring): the best hypothesis per row.
+
+    Arguments as :func:`greedy_translate`, plus ``num_beams``, ``length_penalty`` (hypothesis score =
+    summed log-probability / generated length ** length_penalty) and ``early_stopping`` (``False``,
+    ``True`` or ``"never"``). Returns int32 ``[B, 1 + n]``.
+    """
+    if num_beams < 1:
+        raise ValueError(f"num_beams={num_beams} must be >= 1")
+    if early_stopping not in (False, True, "never"):
+        raise ValueError(f"early_stopping={early_stopping!r} must be False, True or 'never'")
+    pad_id = eos_id if pad_id is None else pad_id
+    K = num_beams
+    graphdef, state, memory, lengths, caches, banned = _prepare(model, src_tokens, src_lengths, max_new_tokens, K,
+                                                                suppress_ids, eos_id)
+    B = memory.shape[0] // K
+    V = model.config.vocab_size
+    L = 1 + max_new_tokens          # transformers' max_length; the prompt is the start token alone
+    keep = 2 * K                    # max(2, 1 + number of eos ids) * num_beams
+    if keep > K * V:
+        raise ValueError(f"num_beams={K} needs 2 * num_beams <= num_beams * vocab_size")
+    top = np.arange(keep) < K
+
+    running_seq = np.full((B, K, L), pad_id, np.int64)
+    running_seq[:, :, 0] = start_id
+    running_scores = np.zeros((B, K), np.float32)
+    running_scores[:, 1:] = NEG
+    seqs = running_seq.copy()
+    seq_len = np.zeros((B, K), np.int64)       # generated tokens of each kept hypothesis
+    scores = np.full((B, K), NEG, np.float32)
+    finished = np.zeros((B, K), bool)
+    improvable = np.ones((B, 1), bool)
+    origin = np.arange(B * K, dtype=np.int32)
+    rows = np.arange(B)[:, None]
+    cur = 1
+    while True:
+        force = force_eos and cur == L - 1
+        values, index, caches = _beam_step(
+            graphdef, keep, state, caches, memory, lengths, jnp.asarray(running_seq[:, :, cur - 1].reshape(-1),
+                                                                        jnp.int32),
+            jnp.asarray(origin), jnp.asarray(running_scores), cur - 1, banned, force, eos_id)
+        values = np.asarray(values, np.float32)
+        index = np.asarray(index, np.int64)
+        beam, token = index // V, index % V
+        cand_seq = running_seq[rows, beam]                       # [B, keep, L]
+        cand_seq[:, :, cur] = token
+        hits = (token == eos_id) | (cur + 1 >= L)
+
+        # the best K unfinished continuations run on
+        run_scores = values + hits.astype(np.float32) * NEG
+        pick = _topk(run_scores, K)
+        running_seq = cand_seq[rows, pick]
+        running_scores = run_scores[rows, pick]
+        origin = (beam[rows, pick] + np.arange(B)[:, None] * K).reshape(-1).astype(np.int32)
+
+        # continuations among the first K that just finished compete with the kept hypotheses
+        just = hits & top[None, :]
+        cand_scores = values / np.float32(float(cur) ** length_penalty)   # cur tokens generated
+        full = finished.all(axis=1, keepdims=True) & (early_stopping is True)
+        cand_scores = cand_scores + full.astype(np.float32) * NEG
+        cand_scores = cand_scores + (~improvable).astype(np.float32) * NEG
+        cand_scores = cand_scores + (~just).astype(np.float32) * NEG
+        m_seq = np.concatenate([seqs, cand_seq], axis=1)
+        m_scores = np.concatenate([scores, cand_scores], axis=1)
+        m_len = np.concatenate([seq_len, np.full((B, keep), cur, np.int64)], axis=1)
+        m_fin = np.concatenate([finished, just], axis=1)
+        pick = _topk(m_scores, K)
+        seqs, scores, seq_len, finished = m_seq[rows, pick], m_scores[rows, pick], m_len[rows, pick], m_fin[rows, pick]
+
+        cur += 1
+        best_len = (L - 1) if (early_stopping == "never" and length_penalty > 0.0) else (cur - 1)
+        best_running = running_scores[:, :1] / np.float32(float(best_len) ** length_penalty)
+        worst = np.where(finished, scores.min(axis=1, keepdims=True), NEG)
+        improvable &= (best_running > worst).any(axis=-1, keepdims=True)
+        open_beam = not (finished.all() and early_stopping is True)
+        if not (improvable.any() and open_beam and not hits.all()):
+            break
+    n = int(seq_len[:, 0].max())
+    return seqs[:, 0, : 1 + n].astype(np.int32)
+
+
+def _topk(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest values of each row, largest first (ties: lower index first)."""
+    return np.argsort(-x, axis=-1, kind="stable")[:, :k]

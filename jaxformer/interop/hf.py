@@ -1,0 +1,406 @@
+"""Hugging Face checkpoints in and out: ``config.json`` + safetensors <-> ``(ModelConfig, graphdef, state)``.
+
+::
+
+    config, graphdef, state = load_pretrained("path/to/Llama-3.2-1B")        # float32
+    logits = nnx.merge(graphdef, state)(tokens)
+    save_pretrained("out/", config, state)          # transformers' from_pretrained reads it back
+    tok = load_tokenizer("path/to/Llama-3.2-1B")    # tokenizer.json, or a SentencePiece model
+
+Families (``model_type``): ``gpt2``; ``llama``, ``mistral``, ``qwen2`` (one module:
+GQA, RoPE scaling, QKV biases, sliding window); ``bert``; ``bloom``; ``marian``.
+Anything a family cannot reproduce exactly (an option, an activation, a RoPE
+scaling type) is an :class:`HFConfigError` naming ``config.json`` and the key;
+never a silent mismatch.
+
+Loading reads tensor by tensor from memory-mapped safetensors (one file or shards
+listed in ``model.safetensors.index.json``), so peak memory stays near the model's
+own size: every header is checked first (each tensor present, none unexpected,
+each shape the one the config implies), and only then is a byte read, so a bad
+checkpoint fails before anything is half-built. With ``shardings`` (a state-shaped
+tree of ``jax.sharding.Sharding``, e.g. from ``nnx.get_named_sharding``) each tensor
+goes straight onto its devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxformer.interop.rules import Family, HFConfigError, HFWeightsError, Rule
+from jaxformer.model.config import ModelConfig
+from jaxformer.model.functional import abstract_init
+from jaxformer.nn.params import as_dtype
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+
+
+def families() -> dict[str, Family]:
+    """``model_type -> Family`` for every family this module reads and writes."""
+    from jaxformer.interop import bert, bloom, gpt2, llama, marian
+
+    out: dict[str, Family] = {}
+    for module in (gpt2, llama, bert, bloom, marian):
+        for family in module.FAMILIES:
+            for model_type in family.model_types:
+                out[model_type] = family
+    return out
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """``path/config.json`` as a dict; a clear error when the directory or file is missing or not JSON."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: not a directory (a Hugging Face checkpoint is a directory with "
+                                f"{CONFIG} and *.safetensors)")
+    file = path / CONFIG
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: missing; a Hugging Face checkpoint directory needs {CONFIG}")
+    try:
+        hf = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise HFConfigError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise HFConfigError(f"{file}: expected a JSON object, got {type(hf).__name__}")
+    return hf
+
+
+def family_for(hf: Mapping[str, Any], where: str) -> Family:
+    model_type = hf.get("model_type")
+    table = families()
+    if model_type not in table:
+        raise HFConfigError(f"{where}: model_type: {model_type!r} is not supported "
+                            f"(supported: {sorted(table)})")
+    return table[model_type]
+
+
+def config_from_hf(hf: Mapping[str, Any], where: str = CONFIG, *, dtype: str = "float32") -> ModelConfig:
+    """A ``config.json`` dict as a :class:`ModelConfig` with ``param_dtype = compute_dtype = dtype``."""
+    config = family_for(hf, where).config_from_hf(hf, where)
+    return config.model_copy(update=dict(param_dtype=dtype, compute_dtype=dtype))
+
+
+# -- safetensors headers
+
+class _Tensors:
+    """Every tensor of a checkpoint: name -> (file, shape, dtype), read from headers only."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self._open = safe_open
+        index = path / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise HFWeightsError(f"{index}: not a safetensors index with a weight_map ({e})") from None
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (path / f).is_file()]
+            if missing:
+                raise HFWeightsError(f"{index} lists shards that are missing from {path}: {missing}")
+        elif (path / SINGLE).is_file():
+            files = [SINGLE]
+        else:
+            found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".h5", ".msgpack"))
+            hint = f" (found {found}: only safetensors is read; convert with transformers' save_pretrained)" \
+                if found else ""
+            raise HFWeightsError(f"{path}: no {SINGLE} or {INDEX}{hint}")
+        self.where: dict[str, str] = {}
+        self.shape: dict[str, tuple[int, ...]] = {}
+        self.dtype: dict[str, str] = {}
+        self.path = path
+        for file in files:
+            try:
+                with safe_open(str(path / file), framework="np") as f:
+                    for name in f.keys():
+                        if name in self.where:
+                            raise HFWeightsError(f"tensor {name} is in both {self.where[name]} and {file}")
+                        sl = f.get_slice(name)
+                        self.where[name], self.shape[name], self.dtype[name] = \
+                            file, tuple(sl.get_shape()), sl.get_dtype()
+            except HFWeightsError:
+                raise
+            except Exception as e:  # safetensors raises its own error types for a corrupt header
+                raise HFWeightsError(f"{path / file}: cannot read the safetensors header ({e})") from None
+
+    def read(self, name: str) -> np.ndarray:
+        # A fresh memory map per tensor, closed at once: get_tensor copies the bytes out, and the pages a
+        # still-open map has touched count in the process's resident set (RssFile) until it is unmapped,
+        # so keeping one handle per file held the whole checkpoint resident beside the loaded state
+        # (peak ~2.1x the checkpoint for a 1B bf16 load; ~1.1x with this, see experiments/bench/hf_load.py).
+        with self._open(str(self.path / self.where[name]), framework="np") as f:
+            return f.get_tensor(name)
+
+
+def _flat_params(state) -> dict[tuple, Any]:
+    return {tuple(p): v for p, v in nnx.to_flat_state(state)}
+
+
+def _value(v):
+    """A state leaf's array (an ``nnx.Variable`` or a plain array)."""
+    return v.get_value() if isinstance(v, nnx.Variable) else v
+
+
+def _hf_shapes(rules: list[Rule], params: Mapping[tuple, Any]) -> dict[str, tuple[int, ...]]:
+    """The shape of every HF tensor the rules imply, from the jaxformer shapes (``save`` under eval_shape)."""
+    out = {}
+    for rule in rules:
+        args = [jax.ShapeDtypeStruct(params[p].shape, np.float32) for p in rule.jax]
+        outs = jax.eval_shape(rule.save, *args)
+        for name, s in zip(rule.hf, outs, strict=True):
+            out[name] = tuple(s.shape)
+    return out
+
+
+def _check_rules(family: Family, rules: list[Rule], params: Mapping[tuple, Any]) -> None:
+    """Every parameter of the model is written by exactly one rule (a family bug otherwise)."""
+    seen: dict[tuple, str] = {}
+    for rule in rules:
+        for p in rule.jax:
+            if p not in params:
+                raise AssertionError(f"{family.name}: rule for {rule.hf} writes {p}, not a parameter of the model")
+            if p in seen:
+                raise AssertionError(f"{family.name}: {p} written by both {seen[p]} and {rule.hf}")
+            seen[p] = str(rule.hf)
+    missing = sorted(map(str, set(params) - set(seen)))
+    if missing:
+        raise AssertionError(f"{family.name}: no rule writes {missing}")
+
+
+def _canonical(family: Family, present: list[str], expected: Mapping[str, Any]) -> dict[str, str]:
+    """Present name -> the family's canonical name (:meth:`Family.rename` first, e.g. BERT's old
+    ``LayerNorm.gamma``; then the head model's prefix added to a bare model's names). Two present names
+    with one canonical name (``x`` and ``bert.x``) are an error, never a silent pick."""
+    out = {}
+    for name in present:
+        key = family.rename(name)
+        if key in expected:
+            out[name] = key
+            continue
+        for prefix in family.prefixes:
+            if prefix + key in expected:
+                out[name] = prefix + key
+                break
+        else:
+            out[name] = key
+    seen: dict[str, str] = {}
+    for name, canon in out.items():
+        if canon in seen:
+            raise HFWeightsError(f"tensors {seen[canon]} and {name} are both {canon}")
+        seen[canon] = name
+    return out
+
+
+def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32", shardings=None,
+                    **overrides) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
+    """Read a Hugging Face checkpoint directory into ``(config, graphdef, state)``.
+
+    Args:
+      path: a directory with ``config.json`` and ``model.safetensors`` (or shards +
+        ``model.safetensors.index.json``).
+      dtype: ``"float32" | "bfloat16" | "float16"``: parameter and compute dtype.
+      shardings: optional state-shaped tree of ``jax.sharding.Sharding`` (each tensor is
+        placed straight onto its devices).
+      overrides: ``ModelConfig`` fields to change after the translation that do not touch the
+        weights (e.g. ``attention_impl="blockwise"``, ``max_seq_len=4096``, ``remat=True``).
+
+    Raises:
+      FileNotFoundError: no directory / no ``config.json``.
+      HFConfigError: an unsupported ``model_type`` or option (names the file and key).
+      HFWeightsError: a missing shard, a missing / unexpected tensor, a wrong shape.
+    """
+    path = Path(path)
+    hf = read_config(path)
+    where = str(path / CONFIG)
+    family = family_for(hf, where)
+    as_dtype(dtype)
+    config = config_from_hf(hf, where, dtype=dtype)
+    if overrides:
+        config = ModelConfig(**{**config.model_dump(), **overrides})
+    if config.scan_layers:
+        raise HFConfigError("scan_layers=True is not supported by load_pretrained (load, then restack)")
+    graphdef, abstract = abstract_init(config)
+    params = _flat_params(abstract)
+    rules = family.rules(config)
+    _check_rules(family, rules, params)
+    expected = _hf_shapes(rules, params)
+
+    tensors = _Tensors(path)
+    names = _canonical(family, list(tensors.where), expected)
+    present = {canon: name for name, canon in names.items()}
+    optional = set(family.optional(config))
+    missing = [n for n in expected if n not in present and n not in optional]
+    unexpected = [n for n, canon in names.items()
+                  if canon not in expected and not any(canon.startswith(p) for p in family.ignored(config))]
+    wrong = [f"{present[n]} in {tensors.where[present[n]]}: {tensors.shape[present[n]]}, expected {s}"
+             for n, s in expected.items() if n in present and tensors.shape[present[n]] != s]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors (not part of a {family.name} model with this config): {unexpected}")
+    if wrong:
+        problems.append("shapes that do not match config.json: " + "; ".join(wrong))
+    if problems:
+        raise HFWeightsError(f"{path}: " + " | ".join(problems))
+    family.verify(config, _LazyTensors(tensors, present))
+
+    target = as_dtype(dtype)
+    flat_shardings = None if shardings is None else _flat_params(shardings)
+    loaded: dict[tuple, Any] = {}
+    cache: dict[str, np.ndarray] = {}
+
+    def read(name: str) -> np.ndarray:
+        if name in present:
+            return tensors.read(present[name])
+        if name not in cache:  # an optional tensor the checkpoint left out (e.g. a tied head)
+            cache[name] = family.fill(name, _LazyTensors(tensors, present))
+        return cache[name]
+
+    for rule in rules:
+        arrays = [np.asarray(read(n)) for n in rule.hf]
+        arrays = [a.astype(np.float32) if a.dtype != np.float32 else a for a in arrays]
+        outs = rule.load(*arrays)
+        for p, a in zip(rule.jax, outs, strict=True):
+            a = np.ascontiguousarray(a).astype(target, copy=False)
+            if a.shape != params[p].shape:
+                raise AssertionError(f"{family.name}: {rule.hf} -> {p} gave {a.shape}, model has {params[p].shape}")
+            sharding = None if flat_shardings is None else flat_shardings[p]
+            sharding = None if sharding is None else _value(sharding)
+            loaded[p] = jax.device_put(a, sharding) if sharding is not None else jax.numpy.asarray(a)
+        del arrays, outs
+    state = nnx.from_flat_state([(p, params[p].replace(loaded[p])) for p in params])
+    return config, graphdef, state
+
+
+class _LazyTensors(Mapping):
+    """Read-on-access view of the checkpoint's tensors by canonical name (for :meth:`Family.fill`)."""
+
+    def __init__(self, tensors: _Tensors, present: Mapping[str, str]):
+        self._t, self._present = tensors, present
+
+    def __getitem__(self, name):
+        return self._t.read(self._present[name])
+
+    def __iter__(self):
+        return iter(self._present)
+
+    def __len__(self):
+        return len(self._present)
+
+
+# -- saving
+
+_NOT_SAVED = ("attention_impl", "remat", "scan_layers", "max_seq_len", "init_std", "ffn_multiple_of",
+              "param_dtype", "compute_dtype")
+
+
+def _behaviour(config: ModelConfig) -> dict[str, Any]:
+    """The fields that decide what the model computes, derived ones resolved (head_dim None -> D / N...)."""
+    out = config.model_dump()
+    for k in _NOT_SAVED:
+        out.pop(k)
+    out.update(head_dim=config.resolved_head_dim, d_ff=config.resolved_d_ff, n_kv_heads=config.resolved_kv_heads,
+               final_norm=config.resolved_final_norm,
+               qkv_bias=config.use_bias if config.qkv_bias is None else config.qkv_bias)
+    if config.position != "rope":  # fields that change nothing for this model
+        for k in ("rope_base", "rope_scaling", "rope_interleaved"):
+            out.pop(k)
+    if config.position != "sinusoidal":
+        out.pop("sinusoidal_layout")
+    return out
+
+
+def guess_model_type(config: ModelConfig) -> str:
+    """The HF family a jaxformer config most plainly is (``save_pretrained``'s default)."""
+    if config.kind == "encoder_decoder":
+        return "marian"
+    if config.kind == "encoder":
+        return "bert"
+    if config.position == "alibi":
+        return "bloom"
+    if config.position == "learned":
+        return "gpt2"
+    if config.sparse_attention:
+        return "mistral"
+    if config.qkv_bias:
+        return "qwen2"
+    return "llama"
+
+
+def save_pretrained(path: str | os.PathLike, config: ModelConfig, state, *, model_type: str | None = None,
+                    hf_config: Mapping[str, Any] | None = None, dtype: str | None = None,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write ``config`` + ``state`` as a Hugging Face checkpoint that ``transformers`` loads.
+
+    Args:
+      model_type: the HF family (default: ``hf_config["model_type"]`` or :func:`guess_model_type`).
+      hf_config: extra ``config.json`` keys to keep (token ids, ``architectures``...), e.g. the
+        config a fine-tuned model was loaded from; the architecture keys are always rewritten
+        from ``config``.
+      dtype: the saved tensors' dtype (default: ``config.param_dtype``).
+      max_shard_bytes: files above this are split into shards with an index.
+    Returns the directory.
+    """
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    model_type = model_type or (hf_config or {}).get("model_type") or guess_model_type(config)
+    family = families().get(model_type)
+    if family is None:
+        raise HFConfigError(f"model_type={model_type!r} is not supported (supported: {sorted(families())})")
+    hf = {**family.hf_defaults(config), **(hf_config or {}), **family.config_to_hf(config)}
+    dtype = dtype or config.param_dtype
+    target = as_dtype(dtype)
+    hf["torch_dtype"] = hf["dtype"] = dtype
+    # the saved config must read back as this config: check before writing anything
+    back = config_from_hf(hf, f"(config written for {model_type})", dtype=config.param_dtype)
+    ours, theirs = _behaviour(config), _behaviour(back)
+    diff = {k: (theirs[k], v) for k, v in ours.items() if theirs[k] != v}
+    if diff:
+        raise HFConfigError(f"a {model_type} config.json cannot express this ModelConfig: "
+                            + ", ".join(f"{k} (would read back as {a!r}, is {b!r})" for k, (a, b) in diff.items()))
+    params = {p: np.asarray(jax.device_get(_value(v))) for p, v in _flat_params(state).items()}
+    rules = family.rules(config)
+    _check_rules(family, rules, params)
+    tensors: dict[str, np.ndarray] = {}
+    for rule in rules:
+        outs = rule.save(*[params[p].astype(np.float32) for p in rule.jax])
+        for name, a in zip(rule.hf, outs, strict=True):
+            tensors[name] = np.ascontiguousarray(a).astype(target)
+    path.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        n = tensors[name].nbytes
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += n
+    for stale in [path / SINGLE, path / INDEX, *path.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(path / SINGLE), metadata=meta)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(path / file), metadata=meta)
+            weight_map.update({name: file for name in shard})
+        index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}
+        (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    (path / CONFIG).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return path

@@ -1,0 +1,238 @@
+"""LLaMA (incl. Llama 3's RoPE scaling), Mistral (sliding window) and Qwen2 (QKV biases): one layout.
+
+HF names (``LlamaForCausalLM``; a bare ``LlamaModel`` lacks the ``model.`` prefix and the head)::
+
+    model.embed_tokens.weight                          [V, D]
+    model.layers.{i}.input_layernorm.weight            [D]
+    model.layers.{i}.self_attn.{q,k,v}_proj.weight     [N*H | K*H, D]   (+ .bias: Qwen2)
+    model.layers.{i}.self_attn.o_proj.weight           [D, N*H]
+    model.layers.{i}.post_attention_layernorm.weight   [D]
+    model.layers.{i}.mlp.{gate,up}_proj.weight         [F, D]
+    model.layers.{i}.mlp.down_proj.weight              [D, F]
+    model.norm.weight                                  [D]
+    lm_head.weight                                     [V, D]   (absent when tied)
+
+HF's q/k projections are already in ``rotate_half`` order (their conversion script
+permuted Meta's interleaved weights), which is jaxformer's default RoPE pairing
+(``rope_interleaved=False``), so no permutation is needed here.
+
+RoPE: ``rope_theta`` / ``rope_scaling`` at the top level (the form most published
+checkpoints carry) or ``rope_parameters`` (what transformers >= 5 writes); types
+``default``, ``linear`` and ``llama3``. Sliding window ``W`` (each token sees itself
+and the ``W - 1`` before it) becomes ``attention_window = (W - 1, 0)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from jaxformer.interop.rules import (
+    Family,
+    HFConfigError,
+    Reader,
+    Rule,
+    activation_from_hf,
+    linear,
+    reshaped,
+    same,
+    transposed,
+)
+from jaxformer.model.config import ModelConfig
+
+ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_from_hf(r: Reader) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling dict for ModelConfig or None)`` from either config form."""
+    params = r.get("rope_parameters", types=dict)
+    if params is not None:
+        key = "rope_parameters"
+        theta = params.get("rope_theta", r.get("rope_theta", 10000.0))
+        scaling = params
+    else:
+        key = "rope_scaling"
+        theta = r.get("rope_theta", 10000.0)
+        scaling = r.get("rope_scaling", types=dict)
+    if scaling is None:
+        return float(theta), None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise r.error(f"{key}.rope_type", f"{kind!r} is not supported (supported: {list(ROPE_TYPES)})")
+    if kind == "default":
+        return float(theta), None
+    if "factor" not in scaling:
+        raise r.error(f"{key}.factor", "missing")
+    out = dict(kind=kind, factor=float(scaling["factor"]))
+    if kind == "llama3":
+        for ours, theirs in (("original_max_position", "original_max_position_embeddings"),
+                             ("low_freq_factor", "low_freq_factor"), ("high_freq_factor", "high_freq_factor")):
+            if theirs not in scaling:
+                raise r.error(f"{key}.{theirs}", "missing (required for rope_type 'llama3')")
+            out[ours] = scaling[theirs]
+    return float(theta), out
+
+
+def window_from_hf(r: Reader, model_type: str, n_layers: int) -> int | None:
+    """The sliding window every layer uses, or None; a per-layer mix is refused."""
+    window = r.get("sliding_window", types=int)
+    if model_type == "llama":
+        return None
+    if model_type == "qwen2" and not r.get("use_sliding_window", False):
+        return None
+    layer_types = r.get("layer_types", types=list)
+    if model_type == "qwen2" and window is not None and layer_types is None:
+        first_sliding = r.get("max_window_layers", n_layers)
+        if first_sliding < n_layers:
+            raise r.error("max_window_layers", f"{first_sliding} < num_hidden_layers={n_layers}: sliding "
+                                               "attention in only some layers is not supported")
+    if layer_types is not None and window is not None:
+        kinds = set(layer_types)
+        if kinds == {"full_attention"}:
+            return None
+        if kinds != {"sliding_attention"}:
+            raise r.error("layer_types", "a mix of full and sliding attention layers is not supported")
+    return window
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaFamily(Family):
+    name: str = "llama"
+    model_types: tuple[str, ...] = ("llama", "mistral", "qwen2")
+    prefixes: tuple[str, ...] = ("model.",)
+    ignore: tuple[str, ...] = ("model.rotary_emb.", "model.layers.0.self_attn.rotary_emb.")
+
+    def config_from_hf(self, hf: Mapping[str, Any], where: str) -> ModelConfig:
+        r = Reader(hf, where)
+        model_type = r.need("model_type")
+        D = r.need("hidden_size", int)
+        N = r.need("num_attention_heads", int)
+        L = r.need("num_hidden_layers", int)
+        theta, scaling = rope_from_hf(r)
+        attn_bias = bool(r.get("attention_bias", False))
+        mlp_bias = bool(r.get("mlp_bias", False))
+        if model_type == "qwen2":
+            if attn_bias or mlp_bias:
+                raise r.error("attention_bias" if attn_bias else "mlp_bias", "Qwen2 has fixed biases (q, k, v only)")
+            use_bias, qkv_bias = False, True
+        else:
+            if attn_bias != mlp_bias:
+                raise r.error("attention_bias", f"attention_bias={attn_bias} with mlp_bias={mlp_bias} is not "
+                                                "supported (jaxformer biases attention and MLP together)")
+            use_bias, qkv_bias = attn_bias, None
+        window = window_from_hf(r, model_type, L)
+        return ModelConfig(
+            kind="decoder", vocab_size=r.need("vocab_size", int), d_model=D, n_layers=L, n_heads=N,
+            n_kv_heads=r.get("num_key_value_heads", N, types=int), head_dim=r.get("head_dim", types=int),
+            d_ff=r.need("intermediate_size", int),
+            activation=activation_from_hf(r, "hidden_act", "silu", gated=True),
+            norm="rmsnorm", norm_position="pre", norm_eps=float(r.get("rms_norm_eps", 1e-6)),
+            position="rope", rope_base=theta, rope_scaling=scaling,
+            max_seq_len=r.get("max_position_embeddings", 2048, types=int),
+            tie_embeddings=bool(r.get("tie_word_embeddings", False)),
+            use_bias=use_bias, qkv_bias=qkv_bias,
+            attention_window=None if window is None else (window - 1, 0),
+        )
+
+    def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
+        c = config
+        problems = []
+        if c.kind != "decoder" or c.position != "rope" or c.norm != "rmsnorm" or c.norm_position != "pre":
+            problems.append(f"kind={c.kind!r}, position={c.position!r}, norm={c.norm!r}, "
+                            f"norm_position={c.norm_position!r} (needs decoder, rope, rmsnorm, pre)")
+        if c.activation != "swiglu":
+            problems.append(f"activation={c.activation!r} (needs swiglu)")
+        if c.rope_interleaved:
+            problems.append("rope_interleaved=True")
+        window = None
+        if c.attention_window is not None:
+            left, _ = c.attention_window
+            if c.global_tokens or c.random_blocks is not None or left is None:
+                problems.append(f"attention_window={c.attention_window} with global/random blocks")
+            else:
+                window = left + 1
+        qkv_bias = c.use_bias if c.qkv_bias is None else c.qkv_bias
+        if qkv_bias and not c.use_bias:
+            model_type = "qwen2"
+        elif window is not None:
+            model_type = "mistral"
+        else:
+            model_type = "llama"
+        if qkv_bias != c.use_bias and model_type != "qwen2":
+            problems.append(f"qkv_bias={c.qkv_bias} with use_bias={c.use_bias}")
+        for field in ("sandwich_norm", "embed_norm", "scale_embeddings", "attn_softcap", "attn_scale",
+                      "logits_softcap", "head_transform", "head_bias"):
+            if getattr(c, field, None) not in (None, False):
+                problems.append(f"{field}={getattr(c, field)!r}")
+        for field, ok in (("qkv_sharing", c.qkv_sharing == "none"), ("type_vocab_size", not c.type_vocab_size),
+                          ("residual", c.residual), ("final_norm", c.resolved_final_norm)):
+            if not ok:
+                problems.append(f"{field}={getattr(c, field)!r}")
+        if problems:
+            raise HFConfigError(f"not expressible as a {model_type} config.json: " + "; ".join(problems))
+        hf = dict(
+            model_type=model_type, architectures=[ARCH[model_type]], vocab_size=c.vocab_size,
+            hidden_size=c.d_model, intermediate_size=c.resolved_d_ff, num_hidden_layers=c.n_layers,
+            num_attention_heads=c.n_heads, num_key_value_heads=c.resolved_kv_heads,
+            hidden_act="silu", max_position_embeddings=c.max_seq_len,
+            rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings, rope_theta=c.rope_base,
+            rope_scaling=None,
+        )
+        if c.head_dim is not None:
+            hf["head_dim"] = c.head_dim
+        if model_type != "qwen2":
+            hf.update(attention_bias=c.use_bias, mlp_bias=c.use_bias)
+        if c.rope_scaling is not None:
+            s = c.rope_scaling
+            if s.kind not in ("linear", "llama3"):
+                raise HFConfigError(f"rope_scaling.kind={s.kind!r} is not expressible in a {model_type} config.json")
+            hf["rope_scaling"] = dict(rope_type=s.kind, factor=s.factor)
+            if s.kind == "llama3":
+                hf["rope_scaling"].update(original_max_position_embeddings=s.original_max_position,
+                                          low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
+        if model_type == "mistral":
+            hf["sliding_window"] = window
+        if model_type == "qwen2":
+            hf.update(use_sliding_window=window is not None, sliding_window=window,
+                      max_window_layers=c.n_layers)
+        return hf
+
+    def rules(self, config: ModelConfig) -> list[Rule]:
+        c = config
+        D, N, K, H, F = c.d_model, c.n_heads, c.resolved_kv_heads, c.resolved_head_dim, c.resolved_d_ff
+        qkv_bias = c.use_bias if c.qkv_bias is None else c.qkv_bias
+        out = [same("model.embed_tokens.weight", ("embed", "embedding")),
+               same("model.norm.weight", ("decoder", "final_norm", "scale"))]
+        if not c.tie_embeddings:
+            out.append(transposed("lm_head.weight", ("head", "kernel")))
+        for i in range(c.n_layers):
+            hf, jx = f"model.layers.{i}.", ("decoder", "blocks", i)
+            out += [
+                same(hf + "input_layernorm.weight", jx + ("attn_residual", "norm", "scale")),
+                same(hf + "post_attention_layernorm.weight", jx + ("mlp_residual", "norm", "scale")),
+                linear(hf + "self_attn.q_proj.weight", jx + ("self_attn", "w_q"), (D,), (N, H)),
+                linear(hf + "self_attn.k_proj.weight", jx + ("self_attn", "w_k"), (D,), (K, H)),
+                linear(hf + "self_attn.v_proj.weight", jx + ("self_attn", "w_v"), (D,), (K, H)),
+                linear(hf + "self_attn.o_proj.weight", jx + ("self_attn", "w_o"), (N, H), (D,)),
+                linear(hf + "mlp.gate_proj.weight", jx + ("mlp", "w_gate"), (D,), (F,)),
+                linear(hf + "mlp.up_proj.weight", jx + ("mlp", "w_up"), (D,), (F,)),
+                linear(hf + "mlp.down_proj.weight", jx + ("mlp", "w_down"), (F,), (D,)),
+            ]
+            if qkv_bias:
+                out += [reshaped(hf + "self_attn.q_proj.bias", jx + ("self_attn", "b_q"), (N, H)),
+                        reshaped(hf + "self_attn.k_proj.bias", jx + ("self_attn", "b_k"), (K, H)),
+                        reshaped(hf + "self_attn.v_proj.bias", jx + ("self_attn", "b_v"), (K, H))]
+            if c.use_bias:
+                out += [same(hf + "self_attn.o_proj.bias", jx + ("self_attn", "b_o")),
+                        same(hf + "mlp.gate_proj.bias", jx + ("mlp", "b_gate")),
+                        same(hf + "mlp.up_proj.bias", jx + ("mlp", "b_up")),
+                        same(hf + "mlp.down_proj.bias", jx + ("mlp", "b_down"))]
+        return out
+
+    def ignored(self, config: ModelConfig) -> tuple[str, ...]:
+        return self.ignore + (("lm_head.",) if config.tie_embeddings else ())
+
+
+FAMILIES = (LlamaFamily(),)

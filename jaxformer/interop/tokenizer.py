@@ -1,0 +1,179 @@
+"""A checkpoint's own tokenizer: ``tokenizer.json`` (the ``tokenizers`` library) or a SentencePiece model.
+
+:func:`load_tokenizer` returns an :class:`HFTokenizer` with the interface of
+jaxformer's training tokenizers (``name``, ``vocab_size``, ``bos_id``, ``eos_id``,
+``pad_id``, ``encode``, ``decode``, ``token_bytes``) plus ``encode_prompt``, which
+adds the special tokens the checkpoint's own tokenizer adds to an input (Llama's
+BOS, Marian's EOS), as ``transformers`` does by default.
+
+Sources, in order: ``tokenizer.json``; else a SentencePiece model (``source.spm``
+/ ``target.spm`` with ``vocab.json`` as Marian ships them: pieces are mapped to
+ids through ``vocab.json``; or ``tokenizer.model``, as older Llama checkpoints ship,
+whose own ids are the model's). Special tokens come from ``tokenizer_config.json``
+/ ``special_tokens_map.json``, then ``config.json``'s ``*_token_id``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte -> printable-character table, inverted (byte-level BPE pieces -> bytes)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def _read_json(file: Path) -> dict:
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def _token_str(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _piece_bytes(piece: str, byte_level: bool, decoder: dict[str, int]) -> int:
+    """How many bytes of text a vocabulary piece stands for."""
+    if byte_level:
+        return sum(1 for c in piece if c in decoder)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+        return 1
+    return len(piece.replace("\u2581", " ").encode("utf-8"))
+
+
+class HFTokenizer:
+    """A Hugging Face checkpoint's tokenizer behind jaxformer's tokenizer interface."""
+
+    name = "hf"
+
+    def __init__(self, *, path: Path, vocab: dict[str, int], specials: dict[str, str | None], encode_fn,
+                 decode_fn, prompt_fn, byte_level: bool, special_ids: set[int]):
+        self.path = path
+        self._vocab = vocab
+        self._encode, self._decode, self._prompt = encode_fn, decode_fn, prompt_fn
+        self.vocab_size = max(vocab.values()) + 1 if vocab else 0
+        self.bos_id, self.eos_id, self.pad_id, self.unk_id = (
+            vocab.get(specials.get(k)) if specials.get(k) is not None else None
+            for k in ("bos", "eos", "pad", "unk"))
+        self._byte_level = byte_level
+        self._special_ids = special_ids | {i for i in (self.bos_id, self.eos_id, self.pad_id) if i is not None}
+
+    def encode(self, data: bytes | str) -> np.ndarray:
+        """Text -> ids int32 ``[n]``, no special tokens added (as the training tokenizers)."""
+        if isinstance(data, bytes):
+            data = data.decode("utf-8", errors="replace")
+        return np.asarray(self._encode(data), np.int32)
+
+    def encode_prompt(self, text: str) -> np.ndarray:
+        """Text -> ids with the special tokens the checkpoint's tokenizer adds (BOS for Llama...)."""
+        return np.asarray(self._prompt(text), np.int32)
+
+    def decode(self, ids) -> str:
+        """Ids -> text, special tokens left out."""
+        ids = [int(i) for i in np.asarray(ids).reshape(-1) if int(i) not in self._special_ids]
+        return self._decode(ids)
+
+    @property
+    def token_bytes(self) -> np.ndarray:
+        """Bytes of text each id stands for (0 for special tokens), for bits per byte."""
+        decoder = _byte_decoder()
+        out = np.zeros(self.vocab_size, np.int64)
+        for piece, i in self._vocab.items():
+            if i not in self._special_ids:
+                out[i] = _piece_bytes(piece, self._byte_level, decoder)
+        return out
+
+
+def _specials(path: Path) -> dict[str, str | None]:
+    cfg = {**_read_json(path / "special_tokens_map.json"), **_read_json(path / "tokenizer_config.json")}
+    return {k: _token_str(cfg.get(f"{k}_token")) for k in ("bos", "eos", "pad", "unk")}
+
+
+def _from_tokenizer_json(path: Path) -> HFTokenizer:
+    from tokenizers import Tokenizer
+
+    file = path / "tokenizer.json"
+    tok = Tokenizer.from_file(str(file))
+    spec = json.loads(file.read_text())
+    kinds = json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
+    vocab = tok.get_vocab(with_added_tokens=True)
+    specials = _specials(path)
+    model_cfg = _read_json(path / "config.json")
+    inverse = {i: p for p, i in vocab.items()}
+    for k in ("bos", "eos", "pad"):
+        if specials[k] is None and isinstance(model_cfg.get(f"{k}_token_id"), int):
+            specials[k] = inverse.get(model_cfg[f"{k}_token_id"])
+    added = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    return HFTokenizer(
+        path=path, vocab=vocab, specials=specials,
+        encode_fn=lambda s: tok.encode(s, add_special_tokens=False).ids,
+        decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        prompt_fn=lambda s: tok.encode(s, add_special_tokens=True).ids,
+        byte_level='"ByteLevel"' in kinds, special_ids=added)
+
+
+def _from_sentencepiece(path: Path, model_file: Path) -> HFTokenizer:
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    specials = _specials(path)
+    vocab_file = path / "vocab.json"
+    if vocab_file.is_file():  # Marian: pieces -> ids through vocab.json, EOS appended to every input
+        vocab = json.loads(vocab_file.read_text())
+        specials = {**{"eos": "</s>", "unk": "<unk>", "pad": "<pad>"},
+                    **{k: v for k, v in specials.items() if v is not None}}
+        inverse = {i: p for p, i in vocab.items()}
+        unk = vocab.get(specials["unk"])
+
+        def encode(s):
+            return [vocab.get(p, unk) for p in sp.encode(s, out_type=str)]
+
+        def decode(ids):
+            return sp.decode_pieces([inverse[i] for i in ids if i in inverse])
+
+        eos = vocab[specials["eos"]]
+        tok = HFTokenizer(path=path, vocab=vocab, specials=specials, encode_fn=encode, decode_fn=decode,
+                          prompt_fn=lambda s: encode(s) + [eos], byte_level=False, special_ids=set())
+        return tok
+    vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
+    for k, pid in (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("pad", sp.pad_id()), ("unk", sp.unk_id())):
+        if specials.get(k) is None and pid >= 0:
+            specials[k] = sp.id_to_piece(pid)
+    bos = sp.bos_id()
+    controls = {i for i in range(sp.get_piece_size()) if sp.is_control(i)}
+    return HFTokenizer(path=path, vocab=vocab, specials=specials, encode_fn=lambda s: sp.encode(s),
+                       decode_fn=lambda ids: sp.decode(ids),
+                       prompt_fn=lambda s: ([bos] if bos >= 0 else []) + sp.encode(s),
+                       byte_level=False, special_ids=controls)
+
+
+def load_tokenizer(path: str | os.PathLike, *, side: str = "source") -> HFTokenizer:
+    """The tokenizer of the checkpoint directory ``path``.
+
+    ``side``: for a translation checkpoint with separate SentencePiece models
+    (Marian's ``source.spm`` / ``target.spm``), which one splits the text.
+    """
+    path = Path(path)
+    if side not in ("source", "target"):
+        raise ValueError(f"side={side!r} must be 'source' or 'target'")
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: not a directory")
+    if (path / "tokenizer.json").is_file():
+        return _from_tokenizer_json(path)
+    for name in (f"{side}.spm", "tokenizer.model"):
+        if (path / name).is_file():
+            return _from_sentencepiece(path, path / name)
+    raise FileNotFoundError(f"{path}: no tokenizer.json, {side}.spm or tokenizer.model")

@@ -1,0 +1,144 @@
+"""Runs that start from a Hugging Face checkpoint, and runs written back as one.
+
+``model: {hf: DIR}`` in an experiment (:class:`jaxformer.train.config.HFModelConfig`) makes the
+checkpoint's parameters those of step 0 (:func:`initial_state`; the directory is read for
+weights only then) and its tokenizer the data's. The run directory keeps ``hf_source/``, a copy
+of the checkpoint's ``config.json`` and tokenizer files (:func:`copy_source`), so the run is
+resumed, evaluated, sampled and exported without the original directory; the resolved
+``config.yaml`` records where it came from (``hf_source``).
+
+:func:`export_run` (``jaxformer export RUN --hf OUT``) writes a run's newest parameters as a
+Hugging Face checkpoint, keeping the original ``config.json``'s other keys (token ids,
+``architectures``...) and its tokenizer; a run trained from scratch is exported too when a
+supported family can express its model (else :class:`~jaxformer.interop.HFConfigError`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from jaxformer.train import config as C
+
+HF_SOURCE = "hf_source"
+"""The run directory's copy of the checkpoint's config.json and tokenizer files."""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "source.spm", "target.spm",
+                   "chat_template.jinja", "chat_template.json")
+COPIED = ("config.json", "generation_config.json", *TOKENIZER_FILES)
+
+
+def source_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / HF_SOURCE
+
+
+def tokenizer_dir(cfg: C.ExperimentConfig, run_dir: str | Path) -> Path:
+    """Where a run from ``model.hf`` reads its tokenizer: its own copy once made, else the checkpoint."""
+    copy = source_dir(run_dir)
+    return copy if copy.is_dir() else Path(cfg.hf_source)
+
+
+def copy_files(src: str | Path, dst: str | Path, names=COPIED) -> list[str]:
+    """Copy the files of ``names`` that ``src`` has into ``dst`` (created); returns the names copied."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    done = []
+    for name in names:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            done.append(name)
+    return done
+
+
+def copy_source(cfg: C.ExperimentConfig, run_dir: str | Path) -> None:
+    """``RUN/hf_source/``: the checkpoint's config.json and tokenizer files (once; atomically)."""
+    dst = source_dir(run_dir)
+    if cfg.hf_source is None or dst.is_dir():
+        return
+    tmp = dst.with_name(f".{HF_SOURCE}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    copy_files(cfg.hf_source, tmp)
+    os.replace(tmp, dst)
+
+
+def initial_state(cfg: C.ExperimentConfig, trainer):
+    """The train state at step 0 of a run from ``cfg.hf_source``: the checkpoint's parameters, placed
+    straight onto the trainer's shardings, and a fresh optimiser state."""
+    from flax import nnx
+
+    from jaxformer.interop.hf import load_pretrained
+    from jaxformer.model import abstract_init
+
+    _, shardings = abstract_init(cfg.model)
+    nnx.replace_by_pure_dict(shardings, trainer.state_shardings["params"])
+    overrides = {k: getattr(cfg.model, k) for k in C.HF_MODEL_OVERRIDES if k != "param_dtype"}
+    loaded, _, state = load_pretrained(cfg.hf_source, dtype=cfg.model.param_dtype, shardings=shardings,
+                                       **overrides)
+    if loaded != cfg.model:
+        ours, theirs = cfg.model.model_dump(), loaded.model_dump()
+        diff = ", ".join(f"{k} (config {ours[k]!r}, checkpoint {theirs[k]!r})" for k in ours if ours[k] != theirs[k])
+        raise ValueError(f"{Path(cfg.hf_source) / 'config.json'} describes another model than this run's "
+                         f"config: {diff}")
+    return trainer.init_state_from(nnx.to_pure_dict(state), cfg.seed)
+
+
+def _bpe_specials(tok) -> tuple[dict, dict]:
+    """``(tokenizer_config.json, config.json token ids)`` for a run's own byte-level BPE."""
+    names = dict(zip(("bos", "eos", "pad"), tok.SPECIALS))
+    return ({"tokenizer_class": "PreTrainedTokenizerFast", **{f"{k}_token": v for k, v in names.items()}},
+            {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id})
+
+
+def export_run(run_dir: str | Path, out: str | Path, *, dtype: str | None = None) -> dict:
+    """Write the newest checkpoint of ``run_dir`` as a Hugging Face checkpoint in ``out``.
+
+    A run from ``model.hf`` keeps its original config.json's other keys and its tokenizer files;
+    a run with a trained BPE gets its ``tokenizer.json`` and a ``tokenizer_config.json`` naming
+    its special tokens; a byte-level run gets no tokenizer (a note says so). Returns what was
+    written: ``{"step", "model_type", "path", "tokenizer_files"}``.
+    """
+    from flax import nnx
+
+    from jaxformer.interop.hf import CONFIG, families, guess_model_type, save_pretrained
+    from jaxformer.interop.rules import HFConfigError
+    from jaxformer.model import abstract_init
+    from jaxformer.train.run_dir import load_run, run_tokenizer
+
+    run_dir, out = Path(run_dir), Path(out)
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+    cfg = C.load(run_dir / "config.yaml")
+    if cfg.model.scan_layers:
+        raise ValueError(f"{run_dir}: model.scan_layers=True: export writes per-layer weights; "
+                         "train with scan_layers=False to export")
+    hf_config, tokenizer_files = None, []
+    source = source_dir(run_dir)
+    if cfg.hf_source is not None and (source / CONFIG).is_file():
+        hf_config = json.loads((source / CONFIG).read_text())
+    elif cfg.data.tokenizer == "bpe":
+        hf_config = _bpe_specials(run_tokenizer(cfg, run_dir))[1]
+    model_type = (hf_config or {}).get("model_type") or guess_model_type(cfg.model)
+    family = families().get(model_type)
+    if family is None:
+        raise HFConfigError(f"model_type={model_type!r} is not supported (supported: {sorted(families())})")
+    family.config_to_hf(cfg.model)  # a model the family cannot express fails here, before any weight is read
+    cfg, _, params, tok, meta = load_run(run_dir)
+    _, state = abstract_init(cfg.model)
+    nnx.replace_by_pure_dict(state, params)
+    save_pretrained(out, cfg.model, state, model_type=model_type, hf_config=hf_config, dtype=dtype)
+    if cfg.hf_source is not None:
+        tokenizer_files = copy_files(source if source.is_dir() else cfg.hf_source, out,
+                                     ("generation_config.json", *TOKENIZER_FILES))
+    elif cfg.data.tokenizer == "bpe":
+        shutil.copyfile(run_dir / "tokenizer.json", out / "tokenizer.json")
+        (out / "tokenizer_config.json").write_text(json.dumps(_bpe_specials(tok)[0], indent=2) + "\n")
+        tokenizer_files = ["tokenizer.json", "tokenizer_config.json"]
+    else:
+        print(f"note: {run_dir} was trained on {cfg.data.tokenizer!r} tokens ({cfg.data.source} data): "
+              f"no Hugging Face tokenizer is written", file=sys.stderr)
+    return {"step": int(meta["step"]), "model_type": model_type, "path": str(out),
+            "tokenizer_files": tokenizer_files}
