@@ -43,7 +43,46 @@ class Mutation:
 ATTN = ("tests/ops/test_attention.py", "tests/ops/test_attention_impls.py")
 MODEL = ("tests/model/test_oracle.py", "tests/model/test_transformer.py")
 
+HF = "tests/interop/"
+
 MUTATIONS = [
+    # -- Hugging Face interop: the layouts, the config translation and the model options it needs
+    Mutation("hf_linear_not_transposed", "jaxformer/interop/rules.py",
+             "return (w.T.reshape(in_shape + out_shape),)", "return (w.reshape(in_shape + out_shape),)",
+             (HF + "test_llama.py",), "torch Linear [out, in] read without the transpose (square W_q passes shapes)"),
+    Mutation("hf_llama3_original_context", "jaxformer/interop/llama.py",
+             '("original_max_position", "original_max_position_embeddings")',
+             '("original_max_position", "max_position_embeddings")',
+             (HF + "test_llama.py",), "Llama 3 scaling reads max_position_embeddings as the original context"),
+    Mutation("hf_window_off_by_one", "jaxformer/interop/llama.py",
+             "attention_window=None if window is None else (window - 1, 0),",
+             "attention_window=None if window is None else (window, 0),",
+             (HF + "test_llama.py",), "Mistral sliding_window W read as W + 1 positions"),
+    Mutation("hf_gpt2_split_kq", "jaxformer/interop/gpt2.py",
+             "return tuple(w[:, j * N * H:(j + 1) * N * H].reshape(D, N, H) for j in range(3))",
+             "return tuple(w[:, j * N * H:(j + 1) * N * H].reshape(D, N, H) for j in (1, 0, 2))",
+             (HF + "test_gpt2.py",), "GPT-2 c_attn columns split as [k | q | v]"),
+    Mutation("hf_bloom_qkv_blocks", "jaxformer/interop/bloom.py",
+             "w = w.reshape(N, 3, H, D)\n        return tuple(w[:, j].transpose(2, 0, 1) for j in range(3))",
+             "w = w.reshape(3, N, H, D)\n        return tuple(w[j].transpose(2, 0, 1) for j in range(3))",
+             (HF + "test_bloom.py",), "BLOOM query_key_value read as [3, N, H] blocks instead of per head [N, 3, H]"),
+    Mutation("hf_marian_interleaved", "jaxformer/interop/marian.py",
+             'position="sinusoidal", sinusoidal_layout="halves",',
+             'position="sinusoidal", sinusoidal_layout="interleaved",',
+             (HF + "test_marian.py",), "Marian's [sin | cos] position table read as interleaved"),
+    Mutation("logits_bias_dropped", "jaxformer/model/transformer.py",
+             "out = add_bias(out, self.logits_bias, jnp.float32)", "out = add_bias(out, None, jnp.float32)",
+             (HF + "test_marian.py", HF + "test_bert.py"), "head_bias built and loaded but never added"),
+    Mutation("token_types_ignored", "jaxformer/model/transformer.py",
+             "x = x + self.type_embed(jnp.zeros_like(tokens) if token_types is None else token_types)",
+             "x = x + self.type_embed(jnp.zeros_like(tokens))",
+             (HF + "test_bert.py",), "BERT token_type_ids ignored (always segment 0)"),
+    Mutation("kv_cache_window_ignored", "jaxformer/decode/kv_cache.py",
+             "band = None if self.window is None else (self.window - 1, 0)", "band = None",
+             (HF + "test_llama.py", "tests/decode/test_kv_cache.py"), "the contiguous cache drops the sliding window"),
+    Mutation("marian_prompt_without_eos", "jaxformer/interop/tokenizer.py",
+             "prompt_fn=lambda s: encode(s) + [eos]", "prompt_fn=lambda s: encode(s)",
+             (HF + "test_marian.py",), "Marian source text encoded without its closing </s>"),
     # -- study options, the attention probe, the sweep runner, evaluation at another length
     Mutation("attn_scale_ignored", "jaxformer/nn/attention.py",
              "self.scale = 1.0 / math.sqrt(H) if scale is None else float(scale)",

@@ -89,7 +89,12 @@ def _color(sweep: Sweep, values: dict) -> str:
     """One colour per setting, the same in every plot (a setting missing from one plot shifts nothing)."""
     keys = sweep.spec.varied
     order = list(dict.fromkeys(setting_key({"values": p.values}, keys) for p in sweep.points))
-    return f"C{order.index(setting_key({'values': values}, keys)) % 10}"
+    i = order.index(setting_key({"values": values}, keys))
+    if len(order) <= 10:
+        return f"C{i}"
+    import matplotlib
+
+    return matplotlib.colors.to_hex(matplotlib.colormaps["tab20"](i % 20))  # 11-20 settings: still one each
 
 
 def write_report(sweep: Sweep, out: str | Path) -> Path:
@@ -205,7 +210,8 @@ def draw_plots(sweep: Sweep, out: Path, rows: list[dict]) -> list[str]:
 
 def _plot_loss_curves(plt, sweep, out, rows):
     """Mean over the seeds that did not diverge (solid); diverged seeds each dashed, in the same colour."""
-    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    many = len(_settings(sweep, rows)) > 8
+    fig, ax = plt.subplots(figsize=(11 if many else 7, 4.5), layout="constrained")
 
     def curve(r):
         return dict((m["step"], m["loss"]) for m in read_metrics(out / r["name"])
@@ -224,7 +230,10 @@ def _plot_loss_curves(plt, sweep, out, rows):
     ax.set_xlabel("step")
     ax.set_ylabel("train loss (nats/token), mean over seeds")
     ax.set_yscale("log")
-    ax.legend(fontsize=7)
+    if many:  # beside the axes, not over the curves
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=7)
     ax.set_title(f"{sweep.name}: training loss")
     return fig
 

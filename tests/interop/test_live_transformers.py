@@ -52,6 +52,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.filterwarnings("default")  # transformers' own warnings (e.g. "pip install sacremoses") are not ours
 def test_fixtures_regenerate_identically(tmp_path):
     from tests.interop import make_fixtures
 
@@ -88,6 +89,7 @@ def test_transformers_reads_what_jaxformer_writes(model_type, tmp_path):
             model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
             theirs = model(torch.tensor(tokens)).logits.numpy()
             ours = apply(graphdef, state, jnp.asarray(tokens, jnp.int32))
+    print(f"{model_type}: max |jaxformer - transformers| = {max_diff(ours, theirs):.2e}")
     assert max_diff(ours, theirs) < ATOL, (model_type, max_diff(ours, theirs))
     assert float(np.std(theirs)) > 0.1  # not a degenerate comparison
     jax.clear_caches()
