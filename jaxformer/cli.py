@@ -203,18 +203,11 @@ def load_hf_decoder(path: str, *, dtype: str, command: str):
     if kind != "decoder":
         hint = ""
         if kind == "encoder-decoder":
-            hint = (" (translation: jaxformer translate --hf DIR --text ...)" if _has_translate() else
-                    " (sequence-to-sequence generation is not available from the command line yet)")
+            hint = " (translation: jaxformer translate --hf DIR --text ...)"
         raise ValueError(f"{command} --hf: {path} is a {model_type} checkpoint, an {kind} model; {command} needs a "
                          f"decoder-only (causal LM) checkpoint{hint}")
     config, graphdef, state = load_pretrained(path, dtype=dtype)
     return config, graphdef, state, HFTextTokenizer.load(path)
-
-
-def _has_translate() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("jaxformer.decode.translate") is not None and "translate" in COMMANDS
 
 
 def cmd_translate(args) -> int:
@@ -243,7 +236,7 @@ def cmd_translate(args) -> int:
     beams = args.beams if args.beams is not None else kw.pop("num_beams", 1)
     kw.pop("num_beams", None)
     limit = config.max_seq_len - 1
-    max_new = min(args.max_new_tokens or kw.pop("max_new_tokens", limit), limit)
+    max_new = min(kw.pop("max_new_tokens", limit) if args.max_new_tokens is None else args.max_new_tokens, limit)
     kw.pop("max_new_tokens", None)
     if beams == 1:
         kw = {k: v for k, v in kw.items() if k not in ("length_penalty", "early_stopping")}

@@ -210,6 +210,12 @@ class BertFamily(Family):
         # cls.predictions.bias that older checkpoints store
         return self.ignore + (("cls.predictions.decoder.",) if config.tie_embeddings else ())
 
+    def tied_copies(self, config: ModelConfig) -> dict[str, str]:
+        if not config.tie_embeddings:
+            return {}
+        return {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+                "cls.predictions.decoder.bias": "cls.predictions.bias"}
+
     def optional(self, config: ModelConfig) -> tuple[str, ...]:
         return () if config.tie_embeddings or not config.head_transform else ("cls.predictions.decoder.bias",)
 

@@ -158,5 +158,10 @@ class BloomFamily(Family):
     def ignored(self, config: ModelConfig) -> tuple[str, ...]:
         return self.ignore + (("lm_head.",) if config.tie_embeddings else ())
 
+    def tied_copies(self, config: ModelConfig) -> dict[str, str]:
+        if not config.tie_embeddings:
+            return {}
+        return {"lm_head.weight": "transformer.word_embeddings.weight"}
+
 
 FAMILIES = (BloomFamily(),)

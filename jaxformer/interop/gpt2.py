@@ -170,5 +170,10 @@ class GPT2Family(Family):
                         for b in ("bias", "masked_bias"))
         return self.ignore + buffers + (("lm_head.",) if config.tie_embeddings else ())
 
+    def tied_copies(self, config: ModelConfig) -> dict[str, str]:
+        if not config.tie_embeddings:
+            return {}
+        return {"lm_head.weight": "transformer.wte.weight"}
+
 
 FAMILIES = (GPT2Family(),)

@@ -43,6 +43,7 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' dtype names the loader reads
 
 
 def families() -> dict[str, Family]:
@@ -213,7 +214,9 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32", sharding
       shardings: optional state-shaped tree of ``jax.sharding.Sharding`` (each tensor is
         placed straight onto its devices).
       overrides: ``ModelConfig`` fields to change after the translation that do not touch the
-        weights (e.g. ``attention_impl="blockwise"``, ``max_seq_len=4096``, ``remat=True``).
+        weights (e.g. ``attention_impl="blockwise"``, ``remat=True``; ``max_seq_len=4096`` for RoPE,
+        ALiBi or sinusoidal positions: a learned table's size is fixed by its weights, and changing
+        it fails the shape check).
 
     Raises:
       FileNotFoundError: no directory / no ``config.json``.
@@ -240,11 +243,16 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32", sharding
     names = _canonical(family, list(tensors.where), expected)
     present = {canon: name for name, canon in names.items()}
     optional = set(family.optional(config))
+    copies = family.tied_copies(config)  # checked equal to their sources below
     missing = [n for n in expected if n not in present and n not in optional]
+    skipped = family.ignored(config)
     unexpected = [n for n, canon in names.items()
-                  if canon not in expected and not any(canon.startswith(p) for p in family.ignored(config))]
+                  if canon not in expected and canon not in copies and not canon.startswith(skipped)]
     wrong = [f"{present[n]} in {tensors.where[present[n]]}: {tensors.shape[present[n]]}, expected {s}"
              for n, s in expected.items() if n in present and tensors.shape[present[n]] != s]
+    wrong += [f"{present[n]} in {tensors.where[present[n]]}: dtype {tensors.dtype[present[n]]}, expected a float "
+              f"({', '.join(FLOAT_DTYPES)}; quantized checkpoints are not read)"
+              for n in expected if n in present and tensors.dtype[present[n]] not in FLOAT_DTYPES]
     problems = []
     if missing:
         problems.append(f"missing tensors: {missing}")
@@ -255,6 +263,12 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32", sharding
     if problems:
         raise HFWeightsError(f"{path}: " + " | ".join(problems))
     family.verify(config, _LazyTensors(tensors, present))
+    for copy, source in family.tied_copies(config).items():
+        if copy in present and source in present and not np.array_equal(tensors.read(present[copy]),
+                                                                          tensors.read(present[source])):
+            raise HFWeightsError(f"{path}: {present[copy]} differs from {present[source]}, but config.json ties "
+                                 "them (tie_word_embeddings); transformers would use the stored copy, jaxformer "
+                                 "only the source: set tie_word_embeddings to false, or drop the copy")
 
     target = as_dtype(dtype)
     flat_shardings = None if shardings is None else _flat_params(shardings)
@@ -361,6 +375,10 @@ def save_pretrained(path: str | os.PathLike, config: ModelConfig, state, *, mode
     if family is None:
         raise HFConfigError(f"model_type={model_type!r} is not supported (supported: {sorted(families())})")
     hf = {**family.hf_defaults(config), **(hf_config or {}), **family.config_to_hf(config)}
+    if config.position != "learned" and "max_position_embeddings" in (hf_config or {}):
+        # only a learned table's size is part of the weights; otherwise keep the checkpoint's own context
+        # length (a fine-tune's max_seq_len is a training choice, not the model's)
+        hf["max_position_embeddings"] = hf_config["max_position_embeddings"]
     dtype = dtype or config.param_dtype
     target = as_dtype(dtype)
     hf["torch_dtype"] = hf["dtype"] = dtype

@@ -45,17 +45,7 @@ ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def rope_from_hf(r: Reader) -> tuple[float, dict | None]:
-    """``(rope_theta, rope_scaling dict for ModelConfig or None)`` from either config form."""
-    params = r.get("rope_parameters", types=dict)
-    if params is not None:
-        key = "rope_parameters"
-        theta = params.get("rope_theta", r.get("rope_theta", 10000.0))
-        scaling = params
-    else:
-        key = "rope_scaling"
-        theta = r.get("rope_theta", 10000.0)
-        scaling = r.get("rope_scaling", types=dict)
+def _rope(r: Reader, key: str, theta: float, scaling: Mapping | None) -> tuple[float, dict | None]:
     if scaling is None:
         return float(theta), None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -75,25 +65,53 @@ def rope_from_hf(r: Reader) -> tuple[float, dict | None]:
     return float(theta), out
 
 
+def rope_from_hf(r: Reader) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling dict for ModelConfig or None)`` from either config form.
+
+    ``rope_parameters`` (transformers >= 5) and the legacy ``rope_theta`` + ``rope_scaling``; a file with
+    both (as :func:`save_pretrained` writes, so every reader agrees) must say the same in each.
+    """
+    params = r.get("rope_parameters", types=dict)
+    legacy = "rope_scaling" in r.hf or "rope_theta" in r.hf
+    old = _rope(r, "rope_scaling", r.get("rope_theta", 10000.0), r.get("rope_scaling", types=dict)) \
+        if legacy or params is None else None
+    if params is None:
+        return old
+    new = _rope(r, "rope_parameters", params.get("rope_theta", r.get("rope_theta", 10000.0)), params)
+    if old is not None and old != new:
+        raise r.error("rope_parameters", f"says {new}, but rope_theta / rope_scaling say {old}")
+    return new
+
+
 def window_from_hf(r: Reader, model_type: str, n_layers: int) -> int | None:
-    """The sliding window every layer uses, or None; a per-layer mix is refused."""
-    window = r.get("sliding_window", types=int)
+    """The sliding window every layer uses, or None, read as transformers reads it; a per-layer mix is refused.
+
+    * llama: never a window.
+    * mistral: ``sliding_window`` (None: full attention) in every layer; ``layer_types`` is ignored, as
+      ``MistralForCausalLM`` ignores it.
+    * qwen2: ``sliding_window`` only with ``use_sliding_window``; layer ``i`` slides when
+      ``layer_types[i] == "sliding_attention"``, or, without ``layer_types``, when ``i >= max_window_layers``
+      (default 28). All layers or none: a mix is an error naming the key.
+    """
     if model_type == "llama":
         return None
-    if model_type == "qwen2" and not r.get("use_sliding_window", False):
+    window = r.get("sliding_window", types=int)
+    if model_type == "mistral" or window is None:
+        return window
+    if not r.get("use_sliding_window", False):
         return None
     layer_types = r.get("layer_types", types=list)
-    if model_type == "qwen2" and window is not None and layer_types is None:
-        first_sliding = r.get("max_window_layers", n_layers)
-        if first_sliding < n_layers:
-            raise r.error("max_window_layers", f"{first_sliding} < num_hidden_layers={n_layers}: sliding "
-                                               "attention in only some layers is not supported")
-    if layer_types is not None and window is not None:
-        kinds = set(layer_types)
-        if kinds == {"full_attention"}:
-            return None
-        if kinds != {"sliding_attention"}:
-            raise r.error("layer_types", "a mix of full and sliding attention layers is not supported")
+    key = "layer_types"
+    if layer_types is None:
+        key = "max_window_layers"
+        first = r.get("max_window_layers", 28, types=int)
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+    kinds = set(layer_types)
+    if kinds == {"full_attention"}:
+        return None
+    if kinds != {"sliding_attention"}:
+        raise r.error(key, f"{r.get(key)!r}: sliding attention in only some of the {n_layers} layers is not "
+                           "supported (all layers slide, or none)")
     return window
 
 
@@ -102,7 +120,7 @@ class LlamaFamily(Family):
     name: str = "llama"
     model_types: tuple[str, ...] = ("llama", "mistral", "qwen2")
     prefixes: tuple[str, ...] = ("model.",)
-    ignore: tuple[str, ...] = ("model.rotary_emb.", "model.layers.0.self_attn.rotary_emb.")
+    ignore: tuple[str, ...] = ("model.rotary_emb.",)
 
     def config_from_hf(self, hf: Mapping[str, Any], where: str) -> ModelConfig:
         r = Reader(hf, where)
@@ -117,6 +135,8 @@ class LlamaFamily(Family):
             if attn_bias or mlp_bias:
                 raise r.error("attention_bias" if attn_bias else "mlp_bias", "Qwen2 has fixed biases (q, k, v only)")
             use_bias, qkv_bias = False, True
+        elif model_type == "mistral":  # MistralForCausalLM has no biases whatever these keys say
+            use_bias, qkv_bias = False, None
         else:
             if attn_bias != mlp_bias:
                 raise r.error("attention_bias", f"attention_bias={attn_bias} with mlp_bias={mlp_bias} is not "
@@ -142,8 +162,8 @@ class LlamaFamily(Family):
         if c.kind != "decoder" or c.position != "rope" or c.norm != "rmsnorm" or c.norm_position != "pre":
             problems.append(f"kind={c.kind!r}, position={c.position!r}, norm={c.norm!r}, "
                             f"norm_position={c.norm_position!r} (needs decoder, rope, rmsnorm, pre)")
-        if c.activation != "swiglu":
-            problems.append(f"activation={c.activation!r} (needs swiglu)")
+        if c.activation not in ("swiglu", "geglu"):
+            problems.append(f"activation={c.activation!r} (needs swiglu, or geglu: hidden_act gelu)")
         if c.rope_interleaved:
             problems.append("rope_interleaved=True")
         window = None
@@ -162,6 +182,8 @@ class LlamaFamily(Family):
             model_type = "llama"
         if qkv_bias != c.use_bias and model_type != "qwen2":
             problems.append(f"qkv_bias={c.qkv_bias} with use_bias={c.use_bias}")
+        if model_type == "mistral" and c.use_bias:
+            problems.append("use_bias=True with a sliding window (Mistral has no biases; Qwen2 only q/k/v biases)")
         for field in ("sandwich_norm", "embed_norm", "scale_embeddings", "attn_softcap", "attn_scale",
                       "logits_softcap", "head_transform", "head_bias"):
             if getattr(c, field, None) not in (None, False):
@@ -176,7 +198,7 @@ class LlamaFamily(Family):
             model_type=model_type, architectures=[ARCH[model_type]], vocab_size=c.vocab_size,
             hidden_size=c.d_model, intermediate_size=c.resolved_d_ff, num_hidden_layers=c.n_layers,
             num_attention_heads=c.n_heads, num_key_value_heads=c.resolved_kv_heads,
-            hidden_act="silu", max_position_embeddings=c.max_seq_len,
+            hidden_act="gelu" if c.activation == "geglu" else "silu", max_position_embeddings=c.max_seq_len,
             rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings, rope_theta=c.rope_base,
             rope_scaling=None,
         )
@@ -194,9 +216,12 @@ class LlamaFamily(Family):
                                           low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
         if model_type == "mistral":
             hf["sliding_window"] = window
-        if model_type == "qwen2":
+        if model_type == "qwen2":  # layer i slides iff layer_types[i] says so (max_window_layers: older readers)
             hf.update(use_sliding_window=window is not None, sliding_window=window,
-                      max_window_layers=c.n_layers)
+                      max_window_layers=0 if window is not None else c.n_layers,
+                      layer_types=["sliding_attention" if window is not None else "full_attention"] * c.n_layers)
+        # transformers >= 5 reads rope_parameters first: write it too, so a stale one (from hf_config) never wins
+        hf["rope_parameters"] = {"rope_theta": c.rope_base, "rope_type": "default", **(hf["rope_scaling"] or {})}
         return hf
 
     def rules(self, config: ModelConfig) -> list[Rule]:
@@ -232,7 +257,11 @@ class LlamaFamily(Family):
         return out
 
     def ignored(self, config: ModelConfig) -> tuple[str, ...]:
-        return self.ignore + (("lm_head.",) if config.tie_embeddings else ())
+        """Old checkpoints' ``rotary_emb.inv_freq`` buffers (any layer; recomputed from rope_theta)."""
+        return self.ignore + tuple(f"model.layers.{i}.self_attn.rotary_emb." for i in range(config.n_layers))
+
+    def tied_copies(self, config: ModelConfig) -> dict[str, str]:
+        return {"lm_head.weight": "model.embed_tokens.weight"} if config.tie_embeddings else {}
 
 
 FAMILIES = (LlamaFamily(),)

@@ -113,8 +113,8 @@ class Family:
       model_types: ``config.json`` ``model_type`` values it reads.
       prefixes: name prefixes a checkpoint may put before every tensor (e.g. ``"model."`` for
         ``LlamaForCausalLM``, ``""`` for a bare ``LlamaModel``); the first is what ``save`` writes.
-      ignore: prefixes of HF tensors the loader skips (buffers some versions save, heads it does
-        not model); they are listed in the load report, never silently used.
+      ignore: prefixes of HF tensors the loader skips: buffers some versions save (recomputed here, e.g.
+        RoPE's ``inv_freq``) and heads it does not model, each named in the family's module docstring.
     """
 
     name: str = ""
@@ -141,6 +141,12 @@ class Family:
         """A checkpoint's tensor name as this family's rules spell it (default: unchanged), for names
         older exporters wrote differently (BERT's ``LayerNorm.gamma`` / ``.beta``)."""
         return name
+
+    def tied_copies(self, config: ModelConfig) -> dict[str, str]:
+        """``{copy: source}``: tensors a checkpoint may store although this config ties them (a tied head's
+        ``lm_head.weight``); the loader requires each stored copy to equal its source, since transformers
+        would use a stored copy that differs, and jaxformer reads only the source."""
+        return {}
 
     def optional(self, config: ModelConfig) -> tuple[str, ...]:
         """HF tensor names (after the prefix) a checkpoint may omit, e.g. ``lm_head.weight`` of a tied

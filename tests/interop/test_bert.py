@@ -141,7 +141,7 @@ def test_old_names_and_buffers(bert, tmp_path):
                 "cls.seq_relationship.weight": np.ones((2, D), np.float32),
                 "cls.seq_relationship.bias": np.ones(2, np.float32),
                 "cls.predictions.decoder.weight": t["bert.embeddings.word_embeddings.weight"],
-                "cls.predictions.decoder.bias": np.zeros(V, np.float32)}
+                "cls.predictions.decoder.bias": t["cls.predictions.bias"]}  # tied in transformers 4: equal
 
     d = copy_checkpoint(path, tmp_path / "old", tensors=old,
                         config=lambda c: {**c, "architectures": ["BertForPreTraining"]})
@@ -153,6 +153,11 @@ def test_old_names_and_buffers(bert, tmp_path):
         **t, "bert.embeddings.LayerNorm.weight": t["bert.embeddings.LayerNorm.gamma"]})
     with pytest.raises(HFWeightsError, match="LayerNorm.gamma and bert.embeddings.LayerNorm.weight"):
         load_pretrained(both)
+    # a stored copy that differs from what the config ties it to: transformers would use the copy
+    stale = copy_checkpoint(d, tmp_path / "stale", tensors=lambda t: {
+        **t, "cls.predictions.decoder.bias": np.zeros_like(t["cls.predictions.bias"])})
+    with pytest.raises(HFWeightsError, match=r"cls\.predictions\.decoder\.bias differs from cls\.predictions\.bias"):
+        load_pretrained(stale)
 
 
 def bare(t):

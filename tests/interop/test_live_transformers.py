@@ -39,6 +39,12 @@ CONFIGS = {
                              kind="llama3", factor=8.0, original_max_position=32), rope_base=5e5, **D),
     "qwen2": ModelConfig(kind="decoder", n_layers=2, n_kv_heads=2, d_ff=64, activation="swiglu", norm="rmsnorm",
                          position="rope", tie_embeddings=True, qkv_bias=True, **D),
+    "qwen2_window": ModelConfig(kind="decoder", n_layers=2, n_kv_heads=2, d_ff=64, activation="swiglu",
+                                norm="rmsnorm", position="rope", tie_embeddings=False, qkv_bias=True,
+                                attention_window=(3, 0), **D),
+    "llama_geglu_bias": ModelConfig(kind="decoder", n_layers=2, head_dim=16, d_ff=64, activation="geglu",
+                                    norm="rmsnorm", position="rope", tie_embeddings=True, use_bias=True,
+                                    rope_scaling=dict(kind="linear", factor=2.0), **D),
     "mistral": ModelConfig(kind="decoder", n_layers=2, n_kv_heads=1, d_ff=64, activation="swiglu", norm="rmsnorm",
                            position="rope", tie_embeddings=False, attention_window=(2, 0), **D),
     "bloom": ModelConfig(kind="decoder", n_layers=2, activation="gelu_tanh", norm="layernorm", position="alibi",
@@ -70,7 +76,7 @@ def test_fixtures_regenerate_identically(tmp_path):
 def test_transformers_reads_what_jaxformer_writes(model_type, tmp_path):
     config = CONFIGS[model_type]
     graphdef, state = dc.random_state(config, seed=1, std=0.2)
-    out = save_pretrained(tmp_path / model_type, config, state, model_type=model_type)
+    out = save_pretrained(tmp_path / model_type, config, state, model_type=model_type.split("_")[0])
     rng = np.random.default_rng(0)
     tokens = rng.integers(4, config.vocab_size, (2, 12)).astype(np.int64)
     with torch.no_grad():

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from jaxformer.interop import HFConfigError, load_pretrained, save_pretrained
 from jaxformer.interop.hf import read_config
@@ -105,8 +106,11 @@ def test_round_trip_is_exact_and_keeps_the_config_form(loaded, tmp_path):
     assert back_config == config
     a, b = flat(state), flat(back)
     assert a.keys() == b.keys() and all(np.array_equal(a[p], b[p]) for p in a)
-    if config.tie_embeddings:
-        assert "lm_head.weight" not in json.dumps(sorted(p.name for p in out.iterdir()))
+    stored = set(load_file(str(out / "model.safetensors"))) if (out / "model.safetensors").is_file() else set()
+    assert ("lm_head.weight" in stored) == (not config.tie_embeddings)  # a tied head is not stored
+    # every rope key agrees (transformers 5 reads rope_parameters first, older versions rope_theta)
+    assert written["rope_theta"] == written["rope_parameters"]["rope_theta"] == config.rope_base
+    assert written["max_position_embeddings"] == original["max_position_embeddings"]
 
 
 def test_mixed_sliding_layers_are_refused(tmp_path):
@@ -124,3 +128,78 @@ def test_mixed_sliding_layers_are_refused(tmp_path):
                                                       "layer_types": types}))
     with pytest.raises(HFConfigError, match="layer_types"):
         load_pretrained(tmp_path)
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("keys, window", [
+    ({"use_sliding_window": False, "sliding_window": 4}, None),
+    ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}, 4),   # layer i slides iff i >= 0
+    ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}, None),  # ... iff i >= 2: none
+    ({"use_sliding_window": True, "sliding_window": 4}, None),  # max_window_layers defaults to 28 > 2 layers
+    ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2,
+      "layer_types": ["sliding_attention"] * 2}, 4),  # layer_types wins over max_window_layers
+])
+def test_qwen2_sliding_layers_read_as_transformers_reads_them(tmp_path, keys, window):
+    """Qwen2Config.__post_init__ (transformers 5.24): sliding_window only with use_sliding_window, and
+    layer i slides iff layer_types[i] == 'sliding_attention', by default iff i >= max_window_layers."""
+    d = _copy(fixture("qwen2")[0], tmp_path / "q")
+    cfg = {k: v for k, v in read_config(d).items() if k not in ("layer_types", "max_window_layers")}
+    (d / "config.json").write_text(json.dumps({**cfg, **keys}))
+    config = load_pretrained(d)[0]
+    assert config.causal_window == window
+
+
+def test_qwen2_window_is_written_so_every_layer_slides(tmp_path):
+    d, *_ = fixture("qwen2")
+    config, _, state = load_pretrained(d, attention_window=(3, 0))
+    written = read_config(save_pretrained(tmp_path / "out", config, state, hf_config=read_config(d)))
+    assert written["use_sliding_window"] and written["sliding_window"] == 4 and written["max_window_layers"] == 0
+    assert written["layer_types"] == ["sliding_attention"] * config.n_layers
+    assert load_pretrained(tmp_path / "out")[0].causal_window == 4
+
+
+def test_mistral_ignores_bias_keys_and_layer_types_as_transformers_does(tmp_path):
+    d = _copy(fixture("mistral")[0], tmp_path / "m")
+    cfg = read_config(d)
+    (d / "config.json").write_text(json.dumps({**cfg, "attention_bias": True, "mlp_bias": True,
+                                               "layer_types": ["full_attention"] * cfg["num_hidden_layers"]}))
+    config = load_pretrained(d)[0]
+    assert not config.use_bias and not config.resolved_qkv_bias and config.causal_window == 4
+
+
+def test_a_biased_model_with_a_window_is_not_written_as_mistral(tmp_path):
+    d, *_ = fixture("mistral")
+    config, _, state = load_pretrained(d)
+    biased = config.model_copy(update=dict(use_bias=True))
+    from jaxformer.model.functional import init
+
+    _, state = init(biased, jax.random.key(0))
+    with pytest.raises(HFConfigError, match="use_bias=True with a sliding window"):
+        save_pretrained(tmp_path / "out", biased, state)
+
+
+def test_a_stored_tied_head_must_equal_the_embedding(tmp_path):
+    d = _copy(fixture("llama3")[0], tmp_path / "l3")
+    assert read_config(d)["tie_word_embeddings"]
+    tensors = load_file(str(d / "model.safetensors"))
+    embed = tensors["model.embed_tokens.weight"]
+    save_file({**tensors, "lm_head.weight": embed.copy()}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    load_pretrained(d)  # an equal copy is harmless
+    save_file({**tensors, "lm_head.weight": embed + 1.0}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(Exception, match=r"lm_head\.weight differs from model\.embed_tokens\.weight"):
+        load_pretrained(d)
+
+
+def test_rotary_buffers_of_every_layer_are_skipped(tmp_path):
+    d = _copy(fixture("llama3")[0], tmp_path / "l3")
+    tensors = load_file(str(d / "model.safetensors"))
+    n = read_config(d)["num_hidden_layers"]
+    buffers = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32) for i in range(n)}
+    save_file({**tensors, **buffers}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    assert load_pretrained(d)[0] == load_pretrained(fixture("llama3")[0])[0]
