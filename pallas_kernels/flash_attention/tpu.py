@@ -50,6 +50,12 @@ from pallas_kernels.flash_attention.common import BlockSizes, MaskParams
 
 MIN_BLOCK = 8  # sublane tile: every q/kv block is a multiple of it
 MAX_TILE_BYTES = 8 * 2**20  # q, k, v tiles + fp32 logits of one grid step in VMEM
+# Scoped VMEM a kernel may use: the compiler's default limit on v4, v5e and v5p (v6e: 32 MiB), and the
+# limit asked for when a kernel's estimated need exceeds it (tiles above the defaults): v5p has 64 MiB of
+# VMEM, v5e and v6e 128 MiB. v4 has 16 MiB, so there such tiles fail to compile ("Ran out of memory in
+# memory space vmem"; experiments/results/tpu_compile.md).
+VMEM_DEFAULT_LIMIT = 16 * 2**20
+VMEM_RAISED_LIMIT = 64 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,6 +332,29 @@ def _kernel(st: _Static, body):
 _ROW_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
 
 
+def _vmem_tile(rows: int, cols: int, itemsize: int) -> int:
+    """Bytes of a ``[rows, cols]`` VMEM block in (8, 128) tiles."""
+    return common.round_up(rows, 8) * common.round_up(cols, 128) * itemsize
+
+
+def _side_vmem(st: _Static, bq: int, bk: int) -> int:
+    """Bytes of one grid step's side-input blocks (segments, global flags, random starts)."""
+    sizes = {"qseg": _vmem_tile(bq, 1, 4), "qglob": _vmem_tile(bq, 1, 4), "rand": _vmem_tile(bq, st.n_rand, 4),
+             "kvseg": _vmem_tile(1, bk, 4), "kvglob": _vmem_tile(1, bk, 4)}
+    return sum(sizes[n] for n in _side_present(st))
+
+
+def _compiler_params(semantics, *, pipelined: int, scratch: int, bq: int, bk: int) -> pltpu.CompilerParams:
+    """Mosaic params; the scoped-VMEM limit is raised only when an upper estimate of the kernel's need
+    (double-buffered ``pipelined`` blocks, ``scratch``, four fp32 ``[bq, bk]`` temporaries) exceeds the
+    compiler's default, so the default tiles compile exactly as they would without it."""
+    need = 2 * pipelined + scratch + 4 * bq * bk * 4
+    limit = None
+    if need > VMEM_DEFAULT_LIMIT:
+        limit = min(max(need * 5 // 4, 2 * VMEM_DEFAULT_LIMIT), VMEM_RAISED_LIMIT)
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=limit)
+
+
 # --------------------------------------------------------------------------- forward
 
 
@@ -368,6 +397,7 @@ def _fwd_kernel(walk: _WalkSpec, steps: int, *refs):
 def _forward(st: _Static, q, k, v, side, lens, slopes):
     """q ``[B,N,Tp,H]``, k, v ``[B,K,Sp,H]`` -> (o ``[B,N,Tp,H]``, lse ``[B,N,Tp,1]`` fp32)."""
     B, N, Tp, H = q.shape
+    it = q.dtype.itemsize
     bq, bk = st.blocks.block_q, st.blocks.block_k
     walk = _WalkSpec(st, bq, bk, over_kv=True)
     steps = _num_steps(walk)
@@ -386,7 +416,11 @@ def _forward(st: _Static, q, k, v, side, lens, slopes):
             scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
                             pltpu.VMEM((bq, H), jnp.float32)],
         ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=_ROW_SEMANTICS),
+        compiler_params=_compiler_params(
+            _ROW_SEMANTICS, bq=bq, bk=bk,
+            pipelined=2 * _vmem_tile(bq, H, it) + 2 * _vmem_tile(bk, H, it) + _vmem_tile(bq, 1, 4)
+            + _side_vmem(st, bq, bk),
+            scratch=2 * _vmem_tile(bq, 1, 4) + _vmem_tile(bq, H, 4)),
         name="flash_fwd_tpu",
     )(*pref, q, k, v, *side_args)
 
@@ -424,6 +458,7 @@ def _dq_kernel(walk: _WalkSpec, steps: int, *refs):
 
 def _backward_dq(st: _Static, q, k, v, do, lse, delta, side, lens, slopes):
     B, N, Tp, H = q.shape
+    it = q.dtype.itemsize
     bq, bk = st.blocks.block_q_dq, st.blocks.block_k_dq
     walk = _WalkSpec(st, bq, bk, over_kv=True)
     steps = _num_steps(walk)
@@ -440,7 +475,11 @@ def _backward_dq(st: _Static, q, k, v, do, lse, delta, side, lens, slopes):
             out_specs=q_spec,
             scratch_shapes=[pltpu.VMEM((bq, H), jnp.float32)],
         ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=_ROW_SEMANTICS),
+        compiler_params=_compiler_params(
+            _ROW_SEMANTICS, bq=bq, bk=bk,
+            pipelined=3 * _vmem_tile(bq, H, it) + 2 * _vmem_tile(bk, H, it) + 2 * _vmem_tile(bq, 1, 4)
+            + _side_vmem(st, bq, bk),
+            scratch=_vmem_tile(bq, H, 4)),
         name="flash_dq_tpu",
     )(*pref, q, k, v, do, lse, delta, *side_args)
 
@@ -481,8 +520,9 @@ def _dkv_kernel(walk: _WalkSpec, steps: int, *refs):
 
 
 def _backward_dkv(st: _Static, q, k, v, do, lse, delta, side, lens, slopes):
-    B, N, Tp, H = q.shape
+    B, _, _, H = q.shape
     K, Sp = k.shape[1], k.shape[2]
+    it = q.dtype.itemsize
     bq, bk = st.blocks.block_q_dkv, st.blocks.block_k_dkv
     walk = _WalkSpec(st, bq, bk, over_kv=False)
     steps = _num_steps(walk)
@@ -510,8 +550,11 @@ def _backward_dkv(st: _Static, q, k, v, do, lse, delta, side, lens, slopes):
             out_specs=[kv_spec, kv_spec],
             scratch_shapes=[pltpu.VMEM((bk, H), jnp.float32), pltpu.VMEM((bk, H), jnp.float32)],
         ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
+        compiler_params=_compiler_params(
+            ("parallel", "parallel", "parallel", "arbitrary", "arbitrary"), bq=bq, bk=bk,
+            pipelined=2 * _vmem_tile(bq, H, it) + 4 * _vmem_tile(bk, H, it) + 2 * _vmem_tile(bq, 1, 4)
+            + _side_vmem(st, bq, bk),
+            scratch=2 * _vmem_tile(bk, H, 4)),
         name="flash_dkv_tpu",
     )(*pref, q, k, v, do, lse, delta, *side_args)
 

@@ -90,17 +90,20 @@ def paged_attention_partials_tpu(q: Float[Array, "B K G H"], k_pages: Pages, v_p
     ``pltpu.force_tpu_interpret_mode()``).
     """
     B, K, G, H = q.shape
-    _, P, L, _ = k_pages.shape
+    L = k_pages.shape[2]
     M = block_tables.shape[1]
     Z = -(-M // pages_per_split)
     use_alibi = slopes is not None
     slopes = jnp.zeros((B, K, G, 1), jnp.float32) if slopes is None else slopes.astype(jnp.float32)[..., None]
 
     def page_map(b, h, z, p, lengths_ref, tables_ref):
-        last = jnp.maximum((lengths_ref[b] + L - 1) // L - 1, 0)
+        # lax.div, not //: operands are >= 0, and jnp.floor_divide's sign fix-up lowers through a
+        # Mosaic rule that asks the default device for its TPU generation (fails compiling ahead of time).
+        length = jnp.maximum(lengths_ref[b], 0)
+        last = jnp.maximum(jax.lax.div(length + (L - 1), L) - 1, 0)
         j = jnp.minimum(z * pages_per_split + p, last)
         if window is not None:  # pages behind the window: repeat the first visible one
-            j = jnp.maximum(j, jnp.minimum(jnp.maximum(lengths_ref[b] - window, 0) // L, last))
+            j = jnp.maximum(j, jnp.minimum(jax.lax.div(jnp.maximum(length - window, 0), L), last))
         j = jnp.minimum(j, M - 1)
         return h, tables_ref[b * M + j], 0, 0
 
