@@ -1,38 +1,51 @@
-"""Tokens/s of the library's jitted train step vs a minimal hand-written JAX step, side by side.
+"""Tokens/s of the library's jitted train step vs a hand-written JAX step and (``--vs-torch``) PyTorch, side by side.
 
 The hand-written step is a plain-``jnp`` GPT (no Flax, no jaxformer modules):
 pre-LayerNorm blocks, learned positions, GELU(tanh) MLP, tied embeddings,
 biases, causal + packed-segment attention mask, fp32 cross entropy. It reads
 the library's parameter tree (same names and shapes: GPT-2 preset layout) and
 uses the same optax chain (global-norm clipping + AdamW with the same decay
-mask), so both steps do the same math on the same batch; the script checks
-that their first losses agree before timing. Steps are timed in alternating
-rounds; the table shows the median per-step time of each, the ratio, and an MFU
-estimate: model FLOPs (``jaxformer.model.flops_per_token``) per second over
-the peak (an fp32 matmul measured in the same run on CPU; the GPU's datasheet
-dense bf16/fp32 peak when given with ``--peak-tflops``).
+mask), so both steps do the same math on the same batch.
 
-    python experiments/bench/train_throughput.py                 # CPU-sized default
+``--vs-torch`` (only where ``torch`` is importable; it is never a dependency of the library) adds the
+PyTorch twin: the same GPT written as a PyTorch user would (nanoGPT's layout: fused QKV ``Linear``,
+``scaled_dot_product_attention`` with the same causal + segment mask, ``nn.LayerNorm``, tanh GELU,
+tied head), initialised from the library's parameters (both parameter counts are printed), trained in
+eager mode with ``torch.optim.AdamW`` (same betas, eps, weight decay on the matrices only), clipping and
+the same warmup + cosine schedule. ``--before`` adds the library's step as it was before issue 16
+(attention differentiated by plain autodiff through ``xla_attention``) and ``--no-chunks`` the step
+without causal attention chunks, each compiled in the same process.
+
+The script checks that every contender's first loss agrees with the library's, then times them in
+alternating rounds (``--steps`` steps per round) so a busy machine slows each alike; the table shows
+the median wall ms/step, tokens/s, MFU and the process CPU time per step of each, and the ratios. MFU =
+``jaxformer.model.flops_per_token`` x tokens/s over the peak of ``jaxformer.train.metrics.device_peak``
+(on CPU an fp32 matmul measured in the same run; GPUs/TPUs their datasheet dense bf16 peak, or
+``--peak-tflops``).
+
+    python experiments/bench/train_throughput.py --vs-torch --before      # nanoGPT-sized default, CPU
+    taskset -c 1 python experiments/bench/train_throughput.py --vs-torch  # one core: both steps single-threaded
     python experiments/bench/train_throughput.py --d-model 768 --layers 12 --seq-len 1024 --batch 16 \
-        --dtype bfloat16 --peak-tflops 989                        # an H100/H200-sized run
+        --dtype bfloat16 --attention auto                                   # an H100/H200-sized run
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from timing import timed, wall_times
-
-from jaxformer.model import flops_per_token
+from jaxformer.model import count_params, flops_per_token
 from jaxformer.train import config as C
 from jaxformer.train import sharding as S
 from jaxformer.train.corpus import build_corpus
-from jaxformer.train.optim import decay_mask
+from jaxformer.train.metrics import device_peak
+from jaxformer.train.optim import decay_mask, make_schedule
 from jaxformer.train.pipeline import TrainIterator
 from jaxformer.train.step import make_trainer
 
@@ -41,8 +54,8 @@ def experiment(args) -> C.ExperimentConfig:
     return C.from_dict({
         "seed": 0, "steps": 1000, "batch_size": args.batch, "seq_len": args.seq_len,
         "model": {"preset": "gpt2_small", "vocab_size": 264, "d_model": args.d_model, "n_layers": args.layers,
-                  "n_heads": args.d_model // 64 if args.d_model >= 128 else 2, "max_seq_len": args.seq_len,
-                  "compute_dtype": args.dtype, "attention_impl": args.attention},
+                  "n_heads": args.heads or (args.d_model // 64 if args.d_model >= 128 else 2),
+                  "max_seq_len": args.seq_len, "compute_dtype": args.dtype, "attention_impl": args.attention},
         "optimizer": {"lr": 1e-3, "weight_decay": 0.1, "clip_norm": 1.0},
         "schedule": {"kind": "cosine", "warmup_steps": 10},
         "mesh": {"data": 1},
@@ -113,83 +126,265 @@ def hand_step_fn(cfg: C.ExperimentConfig, params_like):
     return opt, jax.jit(step, donate_argnums=(0, 1))
 
 
+# -- the PyTorch twin (optional anchor: torch is never a dependency of the library) --------------
+
+def torch_twin(cfg: C.ExperimentConfig, params, batches):
+    """``(step, n_params, first_loss, torch)``: the same GPT written the way a PyTorch user would (nanoGPT:
+    fused QKV ``Linear``, ``F.scaled_dot_product_attention``, ``nn.LayerNorm``, ``GELU(tanh)``, tied head),
+    initialised from the library's parameters, trained with ``torch.optim.AdamW`` (same betas, eps, weight
+    decay and decay mask: matrices only), ``clip_grad_norm_`` and the same warmup + cosine schedule, on the
+    same packed batches (causal + segment mask, masked mean cross entropy). ``step(i)`` runs one
+    optimiser step on ``batches[i % len(batches)]`` and returns the loss tensor. None when torch is absent."""
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch import nn
+    except ImportError:
+        return None
+    if cfg.model.compute_dtype != "float32":
+        raise SystemExit("--vs-torch compares fp32 steps only")
+    m = cfg.model
+    D, N, L, V = m.d_model, m.n_heads, m.n_layers, m.vocab_size
+    H = D // N
+    eps = m.norm_eps
+    t = lambda a: torch.from_numpy(np.array(a, np.float32))  # noqa: E731
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(D, eps=eps), nn.LayerNorm(D, eps=eps)
+            self.c_attn, self.c_proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+            self.c_fc, self.mlp_proj = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+        def forward(self, x, mask):
+            B, T, _ = x.shape
+            q, k, v = self.c_attn(self.ln_1(x)).split(D, dim=2)
+            q, k, v = (z.view(B, T, N, H).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = x + self.c_proj(y.transpose(1, 2).reshape(B, T, D))
+            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(V, D), nn.Embedding(m.max_seq_len, D)
+            self.h = nn.ModuleList([Block() for _ in range(L)])
+            self.ln_f = nn.LayerNorm(D, eps=eps)
+
+        def forward(self, tok, pos, seg):
+            mask = torch.tril(torch.ones(tok.shape[1], tok.shape[1], dtype=torch.bool))
+            mask = (mask[None] & (seg[:, :, None] == seg[:, None, :]))[:, None]  # [B, 1, T, T]
+            x = self.wte(tok) + self.wpe(pos)
+            for b in self.h:
+                x = b(x, mask)
+            return self.ln_f(x) @ self.wte.weight.T  # tied head
+
+    model = GPT()
+    with torch.no_grad():  # the library's initial parameters, in nanoGPT's layout
+        model.wte.weight.copy_(t(params["embed"]["embedding"]))
+        model.wpe.weight.copy_(t(params["pos_embed"]["embedding"]))
+        blocks = params["decoder"]["blocks"]
+        for i, b in enumerate(model.h):
+            a, mp = blocks[i]["self_attn"], blocks[i]["mlp"]
+            b.c_attn.weight.copy_(torch.cat([t(a[w]).reshape(D, D) for w in ("w_q", "w_k", "w_v")], 1).T)
+            b.c_attn.bias.copy_(torch.cat([t(a[w]).reshape(D) for w in ("b_q", "b_k", "b_v")]))
+            b.c_proj.weight.copy_(t(a["w_o"]).reshape(D, D).T)
+            b.c_proj.bias.copy_(t(a["b_o"]))
+            b.c_fc.weight.copy_(t(mp["w_in"]).T)
+            b.c_fc.bias.copy_(t(mp["b_in"]))
+            b.mlp_proj.weight.copy_(t(mp["w_out"]).T)
+            b.mlp_proj.bias.copy_(t(mp["b_out"]))
+            for ln, name in ((b.ln_1, "attn_residual"), (b.ln_2, "mlp_residual")):
+                ln.weight.copy_(t(blocks[i][name]["norm"]["scale"]))
+                ln.bias.copy_(t(blocks[i][name]["norm"]["bias"]))
+        model.ln_f.weight.copy_(t(params["decoder"]["final_norm"]["scale"]))
+        model.ln_f.bias.copy_(t(params["decoder"]["final_norm"]["bias"]))
+    n_params = sum(p.numel() for p in model.parameters())
+    o = cfg.optimizer
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "wte" not in n and "wpe" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "wte" not in n and "wpe" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=o.lr, betas=(o.b1, o.b2), eps=o.eps)
+    schedule = make_schedule(o, cfg.schedule, cfg.schedule.decay_steps or cfg.steps)
+    tb = []
+    for b in batches:
+        tgt = np.where(b["mask"], b["targets"], -100)
+        tb.append(tuple(torch.from_numpy(np.asarray(x, np.int64)) for x in
+                        (b["inputs"], b["positions"], b["segment_ids"], tgt)))
+    state = {"i": 0}
+
+    def step(_=None):
+        i = state["i"]
+        tok, pos, seg, tgt = tb[i % len(tb)]
+        for g in opt.param_groups:
+            g["lr"] = float(schedule(i))
+        logits = model(tok, pos, seg)
+        loss = F.cross_entropy(logits.view(-1, V), tgt.view(-1), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_norm)
+        opt.step()
+        state["i"] = i + 1
+        return loss
+
+    return step, n_params, torch
+
+
 # -- timing -----------------------------------------------------------------------------------
 
-def measured_peak_flops() -> float:
-    """FLOP/s of a large fp32 matmul on the default device (the CPU 'peak' for MFU)."""
-    n = 2048
-    a = jnp.ones((n, n), jnp.float32)
-    return 2 * n**3 / min(wall_times(jax.jit(lambda x: x @ x), a, repeats=5))
+def variant_step(name: str, cfg: C.ExperimentConfig, mesh, state, batch):
+    """The library's train step compiled with part of issue 16's attention change undone, in this process:
+    ``"before"``: attention differentiated by plain autodiff through ``xla_attention`` (the library before
+    issue 16); ``"no chunks"``: the hand-written derivative over every key (no causal chunks)."""
+    from unittest import mock
+
+    import jaxformer.ops.attention as A
+
+    def autodiff(q, k, v, *, mask=None, scale=None):
+        return A.xla_attention(q, k, v, mask=mask, scale=scale)
+
+    patch = (mock.patch.object(A, "dense_attention", autodiff) if name == "before"
+             else mock.patch.object(A, "_CHUNK", 1 << 30))
+    other = cfg.model_copy(update={"steps": cfg.steps + 1})  # a fresh trainer (make_trainer caches per config)
+    with patch:
+        return make_trainer(other, mesh).train_step.lower(state, batch).compile()
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, help="default d_model // 64 (2 below d_model 128)")
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--attention", default="xla", choices=["auto", "xla", "blockwise", "pallas"])
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: measured fp32 matmul)")
+    p.add_argument("--vs-torch", action="store_true",
+                   help="also time the PyTorch twin (eager, AdamW) when torch is importable")
+    p.add_argument("--no-hand", action="store_true", help="skip the hand-written JAX step")
+    p.add_argument("--before", action="store_true",
+                   help="also time the library's step as it was before issue 16 (autodiff attention)")
+    p.add_argument("--no-chunks", action="store_true",
+                   help="also time the library's step without causal attention chunks")
+    p.add_argument("--config", help="time this experiment config's step instead (e.g. experiments/configs/"
+                   "stdlib_bytes.yaml, the main job); only the library and its --before / --no-chunks variants")
+    p.add_argument("--peak-tflops", type=float,
+                   help="per-device peak for MFU (default: datasheet bf16 on GPU/TPU, measured fp32 matmul on CPU)")
     args = p.parse_args(argv)
 
-    cfg = experiment(args)
+    if args.config:
+        cfg = C.load(args.config, ["mesh.data=1"])
+        args.no_hand, args.vs_torch, args.dtype = True, False, cfg.model.compute_dtype
+        args.d_model, args.layers = cfg.model.d_model, cfg.model.n_layers
+    else:
+        cfg = experiment(args)
     mesh = S.make_mesh(cfg.mesh)
     trainer = make_trainer(cfg, mesh)
     state = trainer.init_state()
     corpus = build_corpus(C.DataConfig())
     it = TrainIterator(corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=0)
-    batches = [S.put_batch(next(it), mesh) for _ in range(args.steps)]
+    host_batches = [next(it) for _ in range(args.steps)]
+    batches = [S.put_batch(b, mesh) for b in host_batches]
+    n_lib = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
+    print(f"library parameters {n_lib:,} (formula {count_params(cfg.model):,})")
 
-    hand_params = jax.tree.map(jnp.copy, state["params"])
-    opt, hand_step = hand_step_fn(cfg, hand_params)
-    hand_opt = opt.init(hand_params)
+    twin = None
+    if args.vs_torch:
+        twin = torch_twin(cfg, jax.device_get(state["params"]), host_batches)
+        if twin is None:
+            print("--vs-torch: torch is not importable here; skipped")
+        else:
+            print(f"torch twin parameters {twin[1]:,} (torch {twin[2].__version__}, "
+                  f"{twin[2].get_num_threads()} threads){'' if twin[1] == n_lib else '  MISMATCH'}")
 
-    state, m = trainer.train_step(state, batches[0])
-    hand_params, hand_opt, hand_l = hand_step(hand_params, hand_opt, batches[0])
-    lib_l = float(m["loss"])
+    hand = None
+    if not args.no_hand:
+        hand_params = jax.tree.map(jnp.copy, state["params"])
+        opt, hand_step = hand_step_fn(cfg, hand_params)
+        hand = [hand_params, opt.init(hand_params)]
+
     tol = 1e-4 if args.dtype == "float32" else 2e-2
-    agree = abs(lib_l - float(hand_l)) <= tol * abs(lib_l)
-    print(f"first-step loss: library {lib_l:.6f}  hand-written {float(hand_l):.6f}  "
-          f"({'agree' if agree else 'DISAGREE'} within {tol:g} relative)")
+    variants = {f"library {n}": [variant_step(n, cfg, mesh, state, batches[0]), jax.tree.map(jnp.copy, state)]
+                for n, on in (("before", args.before), ("no chunks", args.no_chunks)) if on}
+    state, m = trainer.train_step(state, batches[0])
+    lib_l = float(m["loss"])
+    firsts = {}
+    for name, v in variants.items():
+        v[1], mb = v[0](v[1], batches[0])
+        firsts[name] = float(mb["loss"])
+    if hand is not None:
+        hand[0], hand[1], hl = hand_step(hand[0], hand[1], batches[0])
+        firsts["hand-written"] = float(hl)
+    if twin is not None:
+        firsts["torch"] = float(twin[0]().detach())
+    for name, v in firsts.items():
+        agree = abs(lib_l - v) <= tol * abs(lib_l)
+        print(f"first-step loss: library {lib_l:.6f}  {name} {v:.6f}  "
+              f"({'agree' if agree else 'DISAGREE'} within {tol:g} relative)")
 
-    for b in batches[:2]:  # settle shardings / compile caches of both steps
-        state, m = trainer.train_step(state, b)
-        hand_params, hand_opt, hand_l = hand_step(hand_params, hand_opt, b)
-    jax.block_until_ready((m, hand_l))
-
-    def library_round(state):
+    def library_round():
+        nonlocal state
         for b in batches:
-            state, _ = trainer.train_step(state, b)
-        return state
+            state, mm = trainer.train_step(state, b)
+        jax.block_until_ready((state, mm))
 
-    def hand_round(params, opt_state):
+    def hand_round():
         for b in batches:
-            params, opt_state, _ = hand_step(params, opt_state, b)
-        return params, opt_state
+            hand[0], hand[1], hl = hand_step(hand[0], hand[1], b)
+        jax.block_until_ready((hand, hl))
 
-    lib_t, hand_t = [], []
-    for _ in range(args.rounds):  # alternate, so a busy machine slows both alike
-        state, seconds = timed(library_round, state)
-        lib_t.append(seconds / len(batches))
-        (hand_params, hand_opt), seconds = timed(hand_round, hand_params, hand_opt)
-        hand_t.append(seconds / len(batches))
+    def torch_round():
+        for _ in batches:
+            twin[0]()
+
+    def variant_round(v):
+        for b in batches:
+            v[1], mm = v[0](v[1], b)
+        jax.block_until_ready((v[1], mm))
+
+    rounds = {"library": library_round}
+    for name, v in variants.items():
+        rounds[name] = functools.partial(variant_round, v)
+    if hand is not None:
+        rounds["hand-written"] = hand_round
+    if twin is not None:
+        rounds["torch eager"] = torch_round
+    for fn in rounds.values():  # settle compile caches, allocators and thread pools of every step
+        fn()
+    times = {k: [] for k in rounds}
+    cpu = {k: [] for k in rounds}
+    for _ in range(args.rounds):  # alternate, so a busy machine slows every contender alike
+        for k, fn in rounds.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            times[k].append((time.perf_counter() - t0) / len(batches))
+            cpu[k].append((time.process_time() - c0) / len(batches))
 
     tokens = cfg.batch_size * cfg.seq_len
     fpt = flops_per_token(cfg.model, cfg.seq_len)
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else measured_peak_flops()
-    peak_src = "given" if args.peak_tflops else "measured fp32 matmul"
-    print(f"device {jax.devices()[0].device_kind}; model d={args.d_model} L={args.layers} T={cfg.seq_len} "
-          f"B={cfg.batch_size} {args.dtype}; {fpt / 1e6:.1f} MFLOP/token; peak {peak / 1e12:.2f} TFLOP/s ({peak_src})")
-    print(f"{'step':<14}{'ms/step':>10}{'tokens/s':>14}{'MFU':>8}")
+    peak, peak_src = device_peak(mesh.devices.flat, args.peak_tflops)
+    print(f"device {jax.devices()[0].device_kind}; model d={args.d_model} L={args.layers} H={cfg.model.n_heads} "
+          f"T={cfg.seq_len} B={cfg.batch_size} {args.dtype}; {fpt / 1e6:.1f} MFLOP/token; MFU vs {peak_src}")
+    print(f"{'step':<16}{'ms/step':>10}{'tokens/s':>14}{'MFU':>8}{'CPU ms/step':>13}")
     rows = {}
-    for name, ts in (("library", lib_t), ("hand-written", hand_t)):
+    for name, ts in times.items():
         s = statistics.median(ts)
         rows[name] = tokens / s
-        print(f"{name:<14}{s * 1e3:>10.1f}{tokens / s:>14,.0f}{fpt * tokens / s / peak:>8.1%}")
-    print(f"ratio library / hand-written tokens/s: {rows['library'] / rows['hand-written']:.3f} (goal >= 0.95)")
+        util = f"{fpt * tokens / s / peak:.1%}" if peak else "-"
+        print(f"{name:<16}{s * 1e3:>10.1f}{tokens / s:>14,.0f}{util:>8}{statistics.median(cpu[name]) * 1e3:>13.1f}")
+    per_round = {k: [a / b for a, b in zip(times[k], times["library"])] for k in times if k != "library"}
+    cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
+    for name, goal in (("hand-written", 0.95), ("library before", 1.0), ("library no chunks", 1.0),
+                       ("torch eager", 1.1)):
+        if name in rows:
+            print(f"ratio library / {name} tokens/s: {rows['library'] / rows[name]:.3f} "
+                  f"(per round: {' '.join(f'{r:.2f}' for r in per_round[name])}; goal >= {goal}); "
+                  f"CPU time per step {cpu_med[name] / cpu_med['library']:.3f}")
+    if "library before" in rows and "torch eager" in rows:
+        print(f"ratio library before / torch eager tokens/s: {rows['library before'] / rows['torch eager']:.3f}; "
+              f"CPU time per step {cpu_med['torch eager'] / cpu_med['library before']:.3f}")
     return rows
 
 

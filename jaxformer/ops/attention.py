@@ -12,10 +12,17 @@ Order of operations on the logits (every backend follows it):
 
 GQA/MQA: query heads are grouped ``N = K * G`` and contracted against their kv
 head directly (``BTKGH,BSKH->BKGTS``); K/V are never repeated in memory.
+
+``impl="xla"`` runs :func:`dense_attention` when there is no bias, ALiBi or soft cap and ``K = N``
+(the training path of the GPT-2 and LLaMA-style presets): the same dense math with a hand-written
+derivative and causal query chunks that skip keys wholly in their future. :func:`xla_attention`
+(plain autodiff) stays the reference every path is tested against.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from typing import Literal
 
@@ -81,6 +88,102 @@ def xla_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec | None =
                      preferred_element_type=jnp.float32)
     out = out.reshape(B, T, N, H).astype(q.dtype)
     return (out, w) if return_weights else out
+
+
+# -- the dense training path: xla_attention's meaning, a hand-written backward and causal chunks ---------------
+
+_CHUNK = 64  # query rows per causal chunk (at most 4 chunks; measured best at T=128/256 on CPU)
+
+
+def causal_chunks(T: int, S: int, mask: MaskSpec) -> tuple[tuple[int, int, int], ...]:
+    """``((q_start, q_end, n_keys), ...)``: query chunks and how many leading keys each can see.
+
+    Under a causal mask with a static, non-negative query offset ``o``, query ``i`` sees no key past
+    ``o + i``, so the chunk ``[a, b)`` needs only the first ``min(S, o + b)`` keys: the rest of its
+    logits are masked whatever the other constraints say (they are combined with AND). Any other mask:
+    one chunk over every key.
+    """
+    off = mask.static_offset(T, S) if mask.causal else None
+    n = max(1, min(4, T // _CHUNK))
+    if off is None or off < 0 or n == 1:
+        return ((0, T, S),)
+    edges = [round(i * T / n) for i in range(n + 1)]
+    return tuple((a, b, min(S, off + b)) for a, b in itertools.pairwise(edges))
+
+
+def _dense_weights(q, k, allowed, scale: float):
+    """One query chunk's unnormalised weights ``e [B, N, T, S]`` (0 where masked; the row max, a constant,
+    subtracted first) and ``inv [B, N, T]`` = 1 / their row sums (1 for a row with nothing allowed)."""
+    s = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32) * jnp.float32(scale)
+    allowed = jnp.broadcast_to(allowed, s.shape)
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(allowed, jnp.exp(jnp.where(allowed, s - m, 0.0)), 0.0)
+    denom = jnp.sum(e, axis=-1)
+    return e, 1.0 / jnp.where(denom == 0.0, 1.0, denom)
+
+
+def _rows(inv):
+    """``[B, N, T] -> [B, T, N, 1]``: a per-row factor laid out like the output."""
+    return jnp.swapaxes(inv, 1, 2)[..., None]
+
+
+def _concat(parts):
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _dense_attention(q, k, v, allowed, scale, chunks):
+    out = []
+    for a, b, n in chunks:
+        e, inv = _dense_weights(q[:, a:b], k[:, :n], allowed[..., a:b, :n], scale)
+        ev = jnp.einsum("BNTS,BSNH->BTNH", e.astype(v.dtype), v[:, :n], preferred_element_type=jnp.float32)
+        out.append(ev * _rows(inv))
+    return _concat(out).astype(q.dtype)
+
+
+@_dense_attention.defjvp
+def _dense_attention_jvp(scale, chunks, primals, tangents):
+    """``out = (e v) inv`` differentiated by hand: ``de = e * ds`` (zero wherever ``e`` is, so neither the mask
+    nor a select reaches the tangent, nor the backward pass JAX transposes from it) and
+    ``d inv = -inv^2 rowsum(de)``; the backward's row sums then come from ``[B, T, N, H]`` arrays."""
+    q, k, v, allowed = primals
+    tq, tk, tv, _ = tangents
+    f32 = jnp.float32
+    out, t_out = [], []
+    for a, b, n in chunks:
+        qc, kc, vc = q[:, a:b], k[:, :n], v[:, :n]
+        e, inv = _dense_weights(qc, kc, allowed[..., a:b, :n], scale)
+        ev = jnp.einsum("BNTS,BSNH->BTNH", e.astype(v.dtype), vc, preferred_element_type=f32)
+        ts = (jnp.einsum("BTNH,BSNH->BNTS", tq[:, a:b], kc, preferred_element_type=f32)
+              + jnp.einsum("BTNH,BSNH->BNTS", qc, tk[:, :n], preferred_element_type=f32)) * f32(scale)
+        te = e * ts
+        t_inv = -inv * inv * jnp.sum(te, axis=-1)
+        t_ev = (jnp.einsum("BNTS,BSNH->BTNH", te.astype(v.dtype), vc, preferred_element_type=f32)
+                + jnp.einsum("BNTS,BSNH->BTNH", e.astype(v.dtype), tv[:, :n], preferred_element_type=f32))
+        out.append(ev * _rows(inv))
+        t_out.append(t_ev * _rows(inv) + ev * _rows(t_inv))
+    return _concat(out).astype(q.dtype), _concat(t_out).astype(q.dtype)
+
+
+def dense_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec | None = None,
+                    scale: float | None = None) -> AttnOut:
+    """:func:`xla_attention`'s meaning (no bias, ALiBi or soft cap; ``K = N``) with a hand-written derivative
+    and causal chunking (:func:`causal_chunks`): what ``impl="xla"`` runs when it can.
+
+    Same values up to float rounding: the softmax is normalised after ``p v`` (``(e v) / sum e``), the
+    derivative (a ``custom_jvp``: forward, reverse and higher-order modes all work) never goes through the
+    mask, and causal query chunks skip the key blocks wholly in their future. On CPU the train step of a
+    4-layer d_model-256 GPT at T=256 runs 1.14-1.24x faster than with plain autodiff of xla_attention
+    (experiments/results/train_throughput.md).
+    """
+    B, T, S, N, K, H = check_qkv(q, k, v)
+    if K != N:
+        raise ValueError(f"dense_attention needs as many kv heads as query heads, got N={N}, K={K}")
+    mask = MaskSpec() if mask is None else mask
+    mask.validate(B, T, S, N)
+    scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+    return _dense_attention(q, k, v, mask.dense_heads(T, S), scale, causal_chunks(T, S, mask))
 
 
 def attention_logit_stats(q: Query, k: KeyValue, *, mask: MaskSpec | None = None, scale: float | None = None,
@@ -172,6 +275,9 @@ def dot_product_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec 
         impl = default_impl(T, S, mask)
     kwargs = dict(mask=mask, scale=scale, alibi_slopes=alibi_slopes, softcap=softcap)
     if impl == "xla":
+        if (bias is None and not return_weights and alibi_slopes is None and softcap is None and K == N
+                and T * S > 0):
+            return dense_attention(q, k, v, mask=mask, scale=scale)
         return xla_attention(q, k, v, bias=bias, return_weights=return_weights, **kwargs)
     if impl == "pallas" and not mask.has_static_offset and not mask.has_pattern:
         impl = "blockwise"  # a traced q_offset cannot drive the kernels' static block skipping; same meaning

@@ -165,6 +165,8 @@ class LoggingConfig(_Section):
                                    "first block first) to the train rows")
     progress: bool = True
     tensorboard: bool = True
+    peak_tflops: float | None = Field(None, gt=0.0, description="per-device peak for the mfu column (None: the "
+                                      "datasheet bf16 peak of known GPUs/TPUs, a measured fp32 matmul on CPU)")
 
 
 class SampleConfig(_Section):

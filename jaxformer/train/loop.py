@@ -24,7 +24,7 @@ from jaxformer.train.checkpoint import Checkpointer
 from jaxformer.train.corpus import Corpus, build_corpus
 from jaxformer.train.evaluation import (eval_batch_size, eval_line, eval_set, evaluate, evaluate_validation,
                                         has_validation)
-from jaxformer.train.metrics import MetricsWriter, ProgressBar, plain_console
+from jaxformer.train.metrics import MetricsWriter, ProgressBar, device_peak, mfu, plain_console
 from jaxformer.train.pipeline import TrainIterator
 from jaxformer.train.run_dir import (changed_keys, finished_summary, last_train_row, restore, saved_tokenizer_path,
                                      write_run_files)
@@ -103,11 +103,12 @@ def _run(cfg: C.ExperimentConfig, run_dir: Path, trainer: Trainer, corpus: Corpu
     writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, resume_step=start, enabled=main)
     bar = ProgressBar(cfg.steps, start, enabled=cfg.logging.progress and main, show=main, console=console)
     try:
-        bar.print(start_line(cfg, trainer.mesh, run_dir, start if resumed else None))
+        peak, peak_note = device_peak(trainer.mesh.devices.flat, cfg.logging.peak_tflops) if main else (None, "")
+        bar.print(start_line(cfg, trainer.mesh, run_dir, start if resumed else None, peak_note=peak_note))
         evalset = eval_set(cfg, corpus, cfg.eval.max_tokens)
         eval_bs = eval_batch_size(cfg, trainer.mesh)
         meta = {"config": C.to_dict(cfg)}
-        log = _StepLog(cfg, writer, bar, on_step, ckpt, last_saved=start if resumed else None)
+        log = _StepLog(cfg, writer, bar, on_step, ckpt, last_saved=start if resumed else None, peak_flops=peak)
         for step in range(start, cfg.steps):
             state, m = trainer.train_step(state, shd.put_batch(next(it), trainer.mesh))
             s = step + 1
@@ -148,8 +149,9 @@ def _run(cfg: C.ExperimentConfig, run_dir: Path, trainer: Trainer, corpus: Corpu
         writer.close()
 
 
-def start_line(cfg: C.ExperimentConfig, mesh, run_dir: Path, resumed_at: int | None) -> str:
-    """One line on what is about to run: model size, devices and mesh, tokens per step, where it goes."""
+def start_line(cfg: C.ExperimentConfig, mesh, run_dir: Path, resumed_at: int | None, *, peak_note: str = "") -> str:
+    """One line on what is about to run: model size, devices and mesh, tokens per step, where it goes
+    (and, given ``peak_note``, what the MFU column is measured against)."""
     from jaxformer.model import count_params
 
     n = count_params(cfg.model)
@@ -158,7 +160,8 @@ def start_line(cfg: C.ExperimentConfig, mesh, run_dir: Path, resumed_at: int | N
     what = f"resuming at step {resumed_at}" if resumed_at is not None else "new run"
     return (f"train: {n / 1e6:.2f} M parameters ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}) · "
             f"{devices}, mesh {layout} · {cfg.batch_size * cfg.seq_len:,} tokens/step "
-            f"({cfg.batch_size} x {cfg.seq_len}) · {cfg.steps:,} steps · {what} in {run_dir}")
+            f"({cfg.batch_size} x {cfg.seq_len}) · {cfg.steps:,} steps · {what} in {run_dir}"
+            + (f" · MFU vs {peak_note}" if peak_note else ""))
 
 
 class _StepLog:
@@ -166,13 +169,17 @@ class _StepLog:
     non-finite values stop the run, rows go to metrics.jsonl / TensorBoard / the progress bar."""
 
     def __init__(self, cfg: C.ExperimentConfig, writer: MetricsWriter, bar: ProgressBar, on_step,
-                 ckpt: Checkpointer, *, last_saved: int | None):
+                 ckpt: Checkpointer, *, last_saved: int | None, peak_flops: float | None = None):
+        from jaxformer.model import flops_per_token
+
         self.cfg, self.writer, self.bar, self.on_step, self.ckpt = cfg, writer, bar, on_step, ckpt
         self.last_saved = last_saved
         self.pending: list[tuple[int, dict]] = []
         self.last: dict = {}
         self.t, self.t_step = None, None
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
+        self.peak_flops = peak_flops  # None: the device's peak is unknown, rows carry no mfu
+        self.flops_per_token = flops_per_token(cfg.model, cfg.seq_len)
 
     def push(self, step: int, metrics) -> None:
         self.pending.append((step, metrics))
@@ -215,11 +222,14 @@ class _StepLog:
             log = s % every == 0 or s == self.cfg.steps
             row = {"step": s, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
                    "tokens_per_s": tps, "param_norm": m["param_norm"]}
+            util = mfu(self.flops_per_token, tps, self.peak_flops)
+            if self.peak_flops is not None:
+                row["mfu"] = util
             if "grad_norm_layers" in m:
                 row["grad_norm_layers"] = m["grad_norm_layers"]
             if log:
                 self.writer.write(row)
-            self.bar.update(s, m["loss"], tps, log)
+            self.bar.update(s, m["loss"], tps, log, mfu=util)
             self.last = row
             if self.on_step is not None:
                 self.on_step(s, row)

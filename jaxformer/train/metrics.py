@@ -1,19 +1,110 @@
 """What the user sees: ``RUN_DIR/metrics.jsonl``, tensorboardX events in ``RUN_DIR/tb/``, a rich progress bar.
 
-Train rows: ``{"step", "loss", "lr", "grad_norm", "tokens_per_s", ...}``; eval
+Train rows: ``{"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", ...}``; eval
 rows: ``{"step", "val_loss", "val_bpb", ...}``. On resume from step ``s`` the
 rows after ``s`` (written by the interrupted run) are dropped and TensorBoard
 purges them too, so the files read as one uninterrupted run.
+
+MFU (model FLOPs utilisation) = model FLOPs per token (:func:`jaxformer.model.flops_per_token`,
+forward + backward, the 6N + 12 L T d count) x tokens/s / the peak of the devices the run uses:
+:func:`device_peak` finds it, in this order: ``logging.peak_tflops`` (per device) when given; the
+vendor datasheet's dense bf16 peak for known GPUs and TPUs (:data:`DATASHEET_PEAK_TFLOPS`); on CPU a
+1024^3 fp32 matmul timed once per process (:func:`measured_cpu_peak`). Unknown accelerators give no MFU.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+# Dense (no sparsity) bf16 peak per device, TFLOP/s, from the vendors' datasheets, keyed by a lower-case
+# prefix of ``jax.Device.device_kind``; the first match wins, so the specific kinds come first.
+# NVIDIA lists H100/H200 SXM 1,979, H100 PCIe 1,513, H100/H200 NVL 1,671 and A100 624 TFLOP/s "with
+# sparsity" (half of it dense); Google Cloud lists per chip v4 275, v5e 197, v5p 459, v6e 918.
+DATASHEET_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("nvidia h100 pcie", 756.0),
+    ("nvidia h100 nvl", 835.0),
+    ("nvidia h200 nvl", 835.0),
+    ("nvidia h100", 989.0),   # "NVIDIA H100 80GB HBM3" (SXM)
+    ("nvidia h200", 989.0),
+    ("nvidia a100", 312.0),   # SXM4 and PCIe, 40 and 80 GB
+    ("tpu v4 lite", 0.0),     # v4i: inference chip, no published training peak -> no MFU
+    ("tpu v4", 275.0),
+    ("tpu v5 lite", 197.0),   # v5e
+    ("tpu v5e", 197.0),
+    ("tpu v5p", 459.0),
+    ("tpu v5", 459.0),        # v5p reports "TPU v5"
+    ("tpu v6 lite", 918.0),   # v6e (Trillium)
+    ("tpu v6e", 918.0),
+)
+
+
+def datasheet_peak_tflops(device_kind: str) -> float | None:
+    """The dense bf16 datasheet peak (TFLOP/s per device) of ``device_kind``, or None when not in the table."""
+    kind = device_kind.strip().lower()
+    for prefix, tflops in DATASHEET_PEAK_TFLOPS:
+        if kind.startswith(prefix):
+            return tflops or None
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def measured_cpu_peak(n: int = 1024, min_calls: int = 5, max_calls: int = 60, budget_s: float = 0.25) -> float:
+    """FLOP/s of an ``n^3`` fp32 matmul on the default CPU device: the best of at least ``min_calls`` timed
+    calls (after a compile and a warm-up call), more while under ``budget_s`` seconds, at most ``max_calls``;
+    measured once per process. The best of many short calls, not of a few: a run's own host threads (the
+    data pipeline filling its buffer) can take a core for a few milliseconds, and 5 calls then measured one
+    core of two (0.25 vs 0.49 TFLOP/s on a 2-core box)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(f(a))
+    best, calls, start = math.inf, 0, time.perf_counter()
+    while calls < min_calls or (calls < max_calls and time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a))
+        best = min(best, time.perf_counter() - t0)
+        calls += 1
+    return 2.0 * n**3 / best
+
+
+def device_peak(devices, override_tflops: float | None = None) -> tuple[float | None, str]:
+    """``(peak FLOP/s of all of ``devices`` together, where the figure comes from)``; ``(None, why)`` when unknown.
+
+    ``override_tflops`` is the peak of one device, or on CPU of one process: the CPU devices of a
+    process (``jax_num_cpu_devices``) share its cores, so there the peak counts processes, not devices.
+    """
+    devices = list(devices)
+    kind = devices[0].device_kind
+    if devices[0].platform == "cpu":
+        units, unit = len({d.process_index for d in devices}), "process"
+        if override_tflops is None:
+            peak = measured_cpu_peak()
+            return peak * units, f"{peak / 1e12:.3f} TFLOP/s per {unit} (measured fp32 matmul)"
+    else:
+        units, unit = len(devices), "device"
+    if override_tflops is not None:
+        return override_tflops * 1e12 * units, f"{override_tflops:g} TFLOP/s per {unit} (logging.peak_tflops)"
+    tflops = datasheet_peak_tflops(kind)
+    if tflops is None:
+        return None, f"no peak known for {kind!r}: set logging.peak_tflops for MFU"
+    return tflops * 1e12 * units, f"{tflops:g} TFLOP/s per device ({kind}, datasheet dense bf16)"
+
+
+def mfu(flops_per_token: float, tokens_per_s: float | None, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation: ``flops_per_token * tokens_per_s / peak_flops`` (None if either is unknown)."""
+    if tokens_per_s is None or not peak_flops:
+        return None
+    return flops_per_token * tokens_per_s / peak_flops
 
 
 class MetricsWriter:
@@ -79,7 +170,7 @@ def plain_console() -> Console:
 
 
 class ProgressBar:
-    """Step, loss, tokens/s, ETA. Plain log lines instead when disabled or not on a terminal."""
+    """Step, loss, tokens/s, MFU (when known), ETA. Plain log lines instead when disabled or not on a terminal."""
 
     def __init__(self, total: int, start: int, *, enabled: bool, show: bool = True,
                  console: Console | None = None):
@@ -92,17 +183,21 @@ class ProgressBar:
             self._bar = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                TextColumn("ETA"), TimeRemainingColumn(), console=self.console, transient=False,
+                TextColumn("{task.fields[mfu]}"), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
+                transient=False,
             )
-            self._task = self._bar.add_task("train", total=total, completed=start, loss="-", tps="-")
+            self._task = self._bar.add_task("train", total=total, completed=start, loss="-", tps="-", mfu="")
             self._bar.start()
 
-    def update(self, step: int, loss: float, tokens_per_s: float | None, log: bool) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float | None, log: bool,
+               mfu: float | None = None) -> None:
         tps = "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
+        util = "" if mfu is None else f"MFU {mfu:.1%}"
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=tps)
+            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=tps, mfu=util)
         elif self.enabled and log:
-            self.console.print(f"step {step}  loss {loss:.4f}  {tps} tok/s", highlight=False)
+            self.console.print(f"step {step}  loss {loss:.4f}  {tps} tok/s" + (f"  {util}" if util else ""),
+                               highlight=False)
 
     def print(self, text: str) -> None:
         if not self.show:

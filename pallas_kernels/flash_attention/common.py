@@ -73,6 +73,8 @@ class BlockSizes:
 
     @classmethod
     def default(cls, backend: str) -> "BlockSizes":
+        """Generic tiles per backend. The GPU dispatcher does not use these: it takes its tiles (and warps,
+        stages) from :mod:`pallas_kernels.block_table`, per architecture, head dim and dtype."""
         if backend == "gpu":
             return cls(block_q=128, block_k=64, block_q_dkv=64, block_k_dkv=128, block_q_dq=128, block_k_dq=64)
         if backend == "tpu":

@@ -14,6 +14,11 @@ masked, padded query rows are dropped.
 
 The kv head of query head ``n`` is ``n // G``, chosen in the BlockSpec index
 map; K/V are never repeated.
+
+Tiles, warps and pipeline stages: :mod:`pallas_kernels.block_table`, per GPU
+architecture (read at call time), padded head dim, dtype and kernel; entries
+compile for sm_90a / sm_80 without register spills (``experiments/bench/gpu_compile.py``).
+A caller's ``block_sizes`` replaces the tiles (warps and stages stay the table's).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import block_table
 from pallas_kernels.flash_attention import common
 from pallas_kernels.flash_attention.common import BlockSizes, MaskParams
 
@@ -65,6 +71,8 @@ class _Static:
     H: int  # true head dim
     n_rand: int = 0  # random blocks per query row (rows of Aux.rand actually used)
     rand_size: int = 1
+    # (num_warps, num_stages) of the forward, dq and dk/dv kernels (block_table.py)
+    launch: tuple[tuple[int, int], tuple[int, int], tuple[int, int]] = ((4, 2), (4, 2), (4, 2))
 
 
 def _iota(n: int):
@@ -109,10 +117,12 @@ def _split_refs(refs, aux_flags):
     return main, qseg, kseg, ln, sl, _Pat(*pat), refs
 
 
-def _row_terms(st: "_Static", pat: _Pat, load_qg, load_rand):
-    """Per-row pattern terms of a q tile: (q_glob ``[bq, 1]`` or None, random starts: list of ``[bq, 1]``)."""
-    q_glob = None if pat.qg is None else load_qg()[:, None]
-    rand = [] if pat.rnd is None else [load_rand(t)[:, None] for t in range(st.n_rand)]
+def _row_terms(st: "_Static", pat: _Pat, load_qg, load_rand, transposed: bool = False):
+    """Per-row pattern terms of a q tile: (q_glob ``[bq, 1]`` or None, random starts: list of ``[bq, 1]``);
+    ``[1, bq]`` each when ``transposed`` (the dk/dv kernel's ``[bk, bq]`` tiles)."""
+    col = (lambda x: x[None, :]) if transposed else (lambda x: x[:, None])
+    q_glob = None if pat.qg is None else col(load_qg())
+    rand = [] if pat.rnd is None else [col(load_rand(t)) for t in range(st.n_rand)]
     return q_glob, rand
 
 
@@ -232,8 +242,8 @@ def _row_pat_specs(aux: Aux, lst, bq: int, Sp: int):
     ]
 
 
-def _warps(H: int) -> int:
-    return 4 if H <= 64 else 8
+def _compiler_params(launch: tuple[int, int]):
+    return plgpu.CompilerParams(num_warps=launch[0], num_stages=launch[1])
 
 
 def _fwd_call(q, k, v, aux: Aux, st: _Static):
@@ -267,7 +277,7 @@ def _fwd_call(q, k, v, aux: Aux, st: _Static):
             pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i)),
         ],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, N, Tp), _F32)],
-        compiler_params=plgpu.CompilerParams(num_warps=_warps(Hp), num_stages=2),
+        compiler_params=_compiler_params(st.launch[0]),
         interpret=st.interpret,
         name="flash_attention_fwd",
     )(q, k, v, *aux_args)
@@ -336,7 +346,7 @@ def _dq_call(q, k, v, do, lse, delta, aux: Aux, st: _Static):
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *aux_specs],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=_warps(Hp), num_stages=2),
+        compiler_params=_compiler_params(st.launch[1]),
         interpret=st.interpret,
         name="flash_attention_dq",
     )(q, k, v, do, lse, delta, *aux_args)
@@ -346,16 +356,22 @@ def _dq_call(q, k, v, do, lse, delta, aux: Aux, st: _Static):
 
 
 def _dkv_kernel(*refs, st: _Static, bq: int, bk: int, G: int, flags, check_kv_len: bool):
+    """dk, dv of one kv block, its tiles transposed (``[bk, bq]``: keys down, queries across).
+
+    ``sT = k qT``, ``dv += pT do``, ``dpT = v doT``, ``dk += dsT q``: every dot takes its register
+    operand as it was computed, so no ``[bq, bk]`` tile is transposed in registers (that costs a trip
+    through shared memory and, on sm_80/sm_90, the registers that made this kernel spill).
+    """
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qseg_ref, kseg_ref, len_ref, slope_ref, pat, \
         (dk_ref, dv_ref) = _split_refs(refs, flags)
     p = st.params
     kj = pl.program_id(2)
     k = k_ref[...]
     v = v_ref[...]
-    k_pos = (kj * bk + _iota(bk))[None, :]
-    kv_seg = None if kseg_ref is None else kseg_ref[...][None, :]
+    k_pos = (kj * bk + _iota(bk))[:, None]
+    kv_seg = None if kseg_ref is None else kseg_ref[...][:, None]
     kv_length = None if len_ref is None else len_ref[0]
-    kv_glob = None if pat.kg is None else pat.kg[...][None, :]
+    kv_glob = None if pat.kg is None else pat.kg[...][:, None]
     if pat.lst is None:
         lo, hi = common.q_block_range(p, kj, bq, bk)
 
@@ -367,21 +383,21 @@ def _dkv_kernel(*refs, st: _Static, bq: int, bk: int, G: int, flags, check_kv_le
             start = pl.multiple_of(i * bq, bq)
             q = q_ref[pl.ds(start, bq), g, :]
             do = do_ref[pl.ds(start, bq), g, :]
-            lse = lse_ref[g, pl.ds(start, bq)][:, None]
-            delta = delta_ref[g, pl.ds(start, bq)][:, None]
-            q_pos = (start + p.q_offset + _iota(bq))[:, None]
-            q_seg = None if qseg_ref is None else qseg_ref[pl.ds(start, bq)][:, None]
+            lse = lse_ref[g, pl.ds(start, bq)][None, :]
+            delta = delta_ref[g, pl.ds(start, bq)][None, :]
+            q_pos = (start + p.q_offset + _iota(bq))[None, :]
+            q_seg = None if qseg_ref is None else qseg_ref[pl.ds(start, bq)][None, :]
             q_glob, rand = _row_terms(st, pat, lambda: pat.qg[pl.ds(start, bq)],
-                                      lambda t: pat.rnd[g, t, pl.ds(start, bq)])
+                                      lambda t: pat.rnd[g, t, pl.ds(start, bq)], transposed=True)
             pattern = common.pattern_terms(k_pos, q_glob=q_glob, kv_glob=kv_glob, rand_starts=rand,
                                            rand_size=st.rand_size)
-            s, dscale = _mask_and_logits(p, _dot(q, k, (1, 1)), q_pos, k_pos, slope=slope, q_seg=q_seg,
+            s, dscale = _mask_and_logits(p, _dot(k, q, (1, 1)), q_pos, k_pos, slope=slope, q_seg=q_seg,
                                          kv_seg=kv_seg, kv_length=kv_length, static_mask=True,
                                          check_kv_len=check_kv_len, pattern=pattern)
             pr = jnp.exp(s - lse)
-            dv = dv + _dot(pr.astype(do.dtype), do, (0, 0))
-            ds = pr * (_dot(do, v, (1, 1)) - delta) * dscale
-            dk = dk + _dot(ds.astype(q.dtype), q, (0, 0))
+            dv = dv + _dot(pr.astype(do.dtype), do, (1, 0))
+            ds = pr * (_dot(v, do, (1, 1)) - delta) * dscale
+            dk = dk + _dot(ds.astype(q.dtype), q, (1, 0))
             return dk, dv
 
         if pat.lst is not None:
@@ -426,7 +442,7 @@ def _dkv_call(q, k, v, do, lse, delta, aux: Aux, st: _Static):
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, *aux_specs],
         out_specs=[kv_spec, kv_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=plgpu.CompilerParams(num_warps=_warps(Hp), num_stages=2),
+        compiler_params=_compiler_params(st.launch[2]),
         interpret=st.interpret,
         name="flash_attention_dkv",
     )(q, k, v, do, lse, delta, *aux_args)
@@ -506,13 +522,16 @@ def flash_attention_gpu(q, k, v, *, causal: bool = False, window=None, q_segment
                              softcap=softcap)
     Hp = max(MIN_BLOCK, common.next_pow2(H))
     itemsize = jnp.dtype(q.dtype).itemsize
+    arch = block_table.gpu_arch()  # the device's compute capability, read at call (trace) time
+    cfg = [block_table.lookup(kernel, Hp, q.dtype, arch) for kernel in ("fwd", "dq", "dkv")]
     if block_sizes is None:
-        block_sizes = BlockSizes.default("gpu").fit(Hp, itemsize, MAX_TILE_BYTES, MIN_BLOCK)
+        block_sizes = table_block_sizes(Hp, q.dtype, arch)
     blocks = common.check_block_sizes(block_sizes, pow2=True, minimum=MIN_BLOCK, H=Hp, itemsize=itemsize,
                                       max_tile_bytes=MAX_TILE_BYTES).clipped(T, S, MIN_BLOCK)
     n_rand = 0 if random_kv_starts is None else int(jnp.shape(random_kv_starts)[1])
     st = _Static(params=params, blocks=blocks, interpret=bool(interpret), H=H, n_rand=n_rand,
-                 rand_size=1 if random_block_size is None else int(random_block_size))
+                 rand_size=1 if random_block_size is None else int(random_block_size),
+                 launch=tuple((c.num_warps, c.num_stages) for c in cfg))
     aux = Aux(
         q_seg=None if q_segment_ids is None else jnp.asarray(q_segment_ids, jnp.int32),
         kv_seg=None if kv_segment_ids is None else jnp.asarray(kv_segment_ids, jnp.int32),
@@ -522,6 +541,14 @@ def flash_attention_gpu(q, k, v, *, causal: bool = False, window=None, q_segment
     if block_map is not None:
         aux = aux._replace(**_pattern_operands(st, B, N, block_map, q_global, kv_global, random_kv_starts))
     return _flash(q, k, v, aux, st)
+
+
+def table_block_sizes(head_dim: int, dtype, arch: str | None = None) -> BlockSizes:
+    """The forward, dq and dk/dv tiles of :mod:`pallas_kernels.block_table` for a padded ``head_dim``,
+    ``dtype`` and ``arch`` (default: this machine's GPU, sm90 without one)."""
+    fwd, dq, dkv = (block_table.lookup(kernel, head_dim, dtype, arch) for kernel in ("fwd", "dq", "dkv"))
+    return BlockSizes(block_q=fwd.block_q, block_k=fwd.block_k, block_q_dkv=dkv.block_q, block_k_dkv=dkv.block_k,
+                      block_q_dq=dq.block_q, block_k_dq=dq.block_k)
 
 
 def _tile_lists(block_map, st: _Static, N: int, bq: int, bk: int, rows: int, transpose: bool):

@@ -8,6 +8,8 @@ block table names (no contiguous copy of the cache is ever made), and keeps an
 online softmax. It writes its unnormalised accumulator with the running max and
 sum, which the caller merges across splits by log-sum-exp (flash-decoding). With
 a sliding ``window`` the walk starts at the first page holding a visible key.
+Warps and pipeline stages come from :mod:`pallas_kernels.block_table` (the ``"paged"`` entry of
+the device's architecture, head dim and dtype) unless the caller passes them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float
 
+from pallas_kernels import block_table
 from pallas_kernels.typing import BlockTables, Lengths, Pages
 
 NEG_INF = float("-inf")
@@ -82,14 +85,19 @@ def _kernel(lengths_ref, tables_ref, q_ref, slopes_ref, k_ref, v_ref, acc_ref, m
 def paged_attention_partials_gpu(q: Float[Array, "B K G H"], k_pages: Pages, v_pages: Pages, block_tables: BlockTables,
                                  lengths: Lengths, slopes: Float[Array, "B K G"] | None, *, scale: float,
                                  softcap: float | None, pages_per_split: int, window: int | None = None,
-                                 interpret: bool = False, num_warps: int = 4, num_stages: int = 2,
+                                 interpret: bool = False, num_warps: int | None = None, num_stages: int | None = None,
                                  ) -> tuple[Float[Array, "B K Z G H"], Float[Array, "B K Z G"], Float[Array, "B K Z G"]]:
     """Per-split partial results for ``q [B, K, G, H]`` (already grouped by kv head).
 
     ``slopes``: ``[B, K, G]`` fp32 or None; ``window``: None or the keys each query sees.
-    Returns ``acc [B, K, Z, G, H]`` (unnormalised, fp32), ``m, l [B, K, Z, G]`` (running max
-    and sum of ``exp(s - m)``) for the ``Z = ceil(M / pages_per_split)`` splits.
+    ``num_warps`` / ``num_stages``: None takes the block table's ``"paged"`` entry for this GPU, read
+    when the call is traced. Returns ``acc [B, K, Z, G, H]`` (unnormalised, fp32), ``m, l [B, K, Z, G]``
+    (running max and sum of ``exp(s - m)``) for the ``Z = ceil(M / pages_per_split)`` splits.
     """
+    if num_warps is None or num_stages is None:
+        cfg = block_table.lookup("paged", max(16, _next_pow2(q.shape[-1])), q.dtype)
+        num_warps = cfg.num_warps if num_warps is None else num_warps
+        num_stages = cfg.num_stages if num_stages is None else num_stages
     B, K, G, H = q.shape
     _, P, L, _ = k_pages.shape
     M = block_tables.shape[1]
