@@ -12,9 +12,9 @@ Keys:
 
 * arch family: ``"sm90"`` (compute capability 9.x-11.x: H100/H200, B200; 227 KiB shared per
   block), ``"sm80"`` (8.0 A100, 8.7; 163 KiB) or ``"sm86"`` (8.6, 8.9, 12.x: RTX 30/40/50, L4, L40;
-  99 KiB). Read from the first GPU at call (trace) time; with no GPU (CPU, interpret mode,
-  ``jax.export`` for CUDA) the sm90 entry. ``$PALLAS_KERNELS_GPU_ARCH`` (e.g. ``sm80`` or ``8.0``)
-  or :func:`target_arch` pins it.
+  99 KiB; also any other or unknown device). Read from the first GPU at call (trace) time; with no GPU
+  (CPU, interpret mode, ``jax.export`` for CUDA) the sm90 entry. ``$PALLAS_KERNELS_GPU_ARCH`` (e.g.
+  ``sm80`` or ``8.0``) or :func:`target_arch` pins it.
 * head dim: the padded head dim (power of two >= 16) rounded up to 64, 128 or 256.
 * dtype: ``"bf16"`` (bfloat16 and float16) or ``"f32"``.
 * kernel: ``"fwd"``, ``"dq"``, ``"dkv"`` (flash attention; ``block_q``, ``block_k`` their tiles)
@@ -148,18 +148,19 @@ def _major_minor(arch) -> tuple[int, int] | None:
 def arch_family(arch) -> str:
     """Compute capability (``"9.0"``, ``"sm_80"``, ``"sm90a"``, ``86``, ``(8, 9)``) -> table family.
 
-    8.0, 8.7 -> sm80 (163 KiB shared per block); 8.6, 8.9, 12.x -> sm86 (99 KiB); 9.x, 10.x, 11.x and
-    anything unknown (a ROCm name) -> sm90 (227 KiB).
+    8.0, 8.7 -> sm80 (163 KiB shared per block); 9.x, 10.x, 11.x -> sm90 (227 KiB); 8.6, 8.9, 12.x and
+    anything else (7.x, a ROCm name) -> sm86, the smallest tiles (99 KiB): an unknown device gets the entries
+    most likely to fit, not the largest.
     """
     mm = _major_minor(arch)
     if mm is None:
-        return DEFAULT_ARCH
+        return "sm86"
     major, minor = mm
     if major == 8:
         return "sm86" if minor in (6, 9) else "sm80"
-    if major == 12:
-        return "sm86"
-    return DEFAULT_ARCH
+    if major in (9, 10, 11):
+        return "sm90"
+    return "sm86"
 
 
 def gpu_arch() -> str:
@@ -176,7 +177,7 @@ def gpu_arch() -> str:
         device = jax.local_devices(backend="gpu")[0]
     except RuntimeError:  # no GPU backend
         return DEFAULT_ARCH
-    return arch_family(getattr(device, "compute_capability", DEFAULT_ARCH))
+    return arch_family(getattr(device, "compute_capability", None))  # None (not CUDA): the smallest tiles
 
 
 @contextlib.contextmanager

@@ -9,7 +9,8 @@ instructions XLA may emit (a cap above what the CPU has changes nothing, so AVX5
 machine repeats the AVX2 cell).
 
 The family: every attention path's forward and gradients with softcap + ALiBi + causal + GQA and
-empty rows, against its independent reference.
+empty rows, against its independent reference, and the dense training path (hand-written derivative,
+causal chunks) against autodiff of the reference.
 """
 
 import os
@@ -25,6 +26,7 @@ FAMILY = [
     "tests/nn/test_modules.py::test_attention_matches_reference_forward_and_grad",
     "tests/ops/test_attention.py::test_gradients_match_float64_reference",
     "tests/ops/test_attention.py::test_fully_masked_rows_are_zero_with_zero_gradients",
+    "tests/ops/test_attention.py::test_dense_training_path_matches_reference_values_and_gradients",
     "tests/ops/test_attention_impls.py::test_impls_agree",
     "tests/ops/test_blockwise.py::test_causal_mqa_window_alibi_softcap",
     "tests/ops/test_blockwise.py::test_segments_lengths_and_empty_rows",

@@ -520,11 +520,11 @@ def search(archs, hds, dtypes, kernels, python: str, workers: int, work: str, lo
                 continue
             c = resolve(key)
             if c is False:
-                least = least_spilling(state[key])
+                least = least_spilling(state[key], len(PAGE_SIZES) if key[3] == "paged" else len(probe))
                 state[key] = None
                 if least is None:
-                    log(f"  {arch_name(key[0])} hd{key[1]} {key[2]} {key[3]}: NO candidate compiles within "
-                        "shared memory")
+                    log(f"  {arch_name(key[0])} hd{key[1]} {key[2]} {key[3]}: NO candidate compiled in every "
+                        "variant within shared memory: no entry written")
                 else:
                     chosen[key] = least["cfg"]
                     log(f"  {arch_name(key[0])} hd{key[1]} {key[2]} {key[3]}: NO spill-free candidate; the least "
@@ -557,11 +557,13 @@ def _worst_spill(c: dict) -> int:
     return max(r["spill_st"] + r["spill_ld"] for r in c["rows"])
 
 
-def least_spilling(cands: list[dict]) -> dict | None:
-    """When no candidate is ok: the one whose compiled variants all fit shared memory with the smallest worst
-    spill (what the table then holds, so the dispatcher still has an entry; the report shows the spill)."""
-    fits = [c for c in cands if c.get("rows") and all("error" not in r and r["shared"] <= SHARED_LIMIT.get(
-        r["arch"], 99 * 1024) for r in c["rows"])]
+def least_spilling(cands: list[dict], n_variants: int) -> dict | None:
+    """When no candidate is ok: among those compiled in all ``n_variants`` variants (a candidate that failed its
+    probe was not compiled in the others, so its worst case is unknown), the one that fits shared memory
+    everywhere with the smallest worst spill (what the table then holds, so the dispatcher still has an
+    entry; the report shows the spill). None when there is no such candidate."""
+    fits = [c for c in cands if len({r["variant"] for r in c.get("rows", ())}) == n_variants
+            and all("error" not in r and r["shared"] <= SHARED_LIMIT.get(r["arch"], 99 * 1024) for r in c["rows"])]
     return min(fits, key=_worst_spill, default=None)
 
 

@@ -129,7 +129,7 @@ def hand_step_fn(cfg: C.ExperimentConfig, params_like):
 # -- the PyTorch twin (optional anchor: torch is never a dependency of the library) --------------
 
 def torch_twin(cfg: C.ExperimentConfig, params, batches):
-    """``(step, n_params, first_loss, torch)``: the same GPT written the way a PyTorch user would (nanoGPT:
+    """``(step, n_params, torch)``: the same GPT written the way a PyTorch user would (nanoGPT:
     fused QKV ``Linear``, ``F.scaled_dot_product_attention``, ``nn.LayerNorm``, ``GELU(tanh)``, tied head),
     initialised from the library's parameters, trained with ``torch.optim.AdamW`` (same betas, eps, weight
     decay and decay mask: matrices only), ``clip_grad_norm_`` and the same warmup + cosine schedule, on the
@@ -243,11 +243,19 @@ def variant_step(name: str, cfg: C.ExperimentConfig, mesh, state, batch):
     def autodiff(q, k, v, *, mask=None, scale=None):
         return A.xla_attention(q, k, v, mask=mask, scale=scale)
 
+    from jaxformer.train import step as step_mod
+
     patch = (mock.patch.object(A, "dense_attention", autodiff) if name == "before"
              else mock.patch.object(A, "_CHUNK", 1 << 30))
-    other = cfg.model_copy(update={"steps": cfg.steps + 1})  # a fresh trainer (make_trainer caches per config)
-    with patch:
-        return make_trainer(other, mesh).train_step.lower(state, batch).compile()
+    # make_trainer caches one Trainer (one jitted step, one trace) per config: a cached one would be lowered from
+    # the trace it already has, without the patch. Emptied before, so the step is built and traced under the
+    # patch, and after, so nothing later is handed the patched trainer.
+    step_mod._make_trainer.cache_clear()
+    try:
+        with patch:
+            return make_trainer(cfg, mesh).train_step.lower(state, batch).compile()
+    finally:
+        step_mod._make_trainer.cache_clear()
 
 
 def main(argv=None):
@@ -308,6 +316,12 @@ def main(argv=None):
     tol = 1e-4 if args.dtype == "float32" else 2e-2
     variants = {f"library {n}": [variant_step(n, cfg, mesh, state, batches[0]), jax.tree.map(jnp.copy, state)]
                 for n, on in (("before", args.before), ("no chunks", args.no_chunks)) if on}
+    if variants:  # each variant must be its own program, or its row times the library (or another variant) again
+        texts = {"library": trainer.train_step.lower(state, batches[0]).compile().as_text(),
+                 **{name: v[0].as_text() for name, v in variants.items()}}
+        if len(set(texts.values())) != len(texts):
+            raise SystemExit(f"variants compiled to the same program: {sorted(texts)}")
+        print(f"compiled programs differ: {', '.join(texts)}")
     state, m = trainer.train_step(state, batches[0])
     lib_l = float(m["loss"])
     firsts = {}

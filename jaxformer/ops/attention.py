@@ -28,6 +28,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from jaxformer.ops import blockwise, flash, sparse
@@ -182,8 +183,17 @@ def dense_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec | None
         raise ValueError(f"dense_attention needs as many kv heads as query heads, got N={N}, K={K}")
     mask = MaskSpec() if mask is None else mask
     mask.validate(B, T, S, N)
+    if T * S == 0:  # no keys: every row sees nothing, and such rows are zero
+        return jnp.zeros(q.shape, q.dtype)
+    if not _static_scale(scale):  # a traced scale: the reference, whose autodiff differentiates it too
+        return xla_attention(q, k, v, mask=mask, scale=scale)
     scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
     return _dense_attention(q, k, v, mask.dense_heads(T, S), scale, causal_chunks(T, S, mask))
+
+
+def _static_scale(scale) -> bool:
+    """None or a Python / NumPy number: a constant the hand-written derivative may close over."""
+    return scale is None or isinstance(scale, (int, float, np.number))
 
 
 def attention_logit_stats(q: Query, k: KeyValue, *, mask: MaskSpec | None = None, scale: float | None = None,
@@ -276,7 +286,7 @@ def dot_product_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec 
     kwargs = dict(mask=mask, scale=scale, alibi_slopes=alibi_slopes, softcap=softcap)
     if impl == "xla":
         if (bias is None and not return_weights and alibi_slopes is None and softcap is None and K == N
-                and T * S > 0):
+                and T * S > 0 and _static_scale(scale)):
             return dense_attention(q, k, v, mask=mask, scale=scale)
         return xla_attention(q, k, v, bias=bias, return_weights=return_weights, **kwargs)
     if impl == "pallas" and not mask.has_static_offset and not mask.has_pattern:

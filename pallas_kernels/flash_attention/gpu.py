@@ -17,8 +17,9 @@ map; K/V are never repeated.
 
 Tiles, warps and pipeline stages: :mod:`pallas_kernels.block_table`, per GPU
 architecture (read at call time), padded head dim, dtype and kernel; entries
-compile for sm_90a / sm_80 without register spills (``experiments/bench/gpu_compile.py``).
-A caller's ``block_sizes`` replaces the tiles (warps and stages stay the table's).
+compile for sm_90a / sm_80 / sm_86 without register spills (``experiments/bench/gpu_compile.py``).
+A caller's ``block_sizes`` replaces the table: its tiles, launched with 4 warps up to head dim 64 else 8
+and 2 stages.
 """
 
 from __future__ import annotations
@@ -522,16 +523,19 @@ def flash_attention_gpu(q, k, v, *, causal: bool = False, window=None, q_segment
                              softcap=softcap)
     Hp = max(MIN_BLOCK, common.next_pow2(H))
     itemsize = jnp.dtype(q.dtype).itemsize
-    arch = block_table.gpu_arch()  # the device's compute capability, read at call (trace) time
-    cfg = [block_table.lookup(kernel, Hp, q.dtype, arch) for kernel in ("fwd", "dq", "dkv")]
-    if block_sizes is None:
+    if block_sizes is None:  # the table's tiles with its warps and stages, for the device read at trace time
+        arch = block_table.gpu_arch()
         block_sizes = table_block_sizes(Hp, q.dtype, arch)
+        launch = tuple((c.num_warps, c.num_stages) for c in
+                       (block_table.lookup(kernel, Hp, q.dtype, arch) for kernel in ("fwd", "dq", "dkv")))
+    else:  # a caller's tiles: the generic launch (the table's stages were sized for the table's tiles)
+        launch = ((4 if Hp <= 64 else 8, 2),) * 3
     blocks = common.check_block_sizes(block_sizes, pow2=True, minimum=MIN_BLOCK, H=Hp, itemsize=itemsize,
                                       max_tile_bytes=MAX_TILE_BYTES).clipped(T, S, MIN_BLOCK)
     n_rand = 0 if random_kv_starts is None else int(jnp.shape(random_kv_starts)[1])
     st = _Static(params=params, blocks=blocks, interpret=bool(interpret), H=H, n_rand=n_rand,
                  rand_size=1 if random_block_size is None else int(random_block_size),
-                 launch=tuple((c.num_warps, c.num_stages) for c in cfg))
+                 launch=launch)
     aux = Aux(
         q_seg=None if q_segment_ids is None else jnp.asarray(q_segment_ids, jnp.int32),
         kv_seg=None if kv_segment_ids is None else jnp.asarray(kv_segment_ids, jnp.int32),

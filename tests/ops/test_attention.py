@@ -371,10 +371,61 @@ def test_dense_training_path_bf16_and_refusals():
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(xla_attention(q, k, v, mask=mask), np.float32),
                                atol=2e-2)
-    g = jax.grad(lambda q: jnp.sum(dense_attention(q, k, v, mask=mask).astype(jnp.float32)))(q)
-    assert g.dtype == jnp.bfloat16 and np.isfinite(np.asarray(g, np.float32)).all()
+    ct = rand((2, 128, 2, 16), 7)
+
+    def grads(fn):
+        return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, mask=mask).astype(jnp.float32) * ct), argnums=(0, 1, 2))(
+            q, k, v)
+
+    got, want = grads(dense_attention), grads(xla_attention)
+    # both round the same float32 math to bf16 at their outputs; |g| ~ 1, so 3e-2 is a few bf16 ulps (2^-7 each)
+    for g, w in zip(got, want):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=3e-2, rtol=3e-2)
     with pytest.raises(ValueError, match="kv heads"):
         dense_attention(q, k[:, :, :1], v[:, :, :1], mask=mask)
+
+
+def test_dense_training_path_every_mask_feature():
+    """K = N takes the dense path whatever the mask: global tokens, per-head random blocks, kv lengths and a
+    traced offset (one chunk: nothing static to skip) give the reference's values and gradients; an empty key
+    set falls back to the reference itself."""
+    from jaxformer.ops.attention import dense_attention, xla_attention
+    from jaxformer.ops.masks import RandomBlocks
+
+    B, T, N, H = 2, 128, 3, 8
+    q, k, v, ct = rand((B, T, N, H), 10), rand((B, T, N, H), 11), rand((B, T, N, H), 12), rand((B, T, N, H), 13)
+    masks = [
+        MaskSpec(causal=True, global_tokens=[0, 70], random_blocks=RandomBlocks(2, 16, seed=3, num_heads=N),
+                 window=(20, 0)),
+        MaskSpec(causal=True, kv_lengths=jnp.array([128, 77])),
+    ]
+    for mask in masks:
+        def loss(fn, q, k, v, off=None):
+            m = mask if off is None else MaskSpec(causal=True, q_offset=off, kv_lengths=mask.kv_lengths,
+                                                  global_tokens=mask.global_tokens)
+            return jnp.sum(fn(q, k, v, mask=m) * ct)
+
+        for off in (None, jnp.int32(0)):  # a traced offset: passed as a jit argument below
+            got = jax.jit(jax.grad(lambda q, k, v, o: loss(dense_attention, q, k, v, o), argnums=(0, 1, 2)))(
+                q, k, v, off)
+            want = jax.grad(lambda q, k, v: loss(xla_attention, q, k, v, off), argnums=(0, 1, 2))(q, k, v)
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6)
+    assert dense_attention(q, k[:, :0], v[:, :0]).shape == q.shape  # no keys: zeros, not a reduction error
+
+
+@pytest.mark.no_typecheck  # the annotations say `scale: float`; a traced one worked before the dense path
+def test_dense_training_path_traced_scale_falls_back():
+    """A traced scale (a learned temperature, say) cannot be closed over by the hand-written derivative:
+    impl="xla" then runs the reference, whose autodiff differentiates the scale too."""
+    from jaxformer.ops.attention import xla_attention
+
+    q, k, v, ct = (rand((1, 64, 2, 8), i) for i in range(4))
+    mask = MaskSpec(causal=True)
+    ds = jax.grad(lambda s: jnp.sum(dot_product_attention(q, k, v, mask=mask, scale=s, impl="xla") * ct))(0.3)
+    ds_ref = jax.grad(lambda s: jnp.sum(xla_attention(q, k, v, mask=mask, scale=s) * ct))(0.3)
+    np.testing.assert_allclose(ds, ds_ref, rtol=1e-5)
 
 
 def test_dense_training_path_second_order():

@@ -1,5 +1,6 @@
 """``experiments/bench/train_throughput.py`` at toy size: every contender's first loss agrees with the library's,
-the PyTorch twin (where torch is installed) has the library's parameter count, and the table and ratios print."""
+the library's variants compile to programs of their own, the PyTorch twin (where torch is installed) has the
+library's parameter count, and the table and ratios print."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def test_train_throughput_bench_toy(capsys):
     assert all(v > 0 for v in rows.values())
     assert "DISAGREE" not in out and out.count("(agree within") == len(rows) - 1
     assert "ratio library / library before tokens/s" in out and "MFU vs 1 TFLOP/s per process" in out
+    assert "compiled programs differ: library, library before, library no chunks" in out
     try:
         import torch  # noqa: F401
     except ImportError:
