@@ -26,7 +26,9 @@ FAMILY = [
     "tests/nn/test_modules.py::test_attention_matches_reference_forward_and_grad",
     "tests/ops/test_attention.py::test_gradients_match_float64_reference",
     "tests/ops/test_attention.py::test_fully_masked_rows_are_zero_with_zero_gradients",
-    "tests/ops/test_attention.py::test_dense_training_path_matches_reference_values_and_gradients",
+    # the training shape only (4 causal chunks, segments, a row that sees nothing): the other cases add time, not paths
+    "tests/ops/test_attention.py::test_dense_training_path_matches_reference_values_and_gradients"
+    "[256-256-True-None-True-None]",
     "tests/ops/test_attention_impls.py::test_impls_agree",
     "tests/ops/test_blockwise.py::test_causal_mqa_window_alibi_softcap",
     "tests/ops/test_blockwise.py::test_segments_lengths_and_empty_rows",

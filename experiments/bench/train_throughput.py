@@ -258,6 +258,19 @@ def variant_step(name: str, cfg: C.ExperimentConfig, mesh, state, batch):
         step_mod._make_trainer.cache_clear()
 
 
+def scan_remat_step(cfg: C.ExperimentConfig, mesh, state, batch):
+    """``[compiled step, state]`` of the same model with ``model.scan_layers`` and ``model.remat`` on (one
+    block compiled once and scanned over the layers; its activations recomputed in the backward instead
+    of stored), starting from the library's parameters, stacked along the layer axis."""
+    other = cfg.model_copy(update={"model": cfg.model.model_copy(update={"scan_layers": True, "remat": True})})
+    trainer = make_trainer(other, mesh)
+    params = jax.tree.map(jnp.copy, state["params"])
+    blocks = params["decoder"]["blocks"]
+    params["decoder"]["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[blocks[i] for i in range(len(blocks))])
+    st = trainer.init_state_from(params)
+    return [trainer.train_step.lower(st, batch).compile(), st]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--d-model", type=int, default=256)
@@ -276,6 +289,8 @@ def main(argv=None):
                    help="also time the library's step as it was before issue 16 (autodiff attention)")
     p.add_argument("--no-chunks", action="store_true",
                    help="also time the library's step without causal attention chunks")
+    p.add_argument("--scan-remat", action="store_true",
+                   help="add the library's step with model.scan_layers and model.remat on (same parameters)")
     p.add_argument("--config", help="time this experiment config's step instead (e.g. experiments/configs/"
                    "stdlib_bytes.yaml, the main job); only the library and its --before / --no-chunks variants")
     p.add_argument("--peak-tflops", type=float,
@@ -316,6 +331,8 @@ def main(argv=None):
     tol = 1e-4 if args.dtype == "float32" else 2e-2
     variants = {f"library {n}": [variant_step(n, cfg, mesh, state, batches[0]), jax.tree.map(jnp.copy, state)]
                 for n, on in (("before", args.before), ("no chunks", args.no_chunks)) if on}
+    if args.scan_remat:
+        variants["library scan+remat"] = scan_remat_step(cfg, mesh, state, batches[0])
     if variants:  # each variant must be its own program, or its row times the library (or another variant) again
         texts = {"library": trainer.train_step.lower(state, batches[0]).compile().as_text(),
                  **{name: v[0].as_text() for name, v in variants.items()}}
@@ -396,6 +413,13 @@ def main(argv=None):
             print(f"ratio library / {name} tokens/s: {rows['library'] / rows[name]:.3f} "
                   f"(per round: {' '.join(f'{r:.2f}' for r in per_round[name])}; goal >= {goal}); "
                   f"CPU time per step {cpu_med[name] / cpu_med['library']:.3f}")
+    if "library scan+remat" in rows:
+        for name in ("library", "torch eager"):
+            if name in rows and name != "library scan+remat":
+                sr = times["library scan+remat"]
+                print(f"ratio library scan+remat / {name} tokens/s: {rows['library scan+remat'] / rows[name]:.3f} "
+                      f"(per round: {' '.join(f'{b / a:.2f}' for a, b in zip(sr, times[name]))}); "
+                      f"CPU time per step {cpu_med[name] / cpu_med['library scan+remat']:.3f}")
     if "library before" in rows and "torch eager" in rows:
         print(f"ratio library before / torch eager tokens/s: {rows['library before'] / rows['torch eager']:.3f}; "
               f"CPU time per step {cpu_med['torch eager'] / cpu_med['library before']:.3f}")
