@@ -3,7 +3,7 @@
 ``model: {hf: DIR}`` in an experiment (:class:`jaxformer.train.config.HFModelConfig`) makes the
 checkpoint's parameters those of step 0 (:func:`initial_state`; the directory is read for
 weights only then) and its tokenizer the data's. The run directory keeps ``hf_source/``, a copy
-of the checkpoint's ``config.json`` and tokenizer files (:func:`copy_source`), so the run is
+of the checkpoint's ``config.json`` and tokenizer files (:func:`jaxformer.train.run_dir.copy_source`), so the run is
 resumed, evaluated, sampled and exported without the original directory; the resolved
 ``config.yaml`` records where it came from (``hf_source``).
 
@@ -16,54 +16,12 @@ supported family can express its model (else :class:`~jaxformer.interop.HFConfig
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 
 from jaxformer.train import config as C
-
-HF_SOURCE = "hf_source"
-"""The run directory's copy of the checkpoint's config.json and tokenizer files."""
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "source.spm", "target.spm",
-                   "chat_template.jinja", "chat_template.json")
-COPIED = ("config.json", "generation_config.json", *TOKENIZER_FILES)
-
-
-def source_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / HF_SOURCE
-
-
-def tokenizer_dir(cfg: C.ExperimentConfig, run_dir: str | Path) -> Path:
-    """Where a run from ``model.hf`` reads its tokenizer: its own copy once made, else the checkpoint."""
-    copy = source_dir(run_dir)
-    return copy if copy.is_dir() else Path(cfg.hf_source)
-
-
-def copy_files(src: str | Path, dst: str | Path, names=COPIED) -> list[str]:
-    """Copy the files of ``names`` that ``src`` has into ``dst`` (created); returns the names copied."""
-    src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    done = []
-    for name in names:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)
-            done.append(name)
-    return done
-
-
-def copy_source(cfg: C.ExperimentConfig, run_dir: str | Path) -> None:
-    """``RUN/hf_source/``: the checkpoint's config.json and tokenizer files (once; atomically)."""
-    dst = source_dir(run_dir)
-    if cfg.hf_source is None or dst.is_dir():
-        return
-    tmp = dst.with_name(f".{HF_SOURCE}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    copy_files(cfg.hf_source, tmp)
-    os.replace(tmp, dst)
-
+from jaxformer.train.run_dir import TOKENIZER_FILES, copy_files, load_run, run_tokenizer, source_dir
 
 def initial_state(cfg: C.ExperimentConfig, trainer):
     """The train state at step 0 of a run from ``cfg.hf_source``: the checkpoint's parameters, placed
@@ -106,7 +64,6 @@ def export_run(run_dir: str | Path, out: str | Path, *, dtype: str | None = None
     from jaxformer.interop.hf import CONFIG, families, guess_model_type, save_pretrained
     from jaxformer.interop.rules import HFConfigError
     from jaxformer.model import abstract_init
-    from jaxformer.train.run_dir import load_run, run_tokenizer
 
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / "config.yaml").is_file():

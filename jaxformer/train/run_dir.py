@@ -12,6 +12,8 @@ and a finished one is left as it is. Nothing is written until all of that is kno
 
 from __future__ import annotations
 
+import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -28,11 +30,54 @@ TRAJECTORY = ("seed", "batch_size", "seq_len", "model", "data", "optimizer", "sc
 """Config sections whose change alters the training trajectory (a resume warns about them)."""
 
 
+# -- a run from a Hugging Face checkpoint keeps its config.json and tokenizer in RUN/hf_source/
+
+HF_SOURCE = "hf_source"
+"""The run directory's copy of the checkpoint's config.json and tokenizer files."""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "source.spm", "target.spm",
+                   "chat_template.jinja", "chat_template.json")
+COPIED = ("config.json", "generation_config.json", *TOKENIZER_FILES)
+
+
+def source_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / HF_SOURCE
+
+
+def tokenizer_dir(cfg: C.ExperimentConfig, run_dir: str | Path) -> Path:
+    """Where a run from ``model.hf`` reads its tokenizer: its own copy once made, else the checkpoint."""
+    copy = source_dir(run_dir)
+    return copy if copy.is_dir() else Path(cfg.hf_source)
+
+
+def copy_files(src: str | Path, dst: str | Path, names=COPIED) -> list[str]:
+    """Copy the files of ``names`` that ``src`` has into ``dst`` (created); returns the names copied."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    done = []
+    for name in names:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            done.append(name)
+    return done
+
+
+def copy_source(cfg: C.ExperimentConfig, run_dir: str | Path) -> None:
+    """``RUN/hf_source/``: the checkpoint's config.json and tokenizer files (once; atomically)."""
+    dst = source_dir(run_dir)
+    if cfg.hf_source is None or dst.is_dir():
+        return
+    tmp = dst.with_name(f".{HF_SOURCE}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    copy_files(cfg.hf_source, tmp)
+    os.replace(tmp, dst)
+
+
 def tokenizer_path(cfg: C.ExperimentConfig, run_dir: Path) -> Path | None:
     """Where the run keeps its trained tokenizer (BPE), or reads a checkpoint's (``hf``: its
     ``hf_source/`` copy once made, the checkpoint directory before)."""
     if cfg.data.tokenizer == "hf":
-        from jaxformer.train.pretrained import tokenizer_dir
         return tokenizer_dir(cfg, Path(run_dir))
     return run_dir / "tokenizer.json" if cfg.data.tokenizer == "bpe" else None
 
@@ -106,7 +151,6 @@ def write_run_files(cfg: C.ExperimentConfig, run_dir: Path, tokenizer) -> None:
         return
     C.dump(cfg, run_dir / "config.yaml")
     if cfg.hf_source is not None:
-        from jaxformer.train.pretrained import copy_source
         copy_source(cfg, run_dir)
     path = tokenizer_path(cfg, run_dir)
     if cfg.data.tokenizer == "bpe" and not path.exists():

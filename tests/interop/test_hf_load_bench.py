@@ -4,16 +4,15 @@ match the tensors in the files, read here independently with ``safetensors.numpy
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
 
+from tests.bench_scripts import load_bench
+
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "experiments" / "bench" / "hf_load.py"
 
 
 def _row(cells: list[str]) -> dict:
@@ -28,13 +27,7 @@ def test_hf_load_bench_small(tmp_path, monkeypatch):
 
     ckpt, out, raw = tmp_path / "ckpt", tmp_path / "table.md", tmp_path / "raw.json"
     # the script's own process runs here (one jax start saved); each load still runs in a fresh subprocess
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("hf_load_bench", SCRIPT)
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    bench = load_bench("hf_load")
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     assert bench.main(["--small", "--dir", str(ckpt), "--out", str(out), "--json", str(raw)]) == 0
 

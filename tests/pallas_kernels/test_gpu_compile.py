@@ -13,10 +13,6 @@ and sm_86. A kernel passes with no register spill and shared memory within the a
   triton's cache cold); the whole matrix (head dims 64/128/256, fp32/bf16: 198 kernels, ~3.5 min) is ``slow``.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax.numpy as jnp
 import pytest
 
@@ -27,12 +23,9 @@ from pallas_kernels.flash_attention.gpu import (
     MIN_BLOCK,
     table_block_sizes,
 )
+from tests.bench_scripts import load_bench
 
-_PATH = Path(__file__).resolve().parents[2] / "experiments" / "bench" / "gpu_compile.py"
-_spec = importlib.util.spec_from_file_location("gpu_compile_bench", _PATH)
-gc = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = gc
-_spec.loader.exec_module(gc)
+gc = load_bench("gpu_compile")
 
 TRITON = gc.triton_python()
 needs_triton = pytest.mark.skipif(TRITON is None, reason="triton not installed (pip install -e '.[gpu-compile]' "

@@ -10,20 +10,15 @@ mask features, block-sparse lists; paged decode plain and with GQA / ALiBi / sof
   One generation at bf16 / hd 128 runs by default; the whole matrix is ``slow``.
 """
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "experiments" / "bench" / "tpu_compile.py"
-_spec = importlib.util.spec_from_file_location("tpu_compile_bench", _PATH)
-tc = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = tc
-_spec.loader.exec_module(tc)
+from tests.bench_scripts import load_bench
+
+tc = load_bench("tpu_compile")
 
 needs_libtpu = pytest.mark.skipif(not tc.libtpu_available(),
                                   reason="libtpu not installed (pip install -e '.[tpu-compile]')")

@@ -4,24 +4,13 @@ library's parameter count, and the table and ratios print."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "bench" / "train_throughput.py"
+from tests.bench_scripts import load_bench
 
 
 def _bench():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("train_throughput_bench", SCRIPT)
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return bench
+    return load_bench("train_throughput")
 
 
 def test_train_throughput_bench_toy(capsys):
