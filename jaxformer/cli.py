@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -43,9 +44,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                    "with --hf: the window length (default: the model's context, at most 1024)")
     e.add_argument("--stride", type=int, help="with --seq-len: sliding windows this far apart (as eval.stride)")
     e.add_argument("--bucket", type=int, help="with --seq-len: positions per bucket (default: half the trained length)")
+    e.add_argument("--json", action="store_true", help="print the results as one JSON line (default: readable)")
 
     i = sub.add_parser("info", help="parameters, FLOPs/token and memory per device")
-    i.add_argument("target", help="an experiment YAML or a preset name")
+    i.add_argument("target", help="an experiment YAML, a run directory (its config.yaml) or a preset name")
     i.add_argument("overrides", nargs="*", help="key.sub=value overrides; for a preset, experiment keys "
                    "(mesh.fsdp=8, batch_size=64, seq_len=4096) or model keys (n_layers=4, model.n_layers=4)")
     i.add_argument("--devices", type=int, help="plan for this many devices, none need be present "
@@ -114,7 +116,9 @@ def cmd_train(args) -> int:
     overrides = list(args.overrides) + ([f"steps={args.steps}"] if args.steps is not None else [])
     cfg = C.load(args.config, overrides)
     run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / Path(args.config).stem
-    summary = train(cfg, run_dir)
+    again = ["jaxformer", "train", args.config, "--run-dir", str(run_dir), *args.overrides]
+    again += ["--steps", str(args.steps)] if args.steps is not None else []
+    summary = train(cfg, run_dir, resume_command=shlex.join(again), exit_on_signal=True)  # Interrupted: 130 / 143
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "sample"}))
     else:
@@ -159,24 +163,50 @@ def cmd_eval(args) -> int:
             raise ValueError("eval --hf DIR needs --text FILE (the text to score)")
         if args.bucket is not None:
             raise ValueError("eval: --bucket goes with a run directory, not --hf")
-        print(json.dumps(evaluate_hf_text(args.hf, args.text, seq_len=args.seq_len,
-                                          max_tokens=None if limit == -1 else limit, stride=args.stride,
-                                          batch_size=args.batch_size, dtype=args.dtype,
-                                          compressors=args.compressors)))
-        return 0
+        return _print_eval(evaluate_hf_text(args.hf, args.text, seq_len=args.seq_len,
+                                            max_tokens=None if limit == -1 else limit, stride=args.stride,
+                                            batch_size=args.batch_size, dtype=args.dtype,
+                                            compressors=args.compressors), args.json)
     if args.text is not None:
         raise ValueError("eval: --text FILE goes with --hf DIR (a run is evaluated on its validation split)")
     if args.seq_len is None:
         if args.stride is not None or args.bucket is not None:
             raise ValueError("eval: --stride and --bucket go with --seq-len N")
-        print(json.dumps(evaluate_run(args.run_dir, max_tokens=limit, compressors=args.compressors)))
-        return 0
+        return _print_eval(evaluate_run(args.run_dir, max_tokens=limit, compressors=args.compressors), args.json)
     if args.compressors:
         raise ValueError("eval: --compressors goes without --seq-len")
     limit = 65536 if limit == -1 else limit
-    print(json.dumps(evaluate_run_at_length(args.run_dir, args.seq_len, max_tokens=limit, stride=args.stride,
-                                            bucket=args.bucket)))
+    return _print_eval(evaluate_run_at_length(args.run_dir, args.seq_len, max_tokens=limit, stride=args.stride,
+                                              bucket=args.bucket), args.json)
+
+
+def _print_eval(result: dict, as_json: bool) -> int:
+    print(json.dumps(result) if as_json else format_eval(result))
     return 0
+
+
+def format_eval(ev: dict) -> str:
+    """``jaxformer eval``'s results in a few lines (``--json``: the dict itself): loss and bits per byte,
+    the compressors beside them, and with ``--seq-len`` a table of the loss per position bucket."""
+    if "model" in ev:  # --hf DIR --text FILE
+        head = [f"loss {ev['loss']:.4f} nats/token over {ev['tokens']:,} tokens",
+                f"{ev['bpb']:.4f} bits/byte over {ev['bytes']:,} bytes"]
+        where = (f"  {ev['model']} on {ev['text']} ({ev['text_bytes']:,} bytes), windows of {ev['seq_len']} "
+                 f"tokens, stride {ev['stride']}")
+    else:
+        head = [f"step {ev['step']:,}", f"val loss {ev['val_loss']:.4f} over {ev['val_tokens']:,} tokens"]
+        if "val_bpb" in ev:
+            head.append(f"val {ev['val_bpb']:.4f} bits/byte over {ev['val_bytes']:,} bytes")
+        where = (f"  windows of {ev['seq_len']} tokens (trained at {ev['trained_seq_len']})"
+                 if "seq_len" in ev else None)
+    if "gzip9_bpb" in ev:
+        head.append(f"gzip -9 {ev['gzip9_bpb']:.4f}, xz -9e {ev['xz9e_bpb']:.4f} bits/byte")
+    lines = ["eval: " + " · ".join(head)] + ([where] if where else [])
+    if ev.get("buckets"):
+        lines.append("  positions       tokens      loss   bits/byte")
+        lines += [f"  {b['from']:>5}-{b['to']:<7} {b['tokens']:>8,}  {b['loss']:8.4f}  "
+                  + (f"{b['bpb']:10.4f}" if "bpb" in b else f"{'n/a':>10}") for b in ev["buckets"]]
+    return "\n".join(lines)
 
 
 def _run_or_hf(args, command: str) -> None:
@@ -193,13 +223,13 @@ _NOT_DECODERS = {"bert": "encoder", "roberta": "encoder", "distilbert": "encoder
 
 
 def load_hf_decoder(path: str, *, dtype: str, command: str):
-    """``(model config, graphdef, state, tokenizer)`` of a decoder-only Hugging Face checkpoint."""
-    from jaxformer.interop.hf import CONFIG, config_from_hf, load_pretrained, read_config
+    """``(model config, graphdef, state, tokenizer)`` of a decoder-only Hugging Face checkpoint (or GGUF file)."""
+    from jaxformer.interop.hf import config_from_hf, config_where, load_pretrained, read_config
     from jaxformer.train.tokenizers import HFTextTokenizer
 
     hf = read_config(path)
     model_type = hf.get("model_type")
-    kind = _NOT_DECODERS.get(model_type) or config_from_hf(hf, str(Path(path) / CONFIG)).kind.replace("_", "-")
+    kind = _NOT_DECODERS.get(model_type) or config_from_hf(hf, config_where(path)).kind.replace("_", "-")
     if kind != "decoder":
         hint = ""
         if kind == "encoder-decoder":
@@ -259,7 +289,9 @@ def cmd_translate(args) -> int:
 
 def cmd_export(args) -> int:
     from jaxformer.train.pretrained import export_run
+    from jaxformer.train.run_dir import config_path
 
+    config_path(args.run_dir)  # "no such run directory" before anything is read
     out = export_run(args.run_dir, args.hf, dtype=args.dtype)
     files = ", ".join(["config.json", "*.safetensors", *out["tokenizer_files"]])
     print(f"exported step {out['step']} of {args.run_dir} as a {out['model_type']} checkpoint: {out['path']} ({files})")
@@ -279,9 +311,12 @@ def cmd_info(args) -> int:
         format_info,
         preset_config,
     )
+    from jaxformer.train.run_dir import config_path
 
     if args.target in presets.names():
         cfg = preset_config(args.target, args.overrides, args.devices)
+    elif Path(args.target).is_dir():  # a run directory: the config it keeps
+        cfg = C.load(config_path(args.target), args.overrides, planning=True)
     elif Path(args.target).exists():
         cfg = C.load(args.target, args.overrides, planning=True)
     else:
@@ -300,7 +335,9 @@ def cmd_generate(args) -> int:
 
     Several ``--prompt`` completions print under ``----- completion i of n -----`` lines; a
     completion cut by the model's context gets a note on stderr; ``--window`` (RoPE/ALiBi
-    models) continues past the context with a sliding KV window, said once on stderr. ``--hf DIR``
+    models) continues past the context with a sliding KV window, said once on stderr when a
+    sequence did go past it. A ``--prompt`` that cannot run (too long, bad sampling) is a usage
+    error (exit 2); a bad line of ``--prompts-file`` gets an error record and exit 1. ``--hf DIR``
     samples a decoder-only Hugging Face checkpoint instead of a run (prompts encoded with its
     tokenizer's ``encode_prompt``, stopping at its EOS). The KV pool defaults to what the requests
     can use (``--max-batch`` sequences of the longest prompt plus its new tokens, at most the context).
@@ -320,9 +357,6 @@ def cmd_generate(args) -> int:
             raise ValueError(f"{args.run_dir}: source='bin' has no text tokenizer to encode prompts")
         model, graphdef = cfg.model, trainer.graphdef
     window = check_window(args.window, model)  # ValueError: exit 2, saying why
-    if window is not None:
-        print(f"note: generating past the model's {model.max_seq_len}-token context with a sliding "
-              f"{window}-token window (each new token sees the last {window} positions)", file=sys.stderr)
     prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     num_pages = args.num_pages or _pages_needed(prompts, tok, model, args, window)
     records = run_prompts(graphdef, params, model, tok, prompts, max_new_tokens=args.max_new_tokens,
@@ -330,6 +364,10 @@ def cmd_generate(args) -> int:
                           num_pages=num_pages, page_size=args.page_size, max_batch=args.max_batch,
                           window=window)
     jsonl = bool(args.prompts_file)
+    if window is not None and any(r["num_prompt_tokens"] + len(r["tokens"]) - 1 > model.max_seq_len
+                                  for r in records if r["error"] is None):  # a position past the context was fed
+        print(f"note: generated past the model's {model.max_seq_len}-token context with a sliding "
+              f"{window}-token window (each new token sees the last {window} positions)", file=sys.stderr)
     if jsonl:
         write_jsonl(records, args.output or sys.stdout)
     for r in records:
@@ -339,15 +377,18 @@ def cmd_generate(args) -> int:
                 print(f"----- completion {r['index'] + 1} of {len(records)} -----", flush=True)
             if r["error"] is None:
                 print(r["prompt"] + r["completion"], flush=True)
-            else:
-                print(f"error: {r['error']}", file=sys.stderr)
+            else:  # a usage error, as argparse's and main's are
+                which = f"prompt {r['index'] + 1}: " if len(records) > 1 else ""
+                print(f"jaxformer generate: error: {which}{r['error']}", file=sys.stderr)
         if r["stopped_by"] == "context":
             hint = (f"pass --window N (N <= {model.max_seq_len}) to continue with a sliding window"
                     if model.position in RELATIVE_POSITIONS else
                     f"this model's position={model.position!r} cannot go past it")
             print(f"note: {name} stopped at the model's {model.max_seq_len}-token context after "
                   f"{len(r['tokens'])} new tokens; {hint}", file=sys.stderr)
-    return 1 if any(r["error"] for r in records) else 0
+    if any(r["error"] for r in records):
+        return 1 if jsonl else 2  # a prompts file: its other requests were answered, the errors are in their records
+    return 0
 
 
 def _pages_needed(prompts, tok, model, args, window) -> int:
@@ -424,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     args = commands[argv[0]].parse_intermixed_args(argv[1:], argparse.Namespace(command=argv[0]))
     from jaxformer.train.checkpoint import IncompatibleCheckpointError
     from jaxformer.train.config import ConfigError, parse_override
-    from jaxformer.train.loop import NonFiniteError
+    from jaxformer.train.loop import Interrupted, NonFiniteError
 
     try:
         for text in getattr(args, "overrides", ()):
@@ -435,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, NonFiniteError, IncompatibleCheckpointError, FileNotFoundError, ValueError) as e:
         print(f"jaxformer {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:  # SIGINT / SIGTERM: checkpointed, and its line (where, how to resume) printed
+        return e.exit_code
 
 
 if __name__ == "__main__":

@@ -55,9 +55,13 @@ def test_pulse(trained, capsys):
 def test_eval_info_generate(trained, capsys):
     _, run, _ = trained
     capsys.readouterr()
-    assert main(["eval", str(run), "--max-tokens", "256"]) == 0
+    assert main(["eval", str(run), "--max-tokens", "256", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["step"] == 3 and out["val_tokens"] > 200 and out["val_bpb"] > 0
+    assert main(["eval", str(run), "--max-tokens", "256"]) == 0  # readable by default, as train's summary is
+    assert capsys.readouterr().out == (f"eval: step 3 · val loss {out['val_loss']:.4f} over {out['val_tokens']:,} "
+                                       f"tokens · val {out['val_bpb']:.4f} bits/byte over "
+                                       f"{out['val_bytes']:,} bytes\n")
     assert main(["generate", str(run), "--prompt", "import ", "--max-new-tokens", "5", "--seed", "1"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("import ")
@@ -81,6 +85,25 @@ def test_generate_prompts_file_writes_one_json_line_per_request(trained, tmp_pat
     assert rows[0]["error"] is None and 0 < len(rows[0]["tokens"]) <= 4
     assert rows[1]["error"] is None and len(rows[1]["tokens"]) <= 3 and rows[1]["prompt"] == "class "
     assert rows[2]["error"] and "top_p" in rows[2]["error"]
+
+
+def test_a_text_folder_of_one_file_trains_with_a_validation_split_and_evaluates(tmp_path, capsys):
+    """The README's fine-tune recipe on a one-file folder: validation is the text's tail, the start line
+    says so, training evaluates at the end, and `jaxformer eval RUN` works."""
+    (tmp_path / "texts").mkdir()
+    text = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(200))
+    (tmp_path / "texts" / "notes.txt").write_text(text)
+    raw = tiny_raw(tmp_path / "texts", steps=2, data={"val_fraction": 0.02}, eval={"at_end": True})
+    run = tmp_path / "run"
+    assert main(["train", str(write_config(tmp_path / "one.yaml", raw)), "--run-dir", str(run)]) == 0
+    start = capsys.readouterr().out.splitlines()[0]
+    n_val = round(0.02 * len(text))
+    assert start.endswith(f" · validation: the last {n_val} of {len(text):,} bytes of the text (the file-level split "
+                          "at data.val_fraction=0.02 held out nothing)"), start
+    final = [r for r in read_metrics(run) if r.get("final")]
+    assert len(final) == 1 and final[0]["val_bytes"] == n_val  # every validation byte scored
+    assert main(["eval", str(run)]) == 0
+    assert capsys.readouterr().out.startswith(f"eval: step 2 · val loss {final[0]['val_loss']:.4f}")
 
 
 def test_info_on_a_config_uses_its_mesh(tmp_path, capsys):
@@ -212,10 +235,60 @@ def test_generate_says_when_the_context_cut_a_completion_and_separates_completio
             assert (f"note: request index=0 stopped at the model's 32-token context after {len(cut['tokens'])} "
                     "new tokens") in err
         else:
-            assert err.count("note: generating past the model's 32-token context with a sliding 32-token window") == 1
+            assert err.count("note: generated past the model's 32-token context with a sliding 32-token window") == 1
             assert "stopped at" not in err
+    # a window that generation never needs is not mentioned: 5 tokens stay inside the 32-token context
+    assert main([*args[:2], "--max-new-tokens", "5", "--prompt", "def ", "--window", "32"]) == 0
+    assert capsys.readouterr().err == ""
     assert rows[32]["stopped_by"] == "max_new_tokens" and len(rows[32]["tokens"]) == 40
     assert rows[32]["tokens"][: len(rows[None]["tokens"])] == rows[None]["tokens"]
 
     assert main([*args, "--prompt", "def ", "--window", "33"]) == 2
     assert "window=33 must be an int in [1, max_seq_len=32]" in capsys.readouterr().err
+
+
+def test_a_prompt_longer_than_the_context_is_a_usage_error(trained, capsys):
+    """Exit 2 and `jaxformer generate: error:`, as every other usage error; with several prompts, which one."""
+    _, run, _ = trained
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "x" * 40]) == 2
+    assert capsys.readouterr().err == ("jaxformer generate: error: prompt of 41 tokens is longer than the model's "
+                                       "context max_seq_len=32\n")
+    assert main(["generate", str(run), "--prompt", "def ", "--prompt", "x" * 40, "--max-new-tokens", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith("----- completion 1 of 2 -----\ndef ")
+    assert err == ("jaxformer generate: error: prompt 2: prompt of 41 tokens is longer than the model's context "
+                   "max_seq_len=32\n")
+
+
+def test_config_errors_say_where_the_mistake_is_and_what_was_meant(trained, tmp_path, capsys):
+    """A typo in an override is the command line's, not the file's; an unknown key gets the closest known
+    one; a missing run directory says so; `info RUN_DIR` plans the run's own config."""
+    cfg, run, _ = trained
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--run-dir", str(tmp_path / "r"), "model.dmodel=64"]) == 2
+    assert capsys.readouterr().err == ("jaxformer train: error: override 'model.dmodel=64': model.dmodel: unknown key; "
+                                       "did you mean model.d_model?\n")
+    assert main(["train", str(cfg), "--run-dir", str(tmp_path / "r"), "optimizer.lr=fast"]) == 2
+    err = capsys.readouterr().err
+    assert "error: override 'optimizer.lr=fast': optimizer.lr: Input should be a valid number" in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(cfg.read_text().replace("n_layers:", "n_layerz:").replace("seed:", "sed:"))
+    assert main(["train", str(bad), "--run-dir", str(tmp_path / "r"), "model.n_heads=4"]) == 2
+    assert capsys.readouterr().err == (f"jaxformer train: error: {bad}: model.n_layerz: unknown key; did you mean "
+                                       f"model.n_layers?\n{bad}: sed: unknown key; did you mean seed?\n")
+    assert main(["train", str(cfg), "--run-dir", str(tmp_path / "r"), "model.zzz=1"]) == 2
+    assert capsys.readouterr().err == "jaxformer train: error: override 'model.zzz=1': model.zzz: unknown key\n"
+    assert not (tmp_path / "r").exists()
+
+    for command in (["eval"], ["generate", "--prompt", "def "], ["export", "--hf", str(tmp_path / "out")]):
+        assert main([command[0], str(tmp_path / "nope"), *command[1:]]) == 2
+        assert capsys.readouterr().err == f"jaxformer {command[0]}: error: no such run directory: {tmp_path / 'nope'}\n"
+    assert main(["eval", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"jaxformer eval: error: {tmp_path} is not a run directory (no config.yaml)\n"
+
+    assert main(["info", str(run), "--devices", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{run}\n") and "parameters" in out and "data=1 fsdp=1 tensor=1" in out
+    assert main(["info", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"jaxformer info: error: {tmp_path} is not a run directory (no config.yaml)\n"

@@ -33,6 +33,8 @@ timings come from the shared :mod:`timing` helpers beside it.
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import math
 import os
 import statistics
@@ -164,6 +166,285 @@ def bench_engine(n_requests: int = 32, new: int = 32, slots: int = 32):
     return rows, dict(speedup=t_alone / t_engine, speedup_vs_engine1=t_engine1 / t_engine)
 
 
+# --------------------------------------------------------------------------- (d) vs transformers
+
+# SmolLM2-135M-Instruct's shape (a real Llama checkpoint); the bench writes a random one of it.
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def cpu_line() -> str:
+    """The CPU model, its vector ISA flags, the cores and the load average, for every table."""
+    model, flags = "unknown CPU", set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and model == "unknown CPU":
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = " ".join(f for f in ISA_FLAGS if f in flags) or "none of " + " ".join(ISA_FLAGS)
+    return (f"CPU: {model}, {os.cpu_count()} cores, ISA {isa}; load average "
+            f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1 / 5 / 15 min)")
+
+
+class IdTokenizer:
+    """A prompt written as its token ids ("5 17 302"): the bench times generation, not text; no EOS,
+    so every request runs its ``max_new_tokens``."""
+
+    bos_id = eos_id = None
+
+    def encode_prompt(self, text):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def copy_bandwidth(nbytes: int = 512 * 2**20) -> tuple[float, float]:
+    """(copy GB/s counting read + write, read-only GB/s of a jitted sum) over ``nbytes`` of fp32."""
+    import time
+    a = np.ones(nbytes // 4, np.float32)
+    b = np.empty_like(a)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        times.append(time.perf_counter() - t0)
+    x = jnp.asarray(a)
+    read = median_seconds(jax.jit(jnp.sum), x, repeats=5)
+    return 2 * nbytes / statistics.median(times) / 1e9, nbytes / read / 1e9
+
+
+class StepRecorder:
+    """Wraps ``engine.engine_step`` and ``Engine.step`` while active: each step's batch, width, block-table
+    width and the seconds of the jitted call (blocked until ready) and of the whole host step."""
+
+    def __init__(self):
+        import jaxformer.decode.engine as E
+        self.E, self.steps, self.inputs = E, [], None
+
+    def __enter__(self):
+        import time
+        E, rec = self.E, self
+        self._jit, self._step = E.engine_step, E.Engine.step
+
+        def engine_step(graphdef, state, pools, inputs, options):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(rec._jit(graphdef, state, pools, inputs, options))
+            rec.inputs = (graphdef, state, inputs, options)
+            rec.steps.append(dict(B=inputs.tokens.shape[0], T=inputs.tokens.shape[1], M=inputs.tables.shape[1],
+                                  jit=time.perf_counter() - t0))
+            return out
+
+        def step(engine):
+            n, t0 = len(rec.steps), time.perf_counter()
+            rec._step(engine)
+            if len(rec.steps) > n:
+                rec.steps[-1]["wall"] = time.perf_counter() - t0
+
+        E.engine_step, E.Engine.step = engine_step, step
+        return self
+
+    def __exit__(self, *exc):
+        self.E.engine_step, self.E.Engine.step = self._jit, self._step
+
+
+def checkpoint_dir(path: str) -> str:
+    """Write a random SmolLM2-135M-shaped Llama checkpoint (seed 0) with transformers, once."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).save_pretrained(path)
+    return path
+
+
+def microbench(cfg, state, rec, torch_model):
+    """Per-step profile parts at the recorded step's shapes: attention over pages (write + paged attention,
+    every layer), the matmuls alone (every layer's projections and the head), sampling alone; and the
+    same matmuls in torch. Milliseconds."""
+    import torch
+    from jaxformer.decode.paged_cache import PagedKVCache
+    from jaxformer.decode.sampling import request_keys, sample
+
+    graphdef, _, inputs, options = rec.inputs
+    B, M = inputs.tables.shape
+    D, N, K, H, F, V = (cfg.d_model, cfg.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim,
+                        cfg.resolved_d_ff, cfg.vocab_size)
+    rng = np.random.default_rng(0)
+    pools = [tuple(jnp.asarray(rng.normal(size=(K, 256, 16, H)), jnp.float32) for _ in "kv")
+             for _ in range(cfg.n_decoder_layers)]
+    q = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32)
+    kv = jnp.asarray(rng.normal(size=(B, 1, K, H)), jnp.float32)
+    tables = jnp.asarray(np.asarray(inputs.tables) % 256)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def attention(pools, q, kv, tables, lengths, num_new):
+        out, new = 0.0, []
+        for k, v in pools:
+            o, c = PagedKVCache(k, v, tables, lengths, num_new, options.backend, options.interpret,
+                                options.window).attend(q, kv, kv, scale=H ** -0.5)
+            out, new = out + o, new + [(c.k_pages, c.v_pages)]
+        return out, new
+
+    def run_attention(pools):
+        out, pools = attention(pools, q, kv, tables, inputs.lengths, inputs.num_new)
+        jax.block_until_ready(out)
+        return pools
+
+    pools = run_attention(pools)
+    times = []
+    for _ in range(7):
+        t = timed(run_attention, pools)
+        pools, times = t[0], times + [t[1]]
+    t_attn = statistics.median(times)
+
+    shapes = [(D, N * H), (D, K * H), (D, K * H), (N * H, D), (D, F), (D, F), (F, D)]
+    ws = [[jnp.asarray(rng.normal(size=s) * 0.02, jnp.float32) for s in shapes] for _ in range(cfg.n_decoder_layers)]
+    emb = jnp.asarray(rng.normal(size=(V, D)) * 0.02, jnp.float32)
+
+    @jax.jit
+    def matmuls(ws, emb, x):
+        for wq, wk, wv, wo, wg, wu, wd in ws:
+            x = x + (x @ wq) @ wo + jnp.sum(x @ wk) + jnp.sum(x @ wv)
+            x = x + (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+        return x @ emb.T
+
+    x = jnp.ones((B, D), jnp.float32)
+    t_mm = median_seconds(matmuls, ws, emb, x, repeats=7)
+    logits = jnp.asarray(rng.normal(size=(B, V)), jnp.float32)
+    greedy = jax.jit(lambda l, s, i, t, k, p: sample(l, request_keys(s, i), t, k, p))
+    t_sample = median_seconds(greedy, logits, inputs.seeds, inputs.steps, inputs.temperature, inputs.top_k,
+                              inputs.top_p, repeats=7)
+
+    tws = [[torch.from_numpy(np.asarray(w).T.copy()) for w in layer] for layer in ws]
+    temb, tx = torch.from_numpy(np.asarray(emb)), torch.ones(B, D)
+    F_ = torch.nn.functional
+
+    def torch_matmuls():
+        with torch.inference_mode():
+            h = tx
+            for wq, wk, wv, wo, wg, wu, wd in tws:
+                h = h + F_.linear(F_.linear(h, wq), wo) + F_.linear(h, wk).sum() + F_.linear(h, wv).sum()
+                h = h + F_.linear(F_.silu(F_.linear(h, wg)) * F_.linear(h, wu), wd)
+            return F_.linear(h, temb)
+
+    import time
+    torch_matmuls()
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        torch_matmuls()
+        times.append(time.perf_counter() - t0)
+    del torch_model
+    return dict(attention=1e3 * t_attn, matmuls=1e3 * t_mm, sampling=1e3 * t_sample,
+                torch_matmuls=1e3 * statistics.median(times))
+
+
+def bench_vs_transformers(new: int = 128, repeats: int = 3, short: int = 8):
+    """Batch-1 greedy decode, 512-token prefill and 16 concurrent sequences of jaxformer's ``generate --hf``
+    path (``run_prompts`` over the engine, pools sized as the CLI sizes them) against transformers'
+    ``generate`` (PyTorch eager, 2 threads) on one random SmolLM2-135M-shaped checkpoint; decode rates
+    from the difference of ``short + new`` and ``short`` new tokens (prefill and compile excluded)."""
+    import tempfile
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxformer.decode.engine import pages_per_sequence
+    from jaxformer.decode.prompts import run_prompts
+    from jaxformer.interop.hf import load_pretrained
+
+    torch.set_num_threads(2)
+    path = checkpoint_dir(os.path.join(tempfile.gettempdir(), "jaxformer_bench_smollm2_135m_random"))
+    cfg, graphdef, state = load_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    rng = np.random.default_rng(0)
+    one = [list(map(int, rng.integers(3, cfg.vocab_size, 16)))]
+    many = [list(map(int, rng.integers(3, cfg.vocab_size, 16))) for _ in range(16)]
+    long = [list(map(int, rng.integers(3, cfg.vocab_size, 512)))]
+    tok = IdTokenizer()
+
+    def ours(prompts, n, max_batch=8):  # as `jaxformer generate --hf` runs them (cli._pages_needed's pool)
+        need = min(max(map(len, prompts)) + n + 1, cfg.max_seq_len)
+        recs = run_prompts(graphdef, state, cfg, tok, [" ".join(map(str, p)) for p in prompts], max_new_tokens=n,
+                           temperature=0.0, num_pages=max_batch * pages_per_sequence(need, 16), page_size=16,
+                           max_batch=max_batch)
+        return [r["tokens"] for r in recs]
+
+    def theirs(prompts, n):
+        ids = torch.tensor(prompts)
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False)
+        return out[:, ids.shape[1]:].tolist()
+
+    runs = {"ours 1": lambda n: ours(one, n), "hf 1": lambda n: theirs(one, n),
+            "ours 16": lambda n: ours(many, n, 16)}
+    calls = [(name, n) for name in runs for n in (short, short + new)]
+    calls += [("ours prefill", 1), ("hf prefill", 1)]
+    fns = {**runs, "ours prefill": lambda n: ours(long, n), "hf prefill": lambda n: theirs(long, n)}
+    out, times = {}, collections.defaultdict(list)
+    for name, n in calls:  # warm-up: every compiled shape
+        out[name, n] = fns[name](n)
+    for _ in range(repeats):  # alternate, so a busy machine slows every contender alike
+        for name, n in calls:
+            t0 = time.perf_counter()
+            fns[name](n)
+            times[name, n].append(time.perf_counter() - t0)
+    t = {k: statistics.median(v) for k, v in times.items()}
+    print("(d) seconds:", {f"{name} +{n}": round(v, 2) for (name, n), v in t.items()}, flush=True)
+    rate = {name: (16 if name == "ours 16" else 1) * new / (t[name, short + new] - t[name, short]) for name in runs}
+    agree = next((i for i, (a, b) in enumerate(zip(out["ours 1", short + new][0], out["hf 1", short + new][0]))
+                  if a != b), new + short)
+
+    with StepRecorder() as rec:  # the per-step profile of the batch-1 run
+        ours(one, short + new)
+    decode = [s for s in rec.steps if s["T"] == 1][4:]
+    prof = microbench(cfg, state, rec, hf)
+    copy_bw, read_bw = copy_bandwidth()
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    return dict(rate=rate, t=t, new=new, short=short, agree=agree, weight_bytes=weight_bytes, copy_bw=copy_bw,
+                read_bw=read_bw, steps=decode, widths=sorted({s["M"] for s in rec.steps}), prof=prof,
+                batches=sorted({s["B"] for s in rec.steps}), config=cfg, graphdef=graphdef, state=state)
+
+
+def bench_length_scaling(graphdef, state, cfg, lengths=(64, 512, 4096), batches=(1, 8), steps: int = 5):
+    """ms per decode step (the whole ``Engine.step``) at cached lengths ``lengths`` with ``batches`` running
+    sequences, in one engine of capacity ``cfg.max_seq_len``; the cache's contents (zeros: the prefill is
+    skipped by committing the prompt's tokens) do not change the step's work."""
+    from jaxformer.decode.engine import Engine
+
+    L, top = 16, max(batches)
+    rows = []
+    for n in lengths:
+        for B in batches:
+            e = Engine(graphdef, state, cfg, num_pages=top * (n // L + 2), page_size=L, max_batch=top,
+                       prefix_sharing=False)
+            for b in range(B):
+                e.submit([1 + b] * n, SamplingParams(max_new_tokens=steps + 2))
+            e._admit()
+            for r in e.running:
+                e.manager.commit(r.rid, n - 1)
+            with StepRecorder() as rec:
+                for _ in range(steps + 1):
+                    e.step()
+            s = rec.steps[1:]  # the first compiles
+            rows.append(dict(n=n, B=B, ms=1e3 * statistics.median(x["wall"] for x in s),
+                             jit=1e3 * statistics.median(x["jit"] for x in s), M=s[-1]["M"], Bs=s[-1]["B"],
+                             capacity=e.max_pages_per_seq))
+            del e
+    return rows
+
+
 # --------------------------------------------------------------------------- GPU
 
 
@@ -215,15 +496,106 @@ def table(headers, rows) -> str:
     return "\n".join(lines)
 
 
+HISTORY = "## History"
+
+
+def vs_transformers_sections(args) -> list[str]:
+    """(d) jaxformer generate vs transformers, (e) ms per step against the cached length, (f) the profile."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        line = f"(d)-(f) skipped: --vs-transformers needs torch and transformers ({e})"
+        print(line)
+        return [line, ""]
+    cpu = cpu_line()
+    r = bench_vs_transformers(new=args.new_tokens, repeats=args.repeats)
+    cfg, rate, t = r["config"], r["rate"], r["t"]
+    gb = r["weight_bytes"] / 1e9
+    ceiling = r["read_bw"] / gb
+    ours1, hf1, ours16 = rate["ours 1"], rate["hf 1"], rate["ours 16"]
+    goal = min(1.5 * hf1, 0.8 * ceiling)
+    pre_ours, pre_hf = t["ours prefill", 1], t["hf prefill", 1]
+    d = ["## (d) `jaxformer generate --hf` path vs transformers `generate`, SmolLM2-135M shape", "",
+         cpu, "",
+         f"Random Llama checkpoint of SmolLM2-135M-Instruct's shape ({cfg.n_layers} layers, d {cfg.d_model}, "
+         f"GQA {cfg.n_heads}:{cfg.resolved_kv_heads}, vocabulary {cfg.vocab_size:,}, context "
+         f"{cfg.max_seq_len:,}), fp32, greedy; jaxformer: `run_prompts` (the engine, pools sized as the CLI "
+         f"sizes them, --max-batch 8), transformers {transformers.__version__} / torch {torch.__version__} eager, "
+         f"2 threads. Decode tokens/s = {r['new']} tokens / (time of {r['short'] + r['new']} new tokens - time "
+         f"of {r['short']}), a 16-token prompt; median of {args.repeats} alternating rounds, compile excluded.", "",
+         table(["contender", "tokens/s", "ms/token"], [
+             ("jaxformer, batch 1", f"{ours1:,.1f}", f"{1e3 / ours1:.1f}"),
+             ("transformers, batch 1", f"{hf1:,.1f}", f"{1e3 / hf1:.1f}"),
+             ("jaxformer, 16 concurrent sequences (output tokens/s)", f"{ours16:,.1f}", f"{1e3 / ours16:.1f}"),
+             (f"bandwidth ceiling ({r['read_bw']:.1f} GB/s read / {gb * 1e3:.0f} MB of weights per token)",
+              f"{ceiling:,.1f}", f"{1e3 / ceiling:.1f}")]), "",
+         f"Copy bandwidth of these cores: {r['copy_bw']:.1f} GB/s (numpy copy of 512 MiB, read + write), "
+         f"{r['read_bw']:.1f} GB/s read (a jitted sum over it); fp32 weights read per token "
+         f"{gb * 1e3:.0f} MB (the tied head reads the embedding).", "",
+         f"- batch 1: {ours1 / hf1:.2f}x transformers, {ours1 / ceiling:.0%} of the bandwidth ceiling "
+         f"(goal: >= {goal:.1f} tokens/s, the lower of 1.5x transformers and 80% of the ceiling): "
+         f"{'met' if ours1 >= goal else 'MISSED'}",
+         f"- 16 concurrent sequences: {ours16 / ours1:.1f}x its own batch 1 (goal >= 6x): "
+         f"{'met' if ours16 >= 6 * ours1 else 'MISSED'}",
+         f"- prefill of a 512-token prompt (one new token): jaxformer {pre_ours:.2f} s, transformers {pre_hf:.2f} s, "
+         f"{pre_hf / pre_ours:.2f}x (goal: no slower): {'met' if pre_ours <= pre_hf else 'MISSED'}",
+         f"- greedy tokens: the first {r['agree']} of {r['short'] + r['new']} equal transformers' (a random "
+         "checkpoint's logits have near-ties, where fp32 rounding may pick the other token)",
+         f"- block-table widths read by the batch-1 run's steps: {r['widths']} pages; batch rows computed: "
+         f"{r['batches']}", ""]
+    print("\n".join(d), flush=True)
+
+    rows = bench_length_scaling(r["graphdef"], r["state"], cfg)
+    e = ["## (e) ms per decode step against the tokens in the cache, capacity 8,192", "", cpu_line(), "",
+         "One engine per row (max_batch 8, max_context 8,192: a 512-page table per slot, L=16), the sequences' "
+         "prompts committed as cached so each step decodes one token per sequence; median of 5 steps of the "
+         "whole `Engine.step` (host work included) and of the jitted call alone.", "",
+         table(["cached tokens", "sequences", "table width read / capacity (pages)", "batch rows computed",
+                "ms/step", "jitted ms"],
+               [(f"{x['n']:,}", x["B"], f"{x['M']} / {x['capacity']}", x["Bs"], f"{x['ms']:.1f}",
+                 f"{x['jit']:.1f}") for x in rows]), ""]
+    print("\n".join(e), flush=True)
+
+    p, steps = r["prof"], r["steps"]
+    wall = 1e3 * statistics.median(x["wall"] for x in steps)
+    jit = 1e3 * statistics.median(x["jit"] for x in steps)
+    f = ["## (f) Where a batch-1 decode step goes (SmolLM2-135M shape)", "", cpu_line(), "",
+         f"Median over the batch-1 run's decode steps (table width {steps[-1]['M']} pages, {steps[-1]['B']} batch "
+         f"rows); the parts are separate jitted microbenchmarks at the same shapes (every layer), torch's "
+         "the same matmuls with `F.linear`, 2 threads.", "",
+         table(["part", "jaxformer ms", "torch ms"], [
+             ("whole step (`Engine.step`)", f"{wall:.1f}", f"{1e3 / hf1:.1f} (generate, per token)"),
+             ("jitted step", f"{jit:.1f}", ""),
+             ("host work between steps (whole - jitted)", f"{wall - jit:.1f}", ""),
+             ("matmuls (projections, MLP, head)", f"{p['matmuls']:.1f}", f"{p['torch_matmuls']:.1f}"),
+             ("attention over pages (write + attend)", f"{p['attention']:.1f}", ""),
+             ("sampling (greedy)", f"{p['sampling']:.1f}", ""),
+             ("weights at the read bandwidth", f"{1e3 / ceiling:.1f}", "")]), ""]
+    print("\n".join(f), flush=True)
+    return d + e + f
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--write", action="store_true", help="write experiments/results/decode_{cpu,gpu}.md")
+    ap.add_argument("--vs-transformers", action="store_true",
+                    help="also (d)-(f): a SmolLM2-135M-shaped checkpoint against transformers' generate, ms per "
+                         "step against the cached length, the per-step profile (needs torch + transformers)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="(d): decode tokens timed per request")
+    ap.add_argument("--repeats", type=int, default=3, help="(d): alternating rounds, the median is reported")
+    ap.add_argument("--only-vs-transformers", action="store_true", help="skip (a)-(c)")
     args = ap.parse_args(argv)
-    command = "python experiments/bench/decode.py" + (" --write" if args.write else "")
+    args.vs_transformers |= args.only_vs_transformers
+    command = "python " + " ".join(["experiments/bench/decode.py", *(sys.argv[1:] if argv is None else argv)])
     out = [f"# Decode benchmark ({jax.default_backend()}, jax {jax.__version__})", "", f"Command: `{command}`", "",
            f"Machine: {os.cpu_count()} CPU cores shared with other jobs (load average {os.getloadavg()[0]:.1f} "
            "at start); every ratio is measured side by side in one run, timings alternate.", ""]
 
+    if args.only_vs_transformers:
+        out += vs_transformers_sections(args)
+        print("\n".join(out), flush=True)
+        return 0
     rows, s = bench_memory()
     out += ["## (a) KV memory: paged vs contiguous", "",
             f"Budget 32,768 token slots; lengths lognormal median 300 sigma 1.0 clipped [16, 2048] "
@@ -253,10 +625,17 @@ def main(argv=None) -> int:
             f"{s['speedup_vs_engine1']:.1f}x.", ""]
     print("\n".join(out[-7:]), flush=True)
 
+    if args.vs_transformers:
+        out += vs_transformers_sections(args)
+
     if args.write:
         path = os.path.join(ROOT, "experiments", "results", "decode_cpu.md")
+        kept = ""
+        if os.path.exists(path):  # hand-written history (before / after tables) stays below the generated part
+            text = open(path).read()
+            kept = text[text.index(HISTORY):] if HISTORY in text else ""
         with open(path, "w") as f:
-            f.write("\n".join(out))
+            f.write("\n".join(out) + ("\n" + kept if kept else ""))
         print(f"wrote {path}")
 
     if jax.default_backend() == "gpu":

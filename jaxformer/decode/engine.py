@@ -8,7 +8,15 @@ Each :meth:`Engine.step`:
    ``chunk_size`` tokens, or the one token it sampled last step; a step holding
    any prefill chunk runs at the width of its longest chunk, a pure decode step at width 1
    (the paged-attention kernel); widths come from a few buckets (``chunk_size``
-   halved down to 8), so a handful of compiled shapes serve every batch;
+   halved down to 8), so a handful of compiled shapes serve every batch. The step's
+   work follows the tokens in the cache, not the engine's capacity: it runs only as
+   many batch rows as sequences (a power of two, at most ``max_batch``), and sends
+   block tables only as wide as the longest of them needs this step (a power of two
+   of pages, at least ``MIN_TABLE_TOKENS`` tokens' worth, at most ``max_context``'s),
+   so the paged attention and the prefill's page gather read those pages alone, and
+   compiled programs stay few (about log2 of each); ``stats["table_width"]`` and
+   ``stats["batch_rows"]`` say what the last step used. The head runs only at each
+   row's last real token (``logits_at``);
 3. when pages run out, preempts the newest running sequence (its pages are freed
    and it returns to the front of the queue, to be recomputed from its prompt and
    the tokens it already generated; its sampling keys depend only on the token
@@ -50,6 +58,8 @@ from jaxformer.decode.paged_cache import PagedKVCache, copy_pages, init_page_poo
 from jaxformer.decode.sampling import SamplingParams, request_keys, sample
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
+MIN_TABLE_TOKENS = 256  # narrowest block table a step sends, in tokens: fewer compiled programs, and below
+# this much context a decode step's attention is a small part of its weight reads anyway
 
 
 @dataclasses.dataclass
@@ -86,7 +96,7 @@ class StepInputs:
     """One engine step's device inputs, a row per batch slot (``B`` slots, step width ``T``).
 
     tokens, positions: ``[B, T]`` int32, each row's new tokens (zero-padded) and their positions.
-    tables: ``[B, M]`` int32 block tables. lengths: ``[B]`` tokens already cached, counted from
+    tables: ``[B, M]`` int32 block tables, ``M`` the step's width (:func:`table_width`). lengths: ``[B]`` tokens already cached, counted from
     the table's first page. num_new: ``[B]`` new tokens per row (0: an idle slot).
     seeds ``[B]`` uint32 and steps ``[B]`` (tokens generated so far): the sampling keys.
     temperature, top_k, top_p: ``[B]`` sampling parameters.
@@ -116,13 +126,16 @@ class StepOptions:
 
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)
 def engine_step(graphdef, state, pools, inputs: StepInputs, options: StepOptions):
-    """One batched model call over paged caches; returns each row's next token and the new pools."""
-    TRACE_COUNTS[f"step_T{inputs.tokens.shape[1]}"] += 1
+    """One batched model call over paged caches; returns each row's next token and the new pools.
+    The head runs at each row's last new token only (the one sampled)."""
+    (B, T), M = inputs.tokens.shape, inputs.tables.shape[1]
+    TRACE_COUNTS[f"step_B{B}_T{T}_M{M}"] += 1
     caches = [PagedKVCache(k, v, inputs.tables, inputs.lengths, inputs.num_new, options.backend,
                            options.interpret, options.window) for k, v in pools]
-    logits, caches = nnx.merge(graphdef, state)(inputs.tokens, positions=inputs.positions, cache=caches)
-    last = jnp.take_along_axis(logits, jnp.maximum(inputs.num_new - 1, 0)[:, None, None], axis=1)[:, 0]
-    nxt = sample(last, request_keys(inputs.seeds, inputs.steps), inputs.temperature, inputs.top_k, inputs.top_p)
+    logits, caches = nnx.merge(graphdef, state)(inputs.tokens, positions=inputs.positions, cache=caches,
+                                                logits_at=jnp.maximum(inputs.num_new - 1, 0))
+    nxt = sample(logits[:, 0], request_keys(inputs.seeds, inputs.steps), inputs.temperature, inputs.top_k,
+                 inputs.top_p)
     return nxt, [(c.k_pages, c.v_pages) for c in caches]
 
 
@@ -134,6 +147,17 @@ def pages_per_sequence(max_context: int, page_size: int, window: int | None = No
     a sliding window also the window's pages plus the one the next token starts."""
     full = -(-max_context // page_size)
     return full if window is None else max(full, -(-window // page_size) + 1)
+
+
+def bucket(n: int, low: int, high: int) -> int:
+    """The smallest power of two ``>= max(n, low)``, at most ``high``."""
+    return min(high, 1 << (max(n, low, 1) - 1).bit_length())
+
+
+def table_width(pages: int, capacity: int, page_size: int) -> int:
+    """Block-table width (pages) a step sends when its longest sequence needs ``pages`` pages: a power
+    of two of at least ``MIN_TABLE_TOKENS`` tokens' pages, at most ``capacity`` (``max_pages_per_seq``)."""
+    return bucket(pages, -(-MIN_TABLE_TOKENS // page_size), capacity)
 
 
 def check_window(window: int | None, config) -> int | None:
@@ -297,6 +321,39 @@ class Engine:
             width //= 2
         return width
 
+    def _inputs(self, plan: list[tuple[_Req, int]]) -> StepInputs:
+        """The step's inputs: ``B`` rows (the plan's, padded to a power of two), width ``T``
+        (:meth:`_width`), tables ``M`` pages wide (:func:`table_width` of the longest row's need: its
+        cached tokens plus this step's, from the table's first page); records ``M`` and ``B`` in stats."""
+        L = self.manager.page_size
+        T = self._width(max(n for _, n in plan))
+        B = bucket(len(plan), 1, self.max_batch)
+        rows = [(req, n, self.manager.num_computed(req.rid), self.manager.num_dropped(req.rid) * L,
+                 self.manager.block_table(req.rid)) for req, n in plan]
+        M = table_width(max(-(-(start - offset + n) // L) for _, n, start, offset, _ in rows),
+                        self.max_pages_per_seq, L)
+        ints = np.zeros((5, B), np.int32)  # lengths (from the table's first page), num_new, offsets, steps, top_k
+        reals = np.zeros((2, B), np.float32)  # temperature, top_p
+        reals[1] = 1.0
+        seeds = np.zeros(B, np.uint32)
+        tokens = np.zeros((B, T), np.int32)
+        tables = np.zeros((B, M), np.int32)
+        for b, (req, n, start, offset, table) in enumerate(rows):
+            tokens[b, :n] = req.tokens[start:start + n]
+            live = table[:M]  # pages past the longest row's need hold no token of this step
+            tables[b, :len(live)] = live
+            p = req.params
+            ints[:, b] = start - offset, n, offset, len(req.generated), p.top_k
+            reals[:, b] = p.temperature, p.top_p
+            seeds[b] = p.seed
+        lengths, num_new, offsets, steps, top_k = ints
+        positions = (offsets + lengths)[:, None] + np.arange(T, dtype=np.int32)[None, :]
+        if self.window is None:  # padding columns past the context (learned positions stop there)
+            positions = np.minimum(positions, self.max_context - 1)
+        self.stats["table_width"], self.stats["batch_rows"] = M, B
+        self.stats["max_table_width"] = max(self.stats["max_table_width"], M)
+        return StepInputs(tokens, positions, tables, lengths, num_new, seeds, steps, reals[0], top_k, reals[1])
+
     def _finish(self, req: _Req, reason: str, stopped_by: str) -> None:
         self.running.remove(req)
         self.manager.finish(req.rid)
@@ -319,33 +376,11 @@ class Engine:
             dst = np.full(n, self.manager.num_pages, np.int32)
             src[: len(copies)], dst[: len(copies)] = zip(*copies)
             self.pools = copy_pages(self.pools, jnp.asarray(src), jnp.asarray(dst))
-        T = self._width(max(n for _, n in plan))
-        B, M = self.max_batch, self.max_pages_per_seq
-        tokens = np.zeros((B, T), np.int32)
-        tables = np.zeros((B, M), np.int32)
-        lengths = np.zeros(B, np.int32)
-        num_new = np.zeros(B, np.int32)
-        offsets = np.zeros(B, np.int32)  # absolute position of each table's first page
-        seeds, steps = np.zeros(B, np.uint32), np.zeros(B, np.int32)
-        temperature, top_k, top_p = np.zeros(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32)
-        for b, (req, n) in enumerate(plan):
-            start = self.manager.num_computed(req.rid)
-            tokens[b, :n] = req.tokens[start:start + n]
-            table = self.manager.block_table(req.rid)
-            tables[b, : len(table)] = table
-            offsets[b] = self.manager.num_dropped(req.rid) * self.manager.page_size
-            lengths[b], num_new[b] = start - offsets[b], n  # lengths count from the table's first page
-            seeds[b], steps[b] = req.params.seed, len(req.generated)
-            temperature[b], top_k[b], top_p[b] = req.params.temperature, req.params.top_k, req.params.top_p
-        positions = (offsets + lengths)[:, None] + np.arange(T, dtype=np.int32)[None, :]
-        if self.window is None:  # padding columns past the context (learned positions stop there)
-            positions = np.minimum(positions, self.max_context - 1)
-        inputs = StepInputs(tokens, positions, tables, lengths, num_new, seeds, steps, temperature, top_k, top_p)
-        nxt, self.pools = engine_step(self.graphdef, self.state, self.pools, jax.tree.map(jnp.asarray, inputs),
-                                      self.options)
+        inputs = self._inputs(plan)
+        nxt, self.pools = engine_step(self.graphdef, self.state, self.pools, inputs, self.options)
         nxt = np.asarray(nxt)
         self.stats["steps"] += 1
-        self.stats["tokens_computed"] += int(num_new.sum())
+        self.stats["tokens_computed"] += sum(n for _, n in plan)
         for b, (req, n) in enumerate(plan):
             self.manager.commit(req.rid, n)
             if self.manager.num_computed(req.rid) < len(req.tokens):

@@ -33,9 +33,9 @@ def prefill_step(graphdef, state, caches, tokens, prompt_lengths, seeds, tempera
     TRACE_COUNTS["prefill"] += 1
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))
-    logits, caches = nnx.merge(graphdef, state)(tokens, positions=positions, cache=caches)
-    last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-    nxt = _next_tokens(last, seeds, jnp.zeros_like(prompt_lengths), temperature, top_k, top_p)
+    logits, caches = nnx.merge(graphdef, state)(tokens, positions=positions, cache=caches,
+                                                logits_at=prompt_lengths - 1)  # the head at the last token only
+    nxt = _next_tokens(logits[:, 0], seeds, jnp.zeros_like(prompt_lengths), temperature, top_k, top_p)
     return nxt, set_lengths(caches, prompt_lengths)
 
 

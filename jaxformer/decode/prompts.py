@@ -72,22 +72,18 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
                 window: int | None = None) -> list[dict[str, Any]]:
     """Generate for every prompt on one continuous-batching :class:`Engine`; one record per prompt.
 
-    Request ``i`` samples with ``seed + i`` unless it sets its own. ``num_pages`` defaults
-    to enough for ``max_batch`` sequences each holding its most pages. ``window``: a sliding
+    Request ``i`` samples with ``seed + i`` unless it sets its own. The engine's ``max_context`` is what
+    the requests can reach (the longest prompt plus its new tokens, at most the model's context), and
+    ``num_pages`` defaults to enough for ``max_batch`` sequences each holding that many. ``window``: a sliding
     KV window, so generation may run past the context (RoPE / ALiBi models; see
     :mod:`jaxformer.decode.engine`). Each record: ``index, prompt, completion, tokens,
     finish_reason ("stop" | "length" | "error"), stopped_by ("stop_token" |
     "max_new_tokens" | "context" | "error"), error, num_prompt_tokens, num_preemptions``.
     """
-    L = page_size
-    if num_pages is None:
-        num_pages = max_batch * pages_per_sequence(config.max_seq_len, L, window)
-    engine = Engine(graphdef, state, config, num_pages=num_pages, page_size=L, max_batch=max_batch,
-                    chunk_size=chunk_size, window=window)
     bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
     stop = () if eos is None else (int(eos),)
     records: list[dict[str, Any]] = []
-    ids = []
+    requests: list[tuple[list[int], SamplingParams] | None] = []
     for i, item in enumerate(prompts):
         defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k or 0,
                         top_p=1.0 if top_p is None else top_p, seed=seed + i, stop_tokens=stop)
@@ -103,10 +99,17 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
                 token_ids = ([] if bos is None else [int(bos)]) + [int(t) for t in tokenizer.encode(text)]
         except (ValueError, TypeError) as e:
             records[-1]["error"] = str(e)
-            ids.append(None)
+            requests.append(None)
             continue
         records[-1]["num_prompt_tokens"] = len(token_ids)
-        ids.append(engine.submit(token_ids, params, request_id=i))
+        requests.append((token_ids, params))
+    context = requests_context([r for r in requests if r is not None], config.max_seq_len)
+    L = page_size
+    if num_pages is None:
+        num_pages = max_batch * pages_per_sequence(context, L, window)
+    engine = Engine(graphdef, state, config, num_pages=num_pages, page_size=L, max_batch=max_batch,
+                    chunk_size=chunk_size, max_context=context, window=window)
+    ids = [None if r is None else engine.submit(*r, request_id=i) for i, r in enumerate(requests)]
     results = engine.run()
     for rec, rid in zip(records, ids):
         if rid is None:
@@ -116,6 +119,14 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
                    completion=tokenizer.decode([t for t in r.tokens if t != (eos if eos is not None else -1)]),
                    num_preemptions=r.num_preemptions)
     return records
+
+
+def requests_context(requests: Sequence[tuple[Sequence[int], SamplingParams]], max_seq_len: int) -> int:
+    """Longest sequence the requests can reach: a prompt plus its ``max_new_tokens``, at most ``max_seq_len``
+    (an engine of this ``max_context`` gives each request what one of ``max_seq_len`` would)."""
+    # an invalid max_new_tokens counts as 1, so its request still fails on that, not on the context
+    need = [len(p) + (max(s.max_new_tokens, 1) if isinstance(s.max_new_tokens, int) else 1) for p, s in requests]
+    return max(1, min(max(need, default=1), max_seq_len))
 
 
 def write_jsonl(records: Sequence[dict], out: str | Path | IO[str] = sys.stdout) -> None:

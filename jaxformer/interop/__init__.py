@@ -1,4 +1,5 @@
-"""Checkpoints of other libraries in and out (today: Hugging Face ``transformers``). See :mod:`jaxformer.interop.hf`."""
+"""Checkpoints of other libraries in and out: Hugging Face ``transformers`` (:mod:`jaxformer.interop.hf`) and
+llama.cpp's GGUF files, read (:mod:`jaxformer.interop.gguf`, through the same ``load_pretrained``)."""
 
 from jaxformer.interop.hf import load_pretrained, save_pretrained
 from jaxformer.interop.rules import HFConfigError, HFWeightsError

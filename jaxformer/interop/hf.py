@@ -6,6 +6,7 @@
     logits = nnx.merge(graphdef, state)(tokens)
     save_pretrained("out/", config, state)          # transformers' from_pretrained reads it back
     tok = load_tokenizer("path/to/Llama-3.2-1B")    # tokenizer.json, or a SentencePiece model
+    config, graphdef, state = load_pretrained("model.Q4_K_M.gguf")          # a GGUF file: jaxformer.interop.gguf
 
 Families (``model_type``): ``gpt2``; ``llama``, ``mistral``, ``qwen2`` (one module:
 GQA, RoPE scaling, QKV biases, sliding window); ``bert``; ``bloom``; ``marian``.
@@ -37,6 +38,7 @@ from flax import nnx
 from jaxformer.interop.rules import Family, HFConfigError, HFWeightsError, Rule
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.functional import abstract_init
+from jaxformer.model.layout import per_layer_config, stack_layers, unstack_layers
 from jaxformer.nn.params import as_dtype
 
 CONFIG = "config.json"
@@ -59,7 +61,12 @@ def families() -> dict[str, Family]:
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    """``path/config.json`` as a dict; a clear error when the directory or file is missing or not JSON."""
+    """``path/config.json`` as a dict; a clear error when the directory or file is missing or not JSON.
+    A GGUF file's metadata as the same dict (:func:`jaxformer.interop.gguf.read_config`)."""
+    from jaxformer.interop import gguf
+
+    if gguf.is_gguf(path):
+        return gguf.read_config(path)
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: not a directory (a Hugging Face checkpoint is a directory with "
@@ -74,6 +81,13 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(hf, dict):
         raise HFConfigError(f"{file}: expected a JSON object, got {type(hf).__name__}")
     return hf
+
+
+def config_where(path: str | os.PathLike) -> str:
+    """What config errors name: ``path/config.json``, or the GGUF file itself."""
+    from jaxformer.interop.gguf import is_gguf
+
+    return str(path) if is_gguf(path) else str(Path(path) / CONFIG)
 
 
 def family_for(hf: Mapping[str, Any], where: str) -> Family:
@@ -135,6 +149,10 @@ class _Tensors:
             except Exception as e:  # safetensors raises its own error types for a corrupt header
                 raise HFWeightsError(f"{path / file}: cannot read the safetensors header ({e})") from None
 
+    def file_name(self, name: str) -> str:
+        """A tensor's name as the checkpoint spells it (a GGUF file's differ: see gguf.GGUFTensors)."""
+        return name
+
     def read(self, name: str) -> np.ndarray:
         # A fresh memory map per tensor, closed at once: get_tensor copies the bytes out, and the pages a
         # still-open map has touched count in the process's resident set (RssFile) until it is unmapped,
@@ -142,6 +160,13 @@ class _Tensors:
         # (peak ~2.1x the checkpoint for a 1B bf16 load; ~1.1x with this, see experiments/bench/hf_load.py).
         with self._open(str(self.path / self.where[name]), framework="np") as f:
             return f.get_tensor(name)
+
+
+def _tensors(path: Path):
+    """The checkpoint's tensors by name: safetensors headers, or a GGUF file's tensors under HF names."""
+    from jaxformer.interop import gguf
+
+    return gguf.open_tensors(path) if gguf.is_gguf(path) else _Tensors(path)
 
 
 def _flat_params(state) -> dict[tuple, Any]:
@@ -209,14 +234,17 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32", sharding
 
     Args:
       path: a directory with ``config.json`` and ``model.safetensors`` (or shards +
-        ``model.safetensors.index.json``).
+        ``model.safetensors.index.json``), or a ``.gguf`` file (:mod:`jaxformer.interop.gguf`: its
+        metadata read as the config, its tensors de-quantized to float32 first).
       dtype: ``"float32" | "bfloat16" | "float16"``: parameter and compute dtype.
       shardings: optional state-shaped tree of ``jax.sharding.Sharding`` (each tensor is
         placed straight onto its devices).
       overrides: ``ModelConfig`` fields to change after the translation that do not touch the
         weights (e.g. ``attention_impl="blockwise"``, ``remat=True``; ``max_seq_len=4096`` for RoPE,
         ALiBi or sinusoidal positions: a learned table's size is fixed by its weights, and changing
-        it fails the shape check).
+        it fails the shape check; ``scan_layers=True``: the per-layer tensors are read, then stacked
+        into the scanned state by :func:`jaxformer.model.stack_layers`, ``shardings`` then being
+        the scanned state's).
 
     Raises:
       FileNotFoundError: no directory / no ``config.json``.
@@ -225,21 +253,22 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32", sharding
     """
     path = Path(path)
     hf = read_config(path)
-    where = str(path / CONFIG)
+    where = config_where(path)
     family = family_for(hf, where)
     as_dtype(dtype)
     config = config_from_hf(hf, where, dtype=dtype)
     if overrides:
         config = ModelConfig(**{**config.model_dump(), **overrides})
-    if config.scan_layers:
-        raise HFConfigError("scan_layers=True is not supported by load_pretrained (load, then restack)")
+    model_config = config
+    if config.scan_layers:  # a checkpoint holds per-layer tensors: read those, stack them at the end
+        config = per_layer_config(config)
     graphdef, abstract = abstract_init(config)
     params = _flat_params(abstract)
     rules = family.rules(config)
     _check_rules(family, rules, params)
     expected = _hf_shapes(rules, params)
 
-    tensors = _Tensors(path)
+    tensors = _tensors(path)
     names = _canonical(family, list(tensors.where), expected)
     present = {canon: name for name, canon in names.items()}
     optional = set(family.optional(config))
@@ -255,9 +284,10 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32", sharding
               for n in expected if n in present and tensors.dtype[present[n]] not in FLOAT_DTYPES]
     problems = []
     if missing:
-        problems.append(f"missing tensors: {missing}")
+        problems.append(f"missing tensors: {[tensors.file_name(n) for n in missing]}")
     if unexpected:
-        problems.append(f"unexpected tensors (not part of a {family.name} model with this config): {unexpected}")
+        problems.append(f"unexpected tensors (not part of a {family.name} model with this config): "
+                        f"{[tensors.file_name(n) for n in unexpected]}")
     if wrong:
         problems.append("shapes that do not match config.json: " + "; ".join(wrong))
     if problems:
@@ -271,7 +301,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32", sharding
                                  "only the source: set tie_word_embeddings to false, or drop the copy")
 
     target = as_dtype(dtype)
-    flat_shardings = None if shardings is None else _flat_params(shardings)
+    flat_shardings = None if shardings is None or model_config.scan_layers else _flat_params(shardings)
     loaded: dict[tuple, Any] = {}
     cache: dict[str, np.ndarray] = {}
 
@@ -290,12 +320,35 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32", sharding
             a = np.ascontiguousarray(a).astype(target, copy=False)
             if a.shape != params[p].shape:
                 raise AssertionError(f"{family.name}: {rule.hf} -> {p} gave {a.shape}, model has {params[p].shape}")
+            if model_config.scan_layers:
+                loaded[p] = a  # on the host until stacked
+                continue
             sharding = None if flat_shardings is None else flat_shardings[p]
             sharding = None if sharding is None else _value(sharding)
             loaded[p] = jax.device_put(a, sharding) if sharding is not None else jax.numpy.asarray(a)
         del arrays, outs
+    if model_config.scan_layers:
+        return model_config, *_stacked(model_config, loaded, shardings)
     state = nnx.from_flat_state([(p, params[p].replace(loaded[p])) for p in params])
     return config, graphdef, state
+
+
+def _stacked(config: ModelConfig, loaded: dict[tuple, np.ndarray], shardings) -> tuple[nnx.GraphDef, nnx.State]:
+    """The per-layer host arrays ``loaded`` (flat paths) stacked into the scanned model of ``config``,
+    each leaf placed onto its sharding (if given). Peak host memory is about twice the blocks' size."""
+    stacked = stack_layers(nnx.traversals.unflatten_mapping(loaded), config)
+    loaded.clear()
+    flat = dict(nnx.traversals.flatten_mapping(stacked))
+    del stacked
+    graphdef, abstract = abstract_init(config)
+    params = _flat_params(abstract)
+    flat_shardings = None if shardings is None else _flat_params(shardings)
+    leaves = []
+    for p, v in params.items():
+        a = flat.pop(p)
+        sharding = None if flat_shardings is None else _value(flat_shardings[p])
+        leaves.append((p, v.replace(jax.device_put(a, sharding) if sharding is not None else jax.numpy.asarray(a))))
+    return graphdef, nnx.from_flat_state(leaves)
 
 
 class _LazyTensors(Mapping):
@@ -356,7 +409,8 @@ def guess_model_type(config: ModelConfig) -> str:
 def save_pretrained(path: str | os.PathLike, config: ModelConfig, state, *, model_type: str | None = None,
                     hf_config: Mapping[str, Any] | None = None, dtype: str | None = None,
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write ``config`` + ``state`` as a Hugging Face checkpoint that ``transformers`` loads.
+    """Write ``config`` + ``state`` as a Hugging Face checkpoint that ``transformers`` loads (a scanned
+    state, ``config.scan_layers``, is written per layer: :func:`jaxformer.model.unstack_layers`).
 
     Args:
       model_type: the HF family (default: ``hf_config["model_type"]`` or :func:`guess_model_type`).
@@ -390,6 +444,10 @@ def save_pretrained(path: str | os.PathLike, config: ModelConfig, state, *, mode
         raise HFConfigError(f"a {model_type} config.json cannot express this ModelConfig: "
                             + ", ".join(f"{k} (would read back as {a!r}, is {b!r})" for k, (a, b) in diff.items()))
     params = {p: np.asarray(jax.device_get(_value(v))) for p, v in _flat_params(state).items()}
+    if config.scan_layers:  # a checkpoint holds per-layer tensors: unstack (on the host)
+        config = per_layer_config(config)
+        params = dict(nnx.traversals.flatten_mapping(unstack_layers(nnx.traversals.unflatten_mapping(params),
+                                                                    config)))
     rules = family.rules(config)
     _check_rules(family, rules, params)
     tensors: dict[str, np.ndarray] = {}

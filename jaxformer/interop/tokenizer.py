@@ -6,11 +6,14 @@ jaxformer's training tokenizers (``name``, ``vocab_size``, ``bos_id``, ``eos_id`
 adds the special tokens the checkpoint's own tokenizer adds to an input (Llama's
 BOS, Marian's EOS), as ``transformers`` does by default.
 
-Sources, in order: ``tokenizer.json``; else a SentencePiece model (``source.spm``
+Sources, in order: a GGUF file (``model.gguf``: its ``tokenizer.ggml.*`` metadata, see
+:mod:`jaxformer.interop.gguf`); ``tokenizer.json``; else a SentencePiece model (``source.spm``
 / ``target.spm`` with ``vocab.json`` as Marian ships them: pieces are mapped to
 ids through ``vocab.json``; or ``tokenizer.model``, as older Llama checkpoints ship,
 whose own ids are the model's). Special tokens come from ``tokenizer_config.json``
-/ ``special_tokens_map.json``, then ``config.json``'s ``*_token_id``.
+/ ``special_tokens_map.json``, then ``config.json``'s ``*_token_id``. The chat template (``chat_template.jinja``,
+``tokenizer_config.json``'s ``chat_template``, a GGUF's ``tokenizer.chat_template``) renders with
+:meth:`HFTokenizer.apply_chat_template` (jinja2, sandboxed, as transformers renders it).
 """
 
 from __future__ import annotations
@@ -60,8 +63,10 @@ class HFTokenizer:
     name = "hf"
 
     def __init__(self, *, path: Path, vocab: dict[str, int], specials: dict[str, str | None], encode_fn,
-                 decode_fn, prompt_fn, byte_level: bool, special_ids: set[int]):
+                 decode_fn, prompt_fn, byte_level: bool, special_ids: set[int], chat_template: str | None = None):
         self.path = path
+        self.chat_template = chat_template
+        self._specials = specials
         self._vocab = vocab
         self._encode, self._decode, self._prompt = encode_fn, decode_fn, prompt_fn
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
@@ -86,6 +91,16 @@ class HFTokenizer:
         ids = [int(i) for i in np.asarray(ids).reshape(-1) if int(i) not in self._special_ids]
         return self._decode(ids)
 
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = False, **variables) -> str:
+        """``messages`` (``[{"role": ..., "content": ...}]``) rendered by the checkpoint's chat template, as
+        transformers' ``apply_chat_template(..., tokenize=False)`` renders them; ``encode`` the result (it
+        holds its special tokens as text)."""
+        if self.chat_template is None:
+            raise ValueError(f"{self.path}: the tokenizer has no chat template")
+        tokens = {f"{k}_token": v for k, v in self._specials.items() if v is not None}
+        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                    **{**tokens, **variables})
+
     @property
     def token_bytes(self) -> np.ndarray:
         """Bytes of text each id stands for (0 for special tokens), for bits per byte."""
@@ -95,6 +110,37 @@ class HFTokenizer:
             if i not in self._special_ids:
                 out[i] = _piece_bytes(piece, self._byte_level, decoder)
         return out
+
+
+def render_chat_template(template: str, messages: list[dict], *, add_generation_prompt: bool = False,
+                         **variables) -> str:
+    """A jinja2 chat template rendered as transformers renders it: a sandboxed environment with
+    ``trim_blocks`` and ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, ``strftime_now`` and a
+    ``tojson`` that does not escape HTML; ``variables`` (``bos_token``, ``tools``...) are visible to it."""
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            **{"tools": None, "documents": None, **variables})
+
+
+def _chat_template(path: Path) -> str | None:
+    file = path / "chat_template.jinja"
+    if file.is_file():
+        return file.read_text()
+    template = _read_json(path / "tokenizer_config.json").get("chat_template")
+    return template if isinstance(template, str) else None
 
 
 def _specials(path: Path) -> dict[str, str | None]:
@@ -122,7 +168,7 @@ def _from_tokenizer_json(path: Path) -> HFTokenizer:
         encode_fn=lambda s: tok.encode(s, add_special_tokens=False).ids,
         decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=True),
         prompt_fn=lambda s: tok.encode(s, add_special_tokens=True).ids,
-        byte_level='"ByteLevel"' in kinds, special_ids=added)
+        byte_level='"ByteLevel"' in kinds, special_ids=added, chat_template=_chat_template(path))
 
 
 def _from_sentencepiece(path: Path, model_file: Path) -> HFTokenizer:
@@ -161,14 +207,18 @@ def _from_sentencepiece(path: Path, model_file: Path) -> HFTokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike, *, side: str = "source") -> HFTokenizer:
-    """The tokenizer of the checkpoint directory ``path``.
+    """The tokenizer of the checkpoint directory ``path`` (or of the GGUF file ``path``).
 
     ``side``: for a translation checkpoint with separate SentencePiece models
     (Marian's ``source.spm`` / ``target.spm``), which one splits the text.
     """
+    from jaxformer.interop.gguf import is_gguf, load_gguf_tokenizer
+
     path = Path(path)
     if side not in ("source", "target"):
         raise ValueError(f"side={side!r} must be 'source' or 'target'")
+    if is_gguf(path):
+        return load_gguf_tokenizer(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: not a directory")
     if (path / "tokenizer.json").is_file():

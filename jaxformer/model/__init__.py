@@ -4,9 +4,11 @@ from jaxformer.model import presets
 from jaxformer.model.config import ModelConfig, RandomBlocksConfig, RopeScalingConfig
 from jaxformer.model.counting import count_params, flops_per_token, matmul_params
 from jaxformer.model.functional import abstract_init, apply, init
+from jaxformer.model.layout import per_layer_config, scanned_config, stack_layers, unstack_layers
 from jaxformer.model.transformer import Transformer
 
 __all__ = [
     "ModelConfig", "RandomBlocksConfig", "RopeScalingConfig", "Transformer", "abstract_init", "apply", "count_params",
-    "flops_per_token", "init", "matmul_params", "presets",
+    "flops_per_token", "init", "matmul_params", "per_layer_config", "presets", "scanned_config", "stack_layers",
+    "unstack_layers",
 ]

@@ -195,12 +195,15 @@ class Transformer(nnx.Module):
     def decode(self, tokens: Tokens, memory: Memory | None = None, *, positions: Positions | None = None,
                segment_ids: SegmentIds | None = None, memory_segment_ids: KvSegmentIds | None = None,
                memory_lengths: Lengths | None = None, cache: Sequence | None = None,
-               token_types: Tokens | None = None) -> Logits | tuple[Logits, list]:
+               token_types: Tokens | None = None, logits_at: Lengths | None = None,
+               ) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:
         """Causal decoder: ``tokens [B, T] -> logits [B, T, V]`` (``, new_caches`` with ``cache``).
 
         ``memory [B, S, D]`` is the encoder output (encoder-decoder only), masked by
         ``memory_segment_ids [B, S]`` (with ``segment_ids``) and/or ``memory_lengths [B]``.
         ``token_types [B, T]`` of ``tokens`` (needs ``type_vocab_size > 0``; default zeros).
+        ``logits_at [B]`` int: the head runs at that one position of each row only, giving logits
+        ``[B, 1, V]`` (equal to ``[:, logits_at]`` of the full logits; a sampler needs no others).
         """
         cfg = self.config
         if self.decoder is None:
@@ -232,6 +235,10 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens, positions, token_types)
         x, new_caches = self.decoder(x, positions=positions, mask=mask, context=memory,
                                      context_mask=context_mask, caches=cache)
+        if logits_at is not None:
+            if jnp.shape(logits_at) != (tokens.shape[0],):
+                raise ValueError(f"logits_at.shape={jnp.shape(logits_at)} must be [B]=({tokens.shape[0]},)")
+            x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)
         logits = self.logits(x)
         return logits if cache is None else (logits, new_caches)
 
@@ -240,7 +247,8 @@ class Transformer(nnx.Module):
                  positions: AnyPositions | None = None, segment_ids: AnyTokens | None = None,
                  lengths: Lengths | None = None, tgt_positions: AnyPositions | None = None,
                  tgt_segment_ids: AnyTokens | None = None, cache: Sequence | None = None,
-                 token_types: AnyTokens | None = None) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:
+                 token_types: AnyTokens | None = None, logits_at: Lengths | None = None,
+                 ) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:
         """Logits ``float32 [B, T, V]``, or ``(logits, new_caches)`` when ``cache`` is given.
 
         decoder:          ``model(tokens, positions=, segment_ids=, cache=)``
@@ -253,7 +261,8 @@ class Transformer(nnx.Module):
         and ``segment_ids [B, T]``. ``cache``: one :class:`~jaxformer.nn.KVCacheLayer`
         per decoder layer (decoder self-attention only). ``token_types [B, T]`` (models with
         ``type_vocab_size > 0``; default zeros) are those of ``tokens`` (the source of an
-        encoder-decoder, whose target takes type 0).
+        encoder-decoder, whose target takes type 0). ``logits_at [B]`` (decoders): logits ``[B, 1, V]`` of
+        that position of each row only (see :meth:`decode`).
         """
         kind = self.config.kind
         if kind == "encoder_decoder":
@@ -262,16 +271,17 @@ class Transformer(nnx.Module):
             memory = self.encode(tokens, positions=positions, segment_ids=segment_ids, lengths=lengths,
                                  token_types=token_types)
             return self.decode(tgt_tokens, memory, positions=tgt_positions, segment_ids=tgt_segment_ids,
-                               memory_segment_ids=segment_ids, memory_lengths=lengths, cache=cache)
+                               memory_segment_ids=segment_ids, memory_lengths=lengths, cache=cache,
+                               logits_at=logits_at)
         if tgt_tokens is not None or tgt_positions is not None or tgt_segment_ids is not None:
             raise ValueError(f"tgt_* arguments only apply to encoder_decoder, not kind={kind!r}")
         if kind == "encoder":
-            if cache is not None:
-                raise ValueError("an encoder takes no cache")
+            if cache is not None or logits_at is not None:
+                raise ValueError("an encoder takes no cache and no logits_at")
             x = self.encode(tokens, positions=positions, segment_ids=segment_ids, lengths=lengths,
                             token_types=token_types)
             return self.logits(x)
         if lengths is not None:
             raise ValueError("lengths applies to encoders; a decoder uses segment_ids or a cache")
         return self.decode(tokens, positions=positions, segment_ids=segment_ids, cache=cache,
-                           token_types=token_types)
+                           token_types=token_types, logits_at=logits_at)

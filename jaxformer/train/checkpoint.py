@@ -96,6 +96,32 @@ class Checkpointer:
         self._mgr.wait_until_finished()
         self._mgr.close()
 
+    def _fitting_meta(self, step: int, want: list[str]) -> dict | None:
+        """The metadata of ``step`` (None if it does not read); IncompatibleCheckpointError if its arrays'
+        signature is not ``want``."""
+        try:
+            saved = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception:  # noqa: BLE001 - unreadable meta: the caller decides
+            return None
+        have = saved.get("signature")
+        if have is not None and have != want:
+            diff = sorted(set(have) ^ set(want))[:6]
+            raise IncompatibleCheckpointError(
+                f"checkpoint step {step} in {self.directory} does not fit this config (did the model or "
+                f"optimizer change?); differing arrays: {diff}. Use a new --run-dir.")
+        return saved
+
+    def latest_meta(self, abstract_state) -> dict | None:
+        """The metadata (``step``, ``config``, ...) of the newest checkpoint whose metadata reads, its arrays
+        and data state unread (what a resume will start from, known before anything is built), or None.
+        Raises IncompatibleCheckpointError as :meth:`restore_latest` does."""
+        want = signature(abstract_state)
+        for step in reversed(self.steps()):
+            meta = self._fitting_meta(step, want)
+            if meta is not None:
+                return meta
+        return None
+
     def restore_latest(self, abstract_state, state_shardings, data_iter=None):
         """``(state, meta)`` from the newest readable checkpoint, or ``None`` when there is none.
 
@@ -105,16 +131,7 @@ class Checkpointer:
                               abstract_state, state_shardings)
         want = signature(abstract_state)
         for step in reversed(self.steps()):
-            try:
-                saved = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-                have = saved.get("signature")
-            except Exception:  # noqa: BLE001 - unreadable meta: handled as corrupt below
-                have = None
-            if have is not None and have != want:
-                diff = sorted(set(have) ^ set(want))[:6]
-                raise IncompatibleCheckpointError(
-                    f"checkpoint step {step} in {self.directory} does not fit this config (did the model or "
-                    f"optimizer change?); differing arrays: {diff}. Use a new --run-dir.")
+            self._fitting_meta(step, want)  # unreadable meta: handled as corrupt below
             try:
                 items = dict(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
                 if data_iter is not None:

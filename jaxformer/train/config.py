@@ -16,9 +16,11 @@
     eval: {every: 500, max_tokens: 65536}
 
 Unknown keys and wrong types fail before anything runs with
-``FILE: dotted.key: message`` (:class:`ConfigError`). ``key.sub=value``
+``FILE: dotted.key: message`` (:class:`ConfigError`; an unknown key with the
+closest known one, ``did you mean model.d_model?``). ``key.sub=value``
 overrides (values parsed as YAML) are applied to the raw mapping before
-validation. :func:`dump` writes the resolved config (the model with every
+validation; an error at a key an override set names the override, not the file.
+:func:`dump` writes the resolved config (the model with every
 field, no preset) that a run directory keeps.
 
 ``model: {hf: path/to/checkpoint}`` fine-tunes a Hugging Face checkpoint: the model
@@ -32,8 +34,10 @@ directory as ``hf_source``, so a run directory is read back without it.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -191,8 +195,9 @@ class EvalConfig(_Section):
     sample: SampleConfig | None = None
 
 
-HF_MODEL_OVERRIDES = ("attention_impl", "remat", "max_seq_len", "compute_dtype", "param_dtype")
-"""The ModelConfig fields ``model: {hf: DIR, ...}`` may set: none of them changes the checkpoint's weights."""
+HF_MODEL_OVERRIDES = ("attention_impl", "remat", "scan_layers", "max_seq_len", "compute_dtype", "param_dtype")
+"""The ModelConfig fields ``model: {hf: DIR, ...}`` may set: none of them changes the checkpoint's weights
+(``scan_layers`` only their layout)."""
 
 
 def _resolve_path(value: str, info: ValidationInfo) -> str:
@@ -210,6 +215,7 @@ class HFModelConfig(_Section):
     hf: str = Field(description="a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer)")
     attention_impl: Literal["auto", "xla", "blockwise", "pallas", "sparse"] | None = None
     remat: bool | None = None
+    scan_layers: bool | None = None  # the checkpoint's per-layer weights are stacked at step 0
     max_seq_len: int | None = Field(None, gt=0)
     compute_dtype: Dtype | None = None
     param_dtype: Dtype | None = None
@@ -326,8 +332,6 @@ class ExperimentConfig(_Section):
         if tok == "hf" and self.hf_source is None:
             raise ValueError("data.tokenizer='hf' is the tokenizer of a Hugging Face checkpoint; "
                              "give model: {hf: DIR}")
-        if self.hf_source is not None and self.model.scan_layers:
-            raise ValueError("model.scan_layers=True cannot start from a Hugging Face checkpoint (per-layer weights)")
         return self
 
 
@@ -343,15 +347,58 @@ def _dotted(loc: tuple) -> str:
     return out
 
 
-def format_errors(err: ValidationError, source: str) -> str:
-    """``source: dotted.key: message`` per error, one per line."""
+def _section(annotation) -> type[BaseModel] | None:
+    """The config section class a field holds (``SampleConfig | None`` -> SampleConfig), if any."""
+    for t in (annotation, *typing.get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return t
+    return None
+
+
+def known_keys(loc: tuple, schema: type[BaseModel] | None = None) -> list[str]:
+    """The keys the section at ``loc`` (a dotted key's parts, the key itself last) of ``schema`` (default
+    :class:`ExperimentConfig`) accepts; [] if unknown."""
+    section: type[BaseModel] | None = schema or ExperimentConfig
+    for part in loc[:-1]:
+        field = section.model_fields.get(part) if isinstance(part, str) else None
+        section = None if field is None else _section(field.annotation)
+        if section is None:
+            return []
+    names = list(section.model_fields)
+    return names + ["preset", "hf"] if section is ModelConfig else names
+
+
+def _unknown_key(loc: tuple, schema: type[BaseModel] | None) -> str:
+    """``unknown key`` and, when one is close (difflib), ``; did you mean model.d_model?``."""
+    key = loc[-1] if loc else None
+    close = difflib.get_close_matches(key, known_keys(loc, schema), n=1) if isinstance(key, str) else []
+    return "unknown key" + (f"; did you mean {_dotted((*loc[:-1], close[0]))}?" if close else "")
+
+
+def _from_override(loc: tuple, etype: str, overrides) -> str | None:
+    """The last ``key.sub=value`` override that set the value at ``loc`` (or, for an unknown key, created
+    it), if any: the command line, not the file, is where that error was made."""
+    for text in reversed(list(overrides)):
+        parts = tuple(parse_override(text)[0])
+        if loc[:len(parts)] == parts or (etype == "extra_forbidden" and parts[:len(loc)] == loc):
+            return text
+    return None
+
+
+def format_errors(err: ValidationError, source: str, overrides=(), *, schema: type[BaseModel] | None = None) -> str:
+    """``source: dotted.key: message`` per error, one per line; an error at a key a ``key.sub=value``
+    override set names the override instead of ``source``; an unknown key gets the closest known one of
+    ``schema`` (the model validated: default :class:`ExperimentConfig`)."""
     lines = []
     for e in err.errors(include_url=False):
+        loc = tuple(e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-        key = _dotted(tuple(e["loc"]))
-        lines.append(f"{source}: {key}: {msg}" if key else f"{source}: {msg}")
+            msg = _unknown_key(loc, schema)
+        override = _from_override(loc, e["type"], overrides) if loc else None
+        where = source if override is None else f"override {override!r}"
+        key = _dotted(loc)
+        lines.append(f"{where}: {key}: {msg}" if key else f"{where}: {msg}")
     return "\n".join(lines)
 
 
@@ -405,11 +452,12 @@ def from_dict(raw: Any, source: str = "<config>", overrides=(), *, planning: boo
     """
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level, got {type(raw).__name__}")
-    raw = apply_overrides(raw, list(overrides))
+    overrides = list(overrides)
+    raw = apply_overrides(raw, overrides)
     try:
         return ExperimentConfig.model_validate(raw, context={"planning": planning, "base_dir": base_dir})
     except ValidationError as e:
-        raise ConfigError(format_errors(e, source)) from None
+        raise ConfigError(format_errors(e, source, overrides)) from None
 
 
 def load(path: str | Path, overrides=(), *, planning: bool = False) -> ExperimentConfig:

@@ -9,7 +9,11 @@ Sources (``DataConfig.source``):
 * ``bin``: a flat pre-tokenized ``uint16``/``uint32`` memmap; ``bin_eos_id``
   separates documents; the last ``val_fraction`` of tokens is validation.
 
-Documents are held out for validation by a stable hash of their relative path.
+Documents are held out for validation by a stable hash of their relative path. When that
+leaves validation empty (a text folder of one file, a few files none of which the hash picks), the
+split moves inside the text: the last ``val_fraction`` of its bytes (cut at a UTF-8 character
+boundary) is validation, the bytes before it training, and ``Corpus.split_note`` says so (the
+start line of a run prints it).
 Each document becomes ``[BOS] + tokens + [EOS]`` (either left out if the tokenizer has none,
 as some Hugging Face tokenizers have no BOS): training keeps a list of
 documents, validation one concatenated stream.
@@ -64,14 +68,54 @@ def _text_documents(cfg: DataConfig) -> list[tuple[str, bytes]]:
     raise ValueError(f"data.path={cfg.path!r} is neither a file nor a directory")
 
 
+def split_documents(docs: list[tuple[str, bytes]], fraction: float) -> tuple[list[bytes], list[bytes], str | None]:
+    """``(train, validation, note)``: whole documents by :func:`is_validation`; if that holds out none,
+    the last ``fraction`` of the documents' bytes, in order (at least one byte, never all of them), cut
+    at a UTF-8 character boundary, with a note saying so (else ``note`` is None)."""
+    train = [d for name, d in docs if not is_validation(name, fraction)]
+    val = [d for name, d in docs if is_validation(name, fraction)]
+    total = sum(len(d) for _, d in docs)
+    if val or fraction == 0 or total < 2:
+        return train, val, None
+    train, val, before = [d for _, d in docs], [], total
+    need = min(max(1, round(total * fraction)), total - 1)  # validation bytes
+    while total - before < need:  # whole documents from the end, then the head of the next one cut
+        d = train.pop()
+        before -= len(d)
+        cut = max(0, total - before - need)  # of d, what training keeps
+        back = _char_start(d, cut, -1)  # not inside a multi-byte character
+        if back or train:
+            cut = back
+        elif _char_start(d, cut, +1) < len(d):  # training keeps at least a character
+            cut = _char_start(d, cut, +1)
+        if cut:
+            train.append(d[:cut])
+            before += cut
+        if d[cut:]:
+            val.insert(0, d[cut:])
+    note = (f"validation: the last {total - before:,} of {total:,} bytes of the text (the file-level split at "
+            f"data.val_fraction={fraction} held out nothing)")
+    return train, val, note
+
+
+def _char_start(d: bytes, i: int, step: int) -> int:
+    """From offset ``i`` of ``d``, the first offset in direction ``step`` (-1, +1) that starts a UTF-8
+    character (is not a continuation byte ``0b10xxxxxx``), stopping at either end."""
+    while 0 < i < len(d) and (d[i] & 0xC0) == 0x80:
+        i += step
+    return i
+
+
 @dataclass
 class Corpus:
-    """Token arrays for training (a list of documents) and one validation stream."""
+    """Token arrays for training (a list of documents) and one validation stream; ``split_note``: how
+    validation was held out when it is not the file-level split (:func:`split_documents`)."""
 
     tokenizer: Any
     train_docs: list[np.ndarray]
     val_stream: np.ndarray
     n_val_docs: int
+    split_note: str | None = None
 
     @property
     def n_train_tokens(self) -> int:
@@ -91,9 +135,7 @@ def build_corpus(cfg: DataConfig, tokenizer_path: str | Path | None = None) -> C
         return Corpus(tok, [arr[: len(arr) - n_val]], np.asarray(arr[len(arr) - n_val:], np.int32),
                       n_val_docs=1 if n_val else 0)
 
-    docs = _text_documents(cfg)
-    train = [d for name, d in docs if not is_validation(name, cfg.val_fraction)]
-    val = [d for name, d in docs if is_validation(name, cfg.val_fraction)]
+    train, val, note = split_documents(_text_documents(cfg), cfg.val_fraction)
     if cfg.tokenizer == "hf":
         if tokenizer_path is None:
             raise ValueError("data.tokenizer='hf' needs the checkpoint directory holding the tokenizer")
@@ -115,4 +157,4 @@ def build_corpus(cfg: DataConfig, tokenizer_path: str | Path | None = None) -> C
 
     train_docs = [wrap(d) for d in train]
     val_stream = (np.concatenate([wrap(d) for d in val]) if val else np.zeros((0,), np.int32))
-    return Corpus(tok, train_docs, val_stream, n_val_docs=len(val))
+    return Corpus(tok, train_docs, val_stream, n_val_docs=len(val), split_note=note)

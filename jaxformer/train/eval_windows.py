@@ -74,3 +74,35 @@ def eval_windows(stream: np.ndarray, *, seq_len: int, tokenizer, max_tokens: int
         seg[r, :len(piece)] = 1
     score_from = None if stride == T else np.where(starts == 0, 0, T - stride).astype(np.int32)
     return EvalSet(rows, split_segments(seg, rows, tokenizer.eos_id), tokenizer.pad_id, score_from)
+
+
+def nested_windows(stream: np.ndarray, *, seq_len: int, span: int, tokenizer,
+                   max_tokens: int | None = None) -> EvalSet:
+    """The same scored tokens at every ``seq_len <= span``: windows of ``seq_len`` tiling spans of ``span``.
+
+    The spans are :func:`eval_windows`' windows at length ``span`` (evenly spaced, scoring about
+    ``max_tokens`` targets; None: the whole split); each is cut into consecutive windows of
+    ``seq_len`` targets (the last one shorter when ``seq_len`` does not divide ``span``). The
+    targets scored are those of the spans whatever ``seq_len`` is, so evaluations at several
+    lengths that share ``span`` and ``max_tokens`` score exactly the same tokens; a shorter
+    window only sees less of what came before (its first target sees one token of context).
+    """
+    stream = np.asarray(stream, np.int32)
+    if len(stream) < 2:
+        raise ValueError(f"the validation split has {len(stream)} tokens; raise data.val_fraction")
+    if not 1 <= seq_len <= span:
+        raise ValueError(f"seq_len={seq_len} must be in [1, span={span}]")
+    n_total = 1 + math.ceil(max(len(stream) - 1 - span, 0) / span)
+    n = n_total if max_tokens is None else max(1, min(n_total, max_tokens // span))
+    span_starts = (np.arange(n, dtype=np.int64) * n_total // n) * span
+    pieces = []
+    for s in span_starts:
+        end = min(s + span + 1, len(stream))  # the span's last target + 1
+        for j in range(s, end - 1, seq_len):
+            pieces.append(stream[j:min(j + seq_len + 1, end)])
+    rows = np.full((len(pieces), seq_len + 1), tokenizer.pad_id, np.int32)
+    seg = np.zeros((len(pieces), seq_len + 1), np.int32)
+    for r, piece in enumerate(pieces):
+        rows[r, :len(piece)] = piece
+        seg[r, :len(piece)] = 1
+    return EvalSet(rows, split_segments(seg, rows, tokenizer.eos_id), tokenizer.pad_id)

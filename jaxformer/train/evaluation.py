@@ -18,8 +18,8 @@ from jaxformer.model import apply
 from jaxformer.train import config as C
 from jaxformer.train import sharding as shd
 from jaxformer.train.corpus import Corpus, build_corpus
-from jaxformer.train.eval_windows import EvalSet, eval_windows
-from jaxformer.train.run_dir import load_run, tokenizer_path
+from jaxformer.train.eval_windows import EvalSet, eval_windows, nested_windows
+from jaxformer.train.run_dir import config_path, load_run, tokenizer_path
 from jaxformer.train.step import Trainer
 
 LN2 = math.log(2.0)
@@ -126,13 +126,16 @@ def learned_table_refusal(model_cfg, seq_len: int) -> str | None:
 
 
 def evaluate_run_at_length(run_dir: str | Path, seq_len: int, *, max_tokens: int | None = 65536,
-                           stride: int | None = None, bucket: int | None = None) -> dict:
+                           stride: int | None = None, bucket: int | None = None, span: int | None = None) -> dict:
     """Validation loss / bits per byte of a run's newest checkpoint on windows of ``seq_len`` tokens.
 
     The run may have been trained at another length: positions beyond the trained context are used
     as the encoding allows (RoPE, ALiBi, sinusoidal and none compute any position; a learned table
     refuses lengths past ``model.max_seq_len`` with a ValueError). ``max_tokens`` caps the scored
-    tokens (evenly spaced windows; None: the whole split), ``stride`` as ``eval.stride``.
+    tokens (evenly spaced windows; None: the whole split), ``stride`` as ``eval.stride``. ``span``
+    (>= ``seq_len``, without ``stride``): the windows tile spans of ``span`` tokens
+    (:func:`~jaxformer.train.eval_windows.nested_windows`), so calls at several lengths with the same
+    ``span`` and ``max_tokens`` score exactly the same tokens (``val_tokens`` and ``val_bytes`` equal).
 
     Returns the overall figures and ``buckets``: the loss by *position in the document as the window
     holds it* (the number of tokens of its file a prediction has before it inside the window; a window
@@ -140,10 +143,7 @@ def evaluate_run_at_length(run_dir: str | Path, seq_len: int, *, max_tokens: int
     positions (default half the trained length): ``[{"from", "to", "tokens", "loss", "bpb"}]``.
     """
     run_dir = Path(run_dir)
-    path = run_dir / "config.yaml"
-    if not path.exists():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    trained = C.load(path)
+    trained = C.load(config_path(run_dir))
     refusal = learned_table_refusal(trained.model, seq_len)
     if refusal is not None:
         raise ValueError(f"{run_dir}: {refusal}")
@@ -153,6 +153,8 @@ def evaluate_run_at_length(run_dir: str | Path, seq_len: int, *, max_tokens: int
         raise ValueError(f"bucket={bucket} must be > 0 positions")
     if stride is not None and not 1 <= stride <= seq_len:
         raise ValueError(f"stride={stride} must be in [1, seq_len={seq_len}]")
+    if span is not None and (stride is not None or span < seq_len):
+        raise ValueError(f"span={span} needs stride=None and span >= seq_len={seq_len}")
     overrides = [f"seq_len={seq_len}", "eval.stride=null"]
     if seq_len > trained.model.max_seq_len:
         overrides.append(f"model.max_seq_len={seq_len}")
@@ -160,8 +162,12 @@ def evaluate_run_at_length(run_dir: str | Path, seq_len: int, *, max_tokens: int
     corpus = build_corpus(cfg.data, tokenizer_path=tokenizer_path(cfg, run_dir))
     if not has_validation(corpus):
         raise ValueError(f"{run_dir}: the validation split is empty (data.val_fraction={cfg.data.val_fraction})")
-    evalset = eval_windows(corpus.val_stream, seq_len=seq_len, tokenizer=corpus.tokenizer,
-                           max_tokens=max_tokens, stride=stride)
+    if span is None:
+        evalset = eval_windows(corpus.val_stream, seq_len=seq_len, tokenizer=corpus.tokenizer,
+                               max_tokens=max_tokens, stride=stride)
+    else:
+        evalset = nested_windows(corpus.val_stream, seq_len=seq_len, span=span, tokenizer=corpus.tokenizer,
+                                 max_tokens=max_tokens)
     width = bucket or max(1, trained.seq_len // 2)
     n_buckets = -(-seq_len // width)
     nats, count, nbytes = np.zeros(n_buckets), np.zeros(n_buckets), np.zeros(n_buckets)

@@ -9,7 +9,10 @@ MFU (model FLOPs utilisation) = model FLOPs per token (:func:`jaxformer.model.fl
 forward + backward, the 6N + 12 L T d count) x tokens/s / the peak of the devices the run uses:
 :func:`device_peak` finds it, in this order: ``logging.peak_tflops`` (per device) when given; the
 vendor datasheet's dense bf16 peak for known GPUs and TPUs (:data:`DATASHEET_PEAK_TFLOPS`); on CPU a
-1024^3 fp32 matmul timed once per process (:func:`measured_cpu_peak`). Unknown accelerators give no MFU.
+1024^3 fp32 matmul, timed at start-up and again during the first steps of the run, the best of those probes
+(:func:`measured_cpu_peak`): one probe, under whatever else runs on the machine's cores then, varied 2x
+between identical runs. Unknown accelerators give no MFU. Each train row with an ``mfu`` also carries the
+``peak_tflops`` it was computed against (all of the run's devices together).
 """
 
 from __future__ import annotations
@@ -55,18 +58,17 @@ def datasheet_peak_tflops(device_kind: str) -> float | None:
     return None
 
 
-@functools.lru_cache(maxsize=1)
-def measured_cpu_peak(n: int = 1024, min_calls: int = 5, max_calls: int = 60, budget_s: float = 0.25) -> float:
+def probe_cpu_matmul(n: int = 1024, min_calls: int = 5, max_calls: int = 60, budget_s: float = 0.25) -> float:
     """FLOP/s of an ``n^3`` fp32 matmul on the default CPU device: the best of at least ``min_calls`` timed
-    calls (after a compile and a warm-up call), more while under ``budget_s`` seconds, at most ``max_calls``;
-    measured once per process. The best of many short calls, not of a few: a run's own host threads (the
-    data pipeline filling its buffer) can take a core for a few milliseconds, and 5 calls then measured one
-    core of two (0.25 vs 0.49 TFLOP/s on a 2-core box)."""
+    calls (after a warm-up call), more while under ``budget_s`` seconds, at most ``max_calls``. The best of
+    many short calls, not of a few: a run's own host threads (the data pipeline filling its buffer) can take
+    a core for a few milliseconds, and 5 calls then measured one core of two (0.25 vs 0.49 TFLOP/s on a
+    2-core box)."""
     import jax
     import jax.numpy as jnp
 
     a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x: x @ x)
+    f = _matmul()
     jax.block_until_ready(f(a))
     best, calls, start = math.inf, 0, time.perf_counter()
     while calls < min_calls or (calls < max_calls and time.perf_counter() - start < budget_s):
@@ -75,6 +77,42 @@ def measured_cpu_peak(n: int = 1024, min_calls: int = 5, max_calls: int = 60, bu
         best = min(best, time.perf_counter() - t0)
         calls += 1
     return 2.0 * n**3 / best
+
+
+@functools.lru_cache(maxsize=1)
+def _matmul():
+    import jax
+
+    return jax.jit(lambda x: x @ x)  # one function, so a probe after the first does not compile again
+
+
+CPU_PROBES = 4
+"""The most :func:`probe_cpu_matmul` probes one process makes: the start-up one and up to three more
+during the first steps (:data:`REPROBE_AFTER_S`); later runs in the same process reuse the best."""
+
+REPROBE_AFTER_S = (1.0, 4.0, 10.0)
+"""Seconds after a run's first step at which the CPU peak is probed again (between steps, outside the timed
+intervals): spread out, so that one of the probes finds the cores idle."""
+
+_cpu_probes: list[float] = []  # every probe this process made
+
+
+def measured_cpu_peak(*, again: bool = False) -> float:
+    """The best FLOP/s of the CPU matmul probes this process made (:func:`probe_cpu_matmul`); the first call
+    probes, ``again=True`` probes once more unless :data:`CPU_PROBES` were made already."""
+    if not _cpu_probes or (again and len(_cpu_probes) < CPU_PROBES):
+        _cpu_probes.append(probe_cpu_matmul())
+    return max(_cpu_probes)
+
+
+def cpu_probes() -> int:
+    """How many CPU peak probes this process made (the figure :func:`measured_cpu_peak` is the best of)."""
+    return len(_cpu_probes)
+
+
+def peak_is_measured(devices, override_tflops: float | None = None) -> bool:
+    """Whether :func:`device_peak` measures the peak (CPU devices, no ``logging.peak_tflops``)."""
+    return override_tflops is None and next(iter(devices)).platform == "cpu"
 
 
 def device_peak(devices, override_tflops: float | None = None) -> tuple[float | None, str]:
@@ -89,7 +127,8 @@ def device_peak(devices, override_tflops: float | None = None) -> tuple[float | 
         units, unit = len({d.process_index for d in devices}), "process"
         if override_tflops is None:
             peak = measured_cpu_peak()
-            return peak * units, f"{peak / 1e12:.3f} TFLOP/s per {unit} (measured fp32 matmul)"
+            best = f", best of {cpu_probes()} probes" if cpu_probes() > 1 else ""
+            return peak * units, f"{peak / 1e12:.3f} TFLOP/s per {unit} (measured fp32 matmul{best})"
     else:
         units, unit = len(devices), "device"
     if override_tflops is not None:
@@ -169,15 +208,30 @@ def plain_console() -> Console:
     return Console(soft_wrap=True)
 
 
+def hms(seconds: float) -> str:
+    """``m:ss``, or ``h:mm:ss`` from an hour: ``hms(72) == "1:12"``, ``hms(3725) == "1:02:05"``."""
+    m, sec = divmod(max(0, round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
 class ProgressBar:
-    """Step, loss, tokens/s, MFU (when known), ETA. Plain log lines instead when disabled or not on a terminal."""
+    """Step, loss, tokens/s, MFU (when known), ETA. Plain log lines instead when disabled or not on a terminal:
+    ``step 50/2,250  loss 5.2817  4,612 tok/s  MFU 32.7%  elapsed 0:12  ETA 9:10``, where elapsed counts from
+    ``started`` (a ``clock()`` reading; default: now) and the ETA extrapolates the time per step since the first
+    update (the first step, which compiles, is not counted; pauses for checkpoints and evaluations are, as
+    they recur)."""
 
     def __init__(self, total: int, start: int, *, enabled: bool, show: bool = True,
-                 console: Console | None = None):
+                 console: Console | None = None, clock=time.perf_counter, started: float | None = None):
         self.show = show
         self.console = console or plain_console()
         self.rich = enabled and self.console.is_terminal
         self.enabled = enabled
+        self.total = total
+        self._clock = clock
+        self._started = clock() if started is None else started
+        self._first: tuple[float, int] | None = None  # (time, step) of the first update
         self._bar = None
         if self.rich:
             self._bar = Progress(
@@ -189,14 +243,27 @@ class ProgressBar:
             self._task = self._bar.add_task("train", total=total, completed=start, loss="-", tps="-", mfu="")
             self._bar.start()
 
+    def eta(self, step: int, now: float) -> float | None:
+        """Seconds left at ``step``: the steps still to run at the mean time per step since the first update."""
+        if self._first is None or step <= self._first[1]:
+            return None
+        t, s = self._first
+        return (self.total - step) * (now - t) / (step - s)
+
     def update(self, step: int, loss: float, tokens_per_s: float | None, log: bool,
                mfu: float | None = None) -> None:
+        now = self._clock()
+        if self._first is None:
+            self._first = (now, step)
         tps = "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
         util = "" if mfu is None else f"MFU {mfu:.1%}"
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=tps, mfu=util)
         elif self.enabled and log:
-            self.console.print(f"step {step}  loss {loss:.4f}  {tps} tok/s" + (f"  {util}" if util else ""),
+            eta = self.eta(step, now)
+            self.console.print(f"step {step:,}/{self.total:,}  loss {loss:.4f}  {tps} tok/s"
+                               + (f"  {util}" if util else "")
+                               + f"  elapsed {hms(now - self._started)}  ETA {'-' if eta is None else hms(eta)}",
                                highlight=False)
 
     def print(self, text: str) -> None:

@@ -25,7 +25,8 @@ from jaxformer.train.run_dir import TOKENIZER_FILES, copy_files, load_run, run_t
 
 def initial_state(cfg: C.ExperimentConfig, trainer):
     """The train state at step 0 of a run from ``cfg.hf_source``: the checkpoint's parameters, placed
-    straight onto the trainer's shardings, and a fresh optimiser state."""
+    straight onto the trainer's shardings (stacked first with ``model.scan_layers``:
+    :func:`jaxformer.model.stack_layers`), and a fresh optimiser state."""
     from flax import nnx
 
     from jaxformer.interop.hf import load_pretrained
@@ -69,9 +70,6 @@ def export_run(run_dir: str | Path, out: str | Path, *, dtype: str | None = None
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
     cfg = C.load(run_dir / "config.yaml")
-    if cfg.model.scan_layers:
-        raise ValueError(f"{run_dir}: model.scan_layers=True: export writes per-layer weights; "
-                         "train with scan_layers=False to export")
     hf_config, tokenizer_files = None, []
     source = source_dir(run_dir)
     if cfg.hf_source is not None and (source / CONFIG).is_file():
@@ -86,6 +84,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, dtype: str | None = None
     cfg, _, params, tok, meta = load_run(run_dir)
     _, state = abstract_init(cfg.model)
     nnx.replace_by_pure_dict(state, params)
+    # a scanned run (model.scan_layers) is written per layer by save_pretrained (unstack_layers)
     save_pretrained(out, cfg.model, state, model_type=model_type, hf_config=hf_config, dtype=dtype)
     if cfg.hf_source is not None:
         tokenizer_files = copy_files(source if source.is_dir() else cfg.hf_source, out,

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxformer.model import abstract_init, per_layer_config, unstack_layers
 from jaxformer.nn.attention import Attention
 from jaxformer.nn.mlp import MLP, GatedMLP
 from jaxformer.train.step import model_loss, block_grad_norms
@@ -67,6 +68,17 @@ def _probe(graphdef, params, batch):
             optax.tree.norm(qk), optax.tree.norm(grads), block_grad_norms(grads))
 
 
+def _per_layer(graphdef, params):
+    """``(graphdef, params)`` of the per-layer model holding the same weights (a scanned model's layers
+    unstacked, :func:`jaxformer.model.unstack_layers`): one recorded statistic per layer needs one call per
+    block, which a scanned stack's single traced block cannot give."""
+    config = nnx.merge(graphdef, params).config
+    if not config.scan_layers:
+        return graphdef, params
+    flat = per_layer_config(config)
+    return abstract_init(flat)[0], unstack_layers(params, flat)
+
+
 def attention_probe(graphdef, params, batch) -> dict:
     """Attention statistics and gradient norms of the model ``(graphdef, params)`` on ``batch``.
 
@@ -75,11 +87,9 @@ def attention_probe(graphdef, params, batch) -> dict:
     ``qk_grad_norm`` (the norm of the mean-loss gradient over every W_q and W_k), ``grad_norm``
     (over all parameters), ``grad_norm_layers`` (per block, first first) and ``grad_norm_first_block``.
     Statistics are of self-attention only (cross-attention is not recorded). A model with scanned
-    layers cannot record per-layer statistics.
+    layers is probed as the per-layer model with the same weights (same statistics and gradients).
     """
-    model = nnx.merge(graphdef, params)
-    if model.config.scan_layers:
-        raise ValueError("attention_probe: per-layer statistics need model.scan_layers=false")
+    graphdef, params = _per_layer(graphdef, params)
     per_layer, qk, total, layers = jax.device_get(_probe(graphdef, params, batch))
     out = {}
     for k in STATS:
@@ -103,10 +113,9 @@ def _fired(graphdef, params, batch):
 
 def mlp_probe(graphdef, params, batches) -> dict:
     """The FFN units whose activation input is never positive on any token of ``batches`` (for ReLU:
-    dead units, they never fire): ``dead_fraction`` over all layers and ``dead_fraction_layers``."""
-    model = nnx.merge(graphdef, params)
-    if model.config.scan_layers:
-        raise ValueError("mlp_probe: per-layer statistics need model.scan_layers=false")
+    dead units, they never fire): ``dead_fraction`` over all layers and ``dead_fraction_layers``
+    (a scanned model: per layer of the same weights, as in :func:`attention_probe`)."""
+    graphdef, params = _per_layer(graphdef, params)
     fired = None
     for b in batches:
         f = np.asarray(_fired(graphdef, params, b))

@@ -5,13 +5,15 @@
 Face checkpoint ``hf_source/`` (its config.json and tokenizer files). A resume compares
 the new config with the saved one: a checkpoint whose arrays do not fit is refused naming
 the keys that changed, a change of trajectory only warns, a run past ``steps`` is refused
-and a finished one is left as it is. Nothing is written until all of that is known
-(:func:`write_run_files`). :func:`load_run` reads a run back for ``jaxformer eval`` and
-``jaxformer generate``.
+and a finished one is left as it is. All of that is decided from the run's files and its
+newest checkpoint (:func:`saved_step`), before the corpus and tokenizer are built, and nothing
+is written until it is known (:func:`write_run_files`). :func:`load_run` reads a run back for
+``jaxformer eval`` and ``jaxformer generate``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
@@ -98,14 +100,11 @@ def describe_changes(changed, keys=None) -> str:
     return ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, a, b in changed if keys is None or k in keys)
 
 
-def restore(ckpt: Checkpointer, trainer: Trainer, data_iter, run_dir: Path, changed) -> tuple | None:
-    """``(state, meta)`` of the newest readable checkpoint (``data_iter`` restored too), or None.
-
-    A checkpoint that does not fit the new config is refused naming what ``changed``
-    (:func:`changed_keys`); a resume across a trajectory change warns.
-    """
+@contextlib.contextmanager
+def _refusing_misfits(run_dir: Path, changed):
+    """An IncompatibleCheckpointError inside names the keys of ``changed`` that shape the arrays."""
     try:
-        restored = ckpt.restore_latest(trainer.abstract_state, trainer.state_shardings, data_iter)
+        yield
     except IncompatibleCheckpointError as e:
         if not changed:
             raise
@@ -114,6 +113,24 @@ def restore(ckpt: Checkpointer, trainer: Trainer, data_iter, run_dir: Path, chan
             f"{run_dir} holds a run whose arrays do not fit this config, which differs from the run's "
             f"config.yaml in {describe_changes(changed, shaping)}; nothing was changed. Use a new --run-dir, "
             f"or resume with the run's own config.") from e
+
+
+def saved_step(ckpt: Checkpointer, trainer: Trainer, run_dir: Path, changed) -> int | None:
+    """The step of the newest checkpoint, from its metadata alone (no arrays, no data: known before the
+    corpus is built), or None; a checkpoint that does not fit is refused as by :func:`restore`."""
+    with _refusing_misfits(run_dir, changed):
+        meta = ckpt.latest_meta(trainer.abstract_state)
+    return None if meta is None else int(meta["step"])
+
+
+def restore(ckpt: Checkpointer, trainer: Trainer, data_iter, run_dir: Path, changed) -> tuple | None:
+    """``(state, meta)`` of the newest readable checkpoint (``data_iter`` restored too), or None.
+
+    A checkpoint that does not fit the new config is refused naming what ``changed``
+    (:func:`changed_keys`); a resume across a trajectory change warns.
+    """
+    with _refusing_misfits(run_dir, changed):
+        restored = ckpt.restore_latest(trainer.abstract_state, trainer.state_shardings, data_iter)
     trajectory = [k for k, _, _ in changed if k.split(".")[0] in TRAJECTORY and k != "steps"]
     if restored is not None and trajectory:
         warnings.warn(f"{run_dir}: config differs from the saved run in {describe_changes(changed, trajectory)}; "
@@ -157,13 +174,21 @@ def write_run_files(cfg: C.ExperimentConfig, run_dir: Path, tokenizer) -> None:
         tokenizer.save(path)
 
 
+def config_path(run_dir: str | Path) -> Path:
+    """``RUN_DIR/config.yaml``; FileNotFoundError saying which is missing, the directory or its config."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise FileNotFoundError(f"no such run directory: {run_dir}")
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+    return path
+
+
 def load_run(run_dir: str | Path, overrides=()):
     """``(cfg, trainer, params, tokenizer, meta)`` from a run directory's config and newest checkpoint."""
     run_dir = Path(run_dir)
-    path = run_dir / "config.yaml"
-    if not path.exists():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    cfg = C.load(path, overrides)
+    cfg = C.load(config_path(run_dir), overrides)
     mesh = shd.make_mesh(cfg.mesh)
     trainer = make_trainer(cfg, mesh)
     restored = Checkpointer(run_dir / "checkpoints", read_only=True).restore_latest(

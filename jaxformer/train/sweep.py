@@ -210,7 +210,7 @@ def load_sweep(path: str | Path) -> Sweep:
     try:
         spec = SweepConfig.model_validate(raw)
     except ValidationError as e:
-        raise C.ConfigError(C.format_errors(e, str(path))) from None
+        raise C.ConfigError(C.format_errors(e, str(path), schema=SweepConfig)) from None
     base_path = (path.parent / spec.base).resolve()
     try:
         base = yaml.safe_load(base_path.read_text()) or {}
@@ -394,16 +394,21 @@ def run_point(sweep: Sweep, point: Point, run_dir: Path, *, quick: bool = False)
 
 def eval_lengths(run_dir: Path, cfg: C.ExperimentConfig, lengths: list[int], *, max_tokens: int | None,
                  quick: bool = False) -> dict:
-    """``{str(length): evaluation}`` at each length; a length the model cannot run is ``{"na": reason}``."""
+    """``{str(length): evaluation}`` at each length; a length the model cannot run is ``{"na": reason}``.
+
+    Every length scores the same tokens: windows of each length tile the same spans of the longest
+    length (``evaluate_run_at_length(span=...)``), so ``val_tokens`` and ``val_bytes`` agree across lengths
+    and a difference between lengths is the context, not the text sampled."""
     from jaxformer.train.evaluation import evaluate_run_at_length, learned_table_refusal
 
+    span = max(lengths)
     out = {}
     for n in lengths:
         refusal = learned_table_refusal(cfg.model, n)
         if refusal is not None:
             out[str(n)] = {"na": refusal}
             continue
-        out[str(n)] = evaluate_run_at_length(run_dir, n, max_tokens=n if quick else max_tokens)
+        out[str(n)] = evaluate_run_at_length(run_dir, n, max_tokens=span if quick else max_tokens, span=span)
     return out
 
 

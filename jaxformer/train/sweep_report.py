@@ -11,6 +11,9 @@ Plots (``report.plots`` of the sweep file):
   at initialisation and after training;
 * ``sinusoidal_table``, ``rope_decay``, ``alibi_bias``: the encodings themselves, from ``jaxformer.ops``
   at the first point's sizes (the table, RoFormer's relative upper bound vs distance, ALiBi's biases).
+
+A sweep run with ``--quick`` (every point a few steps: a smoke test) says so in the report's title and
+across every plot (and in each PNG's ``Title`` metadata), so it is never read as a result.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxformer.train.metrics import read_metrics
-from jaxformer.train.sweep import Sweep, format_value, read_point
+from jaxformer.train.sweep import QUICK_STEPS, Sweep, format_value, read_point
 
 PROBE_KEYS = ("logit_var", "entropy_ratio", "max_weight", "qk_grad_norm", "grad_norm_first_block", "dead_fraction")
 
@@ -97,6 +100,16 @@ def _color(sweep: Sweep, values: dict) -> str:
     return matplotlib.colors.to_hex(matplotlib.colormaps["tab20"](i % 20))  # 11-20 settings: still one each
 
 
+def quick_warning(rows: list[dict]) -> str | None:
+    """``QUICK SMOKE RUN (2 steps per point): not a result`` when any point ran with ``--quick``, else None."""
+    quick = [r for r in rows if r.get("quick")]
+    if not quick:
+        return None
+    steps = sorted({r.get("config", {}).get("steps", QUICK_STEPS) for r in quick})
+    n = " or ".join(str(s) for s in steps)
+    return f"QUICK SMOKE RUN ({n} step{'s' if steps != [1] else ''} per point): not a result"
+
+
 def write_report(sweep: Sweep, out: str | Path) -> Path:
     """Write ``summary.jsonl``, ``report.md`` and the plots into ``out``; returns the report's path."""
     out = Path(out)
@@ -115,9 +128,10 @@ def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str]) -> str:
     spec, keys = sweep.spec, sweep.spec.varied
     metric = spec.report.metric
     n_seeds = len(spec.seeds)
-    lines = [f"# Sweep `{sweep.name}`", "",
-             f"`jaxformer sweep {sweep.path}` · {len(rows)} of {len(sweep.points)} points finished · "
-             f"seeds {spec.seeds} · mean ± standard deviation over seeds", ""]
+    quick = quick_warning(rows)
+    lines = [f"# Sweep `{sweep.name}`" + (f" — {quick}" if quick else ""), "",
+             f"`jaxformer sweep {sweep.path}{' --quick' if quick else ''}` · {len(rows)} of {len(sweep.points)} "
+             f"points finished · seeds {spec.seeds} · mean ± standard deviation over seeds", ""]
     head = [k.split(".")[-1] for k in keys] + ["params", f"{metric}", "train loss", "tokens/s", "wall s", "diverged"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for values, rs in _settings(sweep, rows):
@@ -198,11 +212,15 @@ def _x_positions(sweep: Sweep, ax) -> dict:
 def draw_plots(sweep: Sweep, out: Path, rows: list[dict]) -> list[str]:
     plt = _pyplot()
     made = []
+    quick = quick_warning(rows)
     for name in sweep.spec.report.plots:
         fig = globals()[f"_plot_{name}"](plt, sweep, out, rows)
         if fig is None:
             continue
-        fig.savefig(out / f"{name}.png", dpi=110)
+        if quick:  # across the middle of the figure, over the axes: not to be cropped away or missed
+            fig.text(0.5, 0.5, quick.replace(": ", "\n"), ha="center", va="center", rotation=20, fontsize=22,
+                     color="red", alpha=0.35, weight="bold", zorder=10)
+        fig.savefig(out / f"{name}.png", dpi=110, metadata={"Title": quick} if quick else None)
         plt.close(fig)
         made.append(f"{name}.png")
     return made

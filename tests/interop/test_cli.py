@@ -65,6 +65,20 @@ def test_generate_hf_samples_through_the_engine_and_stops_at_eos(hf_llama_dir, t
     assert capsys.readouterr().out == "The quick" + rows[0]["completion"] + "\n"
 
 
+def test_generate_hf_notes_the_models_own_window_only_past_its_context(tmp_path, capsys):
+    """Mistral (a 4-token sliding window, a 64-token context): 5 new tokens stay inside the context, no note;
+    80 go past it, and the note says so once."""
+    from tests.interop.common import FIXTURES
+
+    capsys.readouterr()
+    args = ["generate", "--hf", str(FIXTURES / "mistral"), "--prompt", "the cat", "--temperature", "0"]
+    assert main([*args, "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main([*args, "--max-new-tokens", "80"]) == 0
+    assert capsys.readouterr().err == ("note: generated past the model's 64-token context with a sliding 4-token "
+                                       "window (each new token sees the last 4 positions)\n")
+
+
 @pytest.mark.parametrize("model_type,kind", [("bert", "an encoder model"), ("marian", "an encoder-decoder model")])
 def test_generate_hf_refuses_encoder_checkpoints(model_type, kind, tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
@@ -110,8 +124,11 @@ def test_eval_hf_loss_and_bits_per_byte_equal_a_direct_computation(hf_llama_dir,
     text = tmp_path / "text.txt"
     text.write_text(TEXT, encoding="utf-8")
     capsys.readouterr()
-    assert main(["eval", "--hf", str(hf_llama_dir), "--text", str(text)]) == 0
+    assert main(["eval", "--hf", str(hf_llama_dir), "--text", str(text), "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["eval", "--hf", str(hf_llama_dir), "--text", str(text)]) == 0  # readable unless --json
+    assert capsys.readouterr().out.startswith(f"eval: loss {out['loss']:.4f} nats/token over {out['tokens']:,} "
+                                              f"tokens · {out['bpb']:.4f} bits/byte over {out['bytes']:,} bytes\n")
 
     config, graphdef, state = load_pretrained(hf_llama_dir)
     tok = load_tokenizer(hf_llama_dir)

@@ -34,14 +34,16 @@ def test_full_model_fields_without_preset(tmp_path):
 @pytest.mark.parametrize("text, expected", [
     ("model: {preset: llama_tiny}\nseq_len: 64\noptimizer: {lr: fast}\n",
      "x.yaml: optimizer.lr: Input should be a valid number"),
-    ("model: {preset: llama_tiny}\nseq_len: 64\noptimizer: {lrr: 0.1}\n", "x.yaml: optimizer.lrr: unknown key"),
-    ("model: {preset: llama_tiny, n_layerz: 3}\nseq_len: 64\n", "x.yaml: model.n_layerz: unknown key"),
+    ("model: {preset: llama_tiny}\nseq_len: 64\noptimizer: {lrr: 0.1}\n",
+     "x.yaml: optimizer.lrr: unknown key; did you mean optimizer.lr?"),
+    ("model: {preset: llama_tiny, n_layerz: 3}\nseq_len: 64\n",
+     "x.yaml: model.n_layerz: unknown key; did you mean model.n_layers?"),
     ("model: {preset: llama_tiny, n_layers: many}\nseq_len: 64\n",
      "x.yaml: model.n_layers: Input should be a valid integer"),
     ("model: {preset: nope}\n", "x.yaml: model: unknown preset 'nope'"),
     ("model: {preset: llama_tiny}\nseq_len: 64\ncheckpoint: {every: 0}\n",
      "x.yaml: checkpoint.every: Input should be greater than 0"),
-    ("model: {preset: llama_tiny}\nseq_len: 64\nstepz: 3\n", "x.yaml: stepz: unknown key"),
+    ("model: {preset: llama_tiny}\nseq_len: 64\nstepz: 3\n", "x.yaml: stepz: unknown key; did you mean steps?"),
     ("model: {preset: llama_tiny}\nseq_len: 4096\n", "x.yaml: seq_len=4096 exceeds model.max_seq_len=128"),
     ("model: {preset: llama_tiny}\nseq_len: 64\neval: {stride: 65}\n", "x.yaml: eval.stride=65 exceeds seq_len=64"),
     ("model: {preset: llama_tiny}\nseq_len: 64\noptimizer: {name: sgd}\n", "x.yaml: optimizer.name: Input should be"),
@@ -75,8 +77,8 @@ def test_overrides_are_yaml_parsed_and_validated(tmp_path):
     assert cfg.optimizer.lr == pytest.approx(3e-4)
     assert cfg.model.n_layers == 3 and cfg.mesh.data == 2 and cfg.eval.sample.prompt == "x"
     assert cfg.schedule.kind == "linear"
-    with pytest.raises(C.ConfigError, match=r"x.yaml: optimizer.lr: Input should be a valid number"):
-        C.load(p, ["optimizer.lr=abc"])
+    with pytest.raises(C.ConfigError, match=r"^override 'optimizer.lr=abc': optimizer.lr: Input should be a valid"):
+        C.load(p, ["optimizer.lr=abc"])  # the command line's mistake, not the file's
     with pytest.raises(C.ConfigError, match=r"override .optimizer.lr. is not key.sub=value \(e.g. optimizer.lr=3e-4\)"):
         C.load(p, ["optimizer.lr"])
 

@@ -189,6 +189,36 @@ def test_bpe_tokenizer(tmp_path):
     np.testing.assert_array_equal(again.val_stream, corpus.val_stream)
 
 
+def _unwrap(tok, ids) -> bytes:
+    """The bytes of wrapped documents, BOS and EOS dropped."""
+    return tok.decode_bytes(np.asarray([t for t in ids if t not in (tok.bos_id, tok.eos_id)]))
+
+
+@pytest.mark.parametrize("one_file", ["folder", "file"])
+def test_a_one_file_text_is_split_inside_the_text(tmp_path, one_file):
+    """No whole file falls in the hash split: validation is the last val_fraction of the bytes, cut at a
+    character boundary; training is every byte before it (disjoint, together the whole text)."""
+    text = ("#" * 6 + "".join(f"def f{i}(x):  # é 漢\n    return x + {i}\n" for i in range(300))).encode()
+    cut = len(text) - round(0.1 * len(text))
+    assert text[cut] & 0xC0 == 0x80  # the plain cut would fall inside a character
+    (tmp_path / "texts").mkdir()
+    path = tmp_path / "texts" / "notes.txt"
+    path.write_bytes(text)
+    cfg = C.DataConfig(source="text", path=str(path.parent if one_file == "folder" else path), val_fraction=0.1)
+    corpus = build_corpus(cfg)
+    tok = corpus.tokenizer
+    train, val = b"".join(_unwrap(tok, d) for d in corpus.train_docs), _unwrap(tok, corpus.val_stream)
+    assert train + val == text
+    assert abs(len(val) - round(0.1 * len(text))) < 4 and val.decode("utf-8") and train.decode("utf-8")
+    assert corpus.n_val_docs == 1 and corpus.val_stream[0] == tok.bos_id and corpus.val_stream[-1] == tok.eos_id
+    assert corpus.split_note == (f"validation: the last {len(val):,} of {len(text):,} bytes of the text (the "
+                                 "file-level split at data.val_fraction=0.1 held out nothing)")
+    # a folder whose hash split holds files out is split by file, as before
+    many = build_corpus(C.DataConfig(source="text", path=str(make_corpus(tmp_path / "many", 40)), val_fraction=0.2))
+    assert many.split_note is None and 0 < many.n_val_docs < 40
+    assert build_corpus(cfg.model_copy(update={"val_fraction": 0.0})).val_stream.size == 0
+
+
 def test_bad_paths(tmp_path):
     with pytest.raises(ValueError, match="neither a file nor a directory"):
         build_corpus(C.DataConfig(source="text", path=str(tmp_path / "nope")))

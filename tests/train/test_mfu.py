@@ -62,8 +62,8 @@ def test_progress_line_shows_mfu():
     bar.update(5, 2.0, 1234.0, True, mfu=0.125)
     bar.update(6, 2.0, 1234.0, True)  # no peak known: no MFU field
     text = con.export_text()
-    assert "step 5  loss 2.0000  1,234 tok/s  MFU 12.5%" in text
-    assert "step 6  loss 2.0000  1,234 tok/s\n" in text
+    assert "step 5/10  loss 2.0000  1,234 tok/s  MFU 12.5%  elapsed" in text
+    assert "step 6/10  loss 2.0000  1,234 tok/s  elapsed" in text
 
 
 def test_metrics_rows_carry_mfu(corpus, tmp_path):

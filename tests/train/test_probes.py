@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxformer.model import ModelConfig, init
+from jaxformer.model import ModelConfig, Transformer, init
 from jaxformer.train.probes import attention_probe
 from jaxformer.train.step import model_loss
 from tests.ops.test_attention import numpy_logit_stats
@@ -128,11 +128,31 @@ def test_dead_units_match_numpy(activation):
     assert got["dead_fraction_layers"] == [got["dead_fraction"]]
 
 
-def test_scanned_layers_are_refused():
-    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, max_seq_len=T, scan_layers=True)
-    gd, st = init(cfg, jax.random.key(0))
-    with pytest.raises(ValueError, match="scan_layers=false"):
-        attention_probe(gd, nnx.to_pure_dict(st), batch())
+def test_scanned_models_are_probed_per_layer():
+    """A scanned model's probes are those of the per-layer model with the same weights (stacked here with
+    np.stack, block i at index i). Layer i's first (i + 1) * F / 8 FFN units are pushed dead, so the per-layer
+    lists see the order of the layers."""
+    from jaxformer.train.probes import mlp_probe
+
+    cfg = ModelConfig(vocab_size=V, d_model=16, n_layers=3, n_heads=2, max_seq_len=T, activation="relu",
+                      use_bias=True)
+    gd, st = init(cfg, jax.random.key(5))
+    params = nnx.to_pure_dict(st)
+    blocks = params["decoder"]["blocks"]
+    F = cfg.resolved_d_ff
+    for i in range(3):
+        blocks[i]["mlp"]["b_in"] = blocks[i]["mlp"]["b_in"] - 10.0 * (jnp.arange(F) < (i + 1) * F // 8)
+    scanned = {**params, "decoder": {**params["decoder"], "blocks": jax.tree.map(
+        lambda *xs: np.stack(xs), *[blocks[i] for i in range(3)])}}
+    s_gd = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model_copy(update={"scan_layers": True}))))[0]
+    b = batch()
+    got, want = attention_probe(s_gd, scanned, b), attention_probe(gd, params, b)
+    assert got == want  # the same computation on the same weights
+    assert len(set(want["grad_norm_layers"])) == 3 and want["logit_var_first"] != want["logit_var_last"]
+    got, want = mlp_probe(s_gd, scanned, [b]), mlp_probe(gd, params, [b])
+    assert got == want
+    assert want["dead_fraction_layers"] == sorted(want["dead_fraction_layers"]) and \
+        len(set(want["dead_fraction_layers"])) == 3
 
 
 def test_layer_grad_norms_in_the_metrics(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,7 +81,7 @@ def test_bad_shard_is_refused(text):
 
 
 @pytest.mark.parametrize("spec, match", [
-    ({"axes": {"model.position": ["rope"]}, "sedes": [0]}, r"sweep\.yaml: sedes: unknown key"),
+    ({"axes": {"model.position": ["rope"]}, "sedes": [0]}, r"sweep\.yaml: sedes: unknown key; did you mean seeds\?"),
     ({"axes": {"model.position": []}}, r"sweep\.yaml: axes: .*axis 'model.position' has no values"),
     ({"zip": [{"model.n_heads": [1, 2], "model.head_dim": [8]}]}, r"sweep\.yaml: zip: .*one common"),
     ({"axes": {"model.norm": ["rmsnorm"]}, "report": {"x": "model.position"}}, r"report.x='model.position'"),
@@ -132,6 +133,10 @@ def test_sweep_writes_run_dirs_summary_report_and_plots(ran):
     assert set(learned["eval_lengths"]["64"]) == {"na"}
     assert "max_seq_len=32" in learned["eval_lengths"]["64"]["na"]
     assert rope["eval_lengths"]["64"]["val_tokens"] > 0
+    # every length scores the same tokens (the same bytes), so lengths differ only by context
+    assert rope["eval_lengths"]["16"]["val_tokens"] == rope["eval_lengths"]["64"]["val_tokens"]
+    assert rope["eval_lengths"]["16"]["val_bytes"] == rope["eval_lengths"]["64"]["val_bytes"]
+    assert learned["eval_lengths"]["16"]["val_bytes"] == rope["eval_lengths"]["16"]["val_bytes"]
     report = (out / "report.md").read_text()
     assert "| rope |" in report and "n/a" in report
     for plot in ("loss_curves", "final_metric", "metric_vs_eval_length", "loss_by_position", "probes",
@@ -167,6 +172,36 @@ def test_report_only_gathers_shards(ran, tmp_path):
     path, out = ran
     assert main(["sweep", str(path), "--out", str(out), "--report"]) == 0
     assert len((out / "summary.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_quick_sweeps_report_says_so_in_its_title_and_on_every_plot(ran, tmp_path):
+    """The same points, marked as --quick ran them (2 steps each): the title, the command and every PNG
+    (its pixels and its Title metadata) say it is a smoke run; the real sweep's report says nothing of it."""
+    from PIL import Image
+
+    from jaxformer.train.sweep_report import write_report
+
+    path, out = ran
+    quick = tmp_path / "quick"
+    shutil.copytree(out, quick)
+    for point in quick.glob(f"*/{POINT_FILE}"):
+        row = json.loads(point.read_text())
+        row["quick"], row["config"]["steps"] = True, 2
+        point.write_text(json.dumps(row))
+    sweep = load_sweep(path)
+    report = write_report(sweep, quick).read_text()
+    title, _, command = report.splitlines()[:3]
+    assert title == "# Sweep `sweep` — QUICK SMOKE RUN (2 steps per point): not a result"
+    assert command.startswith(f"`jaxformer sweep {sweep.path} --quick` · 2 of 2 points finished")
+    plots = sorted(p.name for p in quick.glob("*.png"))
+    assert len(plots) == 6
+    for name in plots:
+        marked, plain = Image.open(quick / name), Image.open(out / name)
+        assert marked.text.get("Title") == "QUICK SMOKE RUN (2 steps per point): not a result", name
+        assert "Title" not in plain.text and marked.size == plain.size
+        changed = np.abs(np.asarray(marked, np.int16) - np.asarray(plain, np.int16)).max(-1) > 40
+        assert changed.sum() > 2000, name  # the watermark's letters, across the figure
+    assert "QUICK" not in (out / "report.md").read_text()
 
 
 def test_a_diverging_point_is_recorded_and_the_sweep_goes_on(tmp_path):
@@ -314,10 +349,18 @@ def test_eval_at_the_trained_length_equals_the_runs_own_evaluation(trained):
 
 def test_eval_beyond_the_trained_length_via_the_cli(trained, capsys):
     capsys.readouterr()
-    assert main(["eval", str(trained), "--seq-len", "128", "--max-tokens", "512"]) == 0
+    assert main(["eval", str(trained), "--seq-len", "128", "--max-tokens", "512", "--json"]) == 0
     ev = json.loads(capsys.readouterr().out)
     assert ev["seq_len"] == 128 and ev["trained_seq_len"] == 32 and 0 < ev["val_tokens"] <= 512
     assert ev["buckets"][-1]["to"] <= 128 and ev["buckets"][0]["from"] == 0
+    assert main(["eval", str(trained), "--seq-len", "128", "--max-tokens", "512"]) == 0  # readable: a bucket table
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [f"eval: step {ev['step']} · val loss {ev['val_loss']:.4f} over {ev['val_tokens']:,} "
+                         f"tokens · val {ev['val_bpb']:.4f} bits/byte over {ev['val_bytes']:,} bytes",
+                         "  windows of 128 tokens (trained at 32)"]
+    first = ev["buckets"][0]
+    assert len(lines) == 3 + len(ev["buckets"]) and lines[3].split() == [
+        f"{first['from']}-{first['to']}", f"{first['tokens']:,}", f"{first['loss']:.4f}", f"{first['bpb']:.4f}"]
 
 
 def test_learned_positions_beyond_their_table_are_a_clear_error(tmp_path, capsys):

@@ -1,0 +1,137 @@
+"""An engine step's work follows the tokens in its cache, not the engine's capacity (counted, not timed):
+the block-table width it sends (what the paged attention and the prefill's page gather read) and the batch
+rows it runs; outputs stay those of each request generated alone; the head at one position per row equals
+that position of the full head."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxformer.decode import engine as eng
+from jaxformer.decode.generate import generate
+from jaxformer.decode.sampling import SamplingParams
+from jaxformer.model import apply, init, presets
+
+L = 4  # tokens per page
+
+
+@pytest.fixture(scope="module")
+def long_llama():
+    """llama_tiny with a 2,048-token context: a 512-page table per slot at L=4."""
+    cfg = presets.get("llama_tiny", init_std=0.3, max_seq_len=2048)
+    return (cfg, *init(cfg, jax.random.key(1)))
+
+
+def run_steps(e):
+    """Step ``e`` to the end; per model call ``(table width, batch rows, pages the longest row reads)``: the
+    last from the call's own ``lengths + num_new`` (the keys its attention sees), so ``width >= need`` is
+    what correctness needs and ``width < 2 * need`` is no wasted bucket."""
+    out, step = [], eng.engine_step
+
+    def spy(graphdef, state, pools, inputs, options):
+        need = -(-int(np.max(np.asarray(inputs.lengths) + np.asarray(inputs.num_new))) // L)
+        out.append((inputs.tables.shape[1], inputs.tokens.shape[0], need))
+        return step(graphdef, state, pools, inputs, options)
+
+    eng.engine_step = spy
+    try:
+        e.run()
+    finally:
+        eng.engine_step = step
+    return out
+
+
+def test_table_width_follows_the_longest_sequence_not_the_capacity(long_llama):
+    cfg, graphdef, state = long_llama
+    rng = np.random.default_rng(0)
+    short, long = [list(map(int, rng.integers(0, 256, n))) for n in (10, 700)]
+    e = eng.Engine(graphdef, state, cfg, num_pages=400, page_size=L, max_batch=4, chunk_size=64)
+    capacity = e.max_pages_per_seq
+    assert capacity == 512
+    floor = eng.MIN_TABLE_TOKENS // L  # 64 pages: the narrowest table a step sends
+    a = e.submit(short, SamplingParams(max_new_tokens=4))
+    steps_short = run_steps(e)
+    b = e.submit(long, SamplingParams(max_new_tokens=4))
+    steps_long = run_steps(e)
+    # the short sequence (<= 14 tokens, 4 pages) never reads more than the floor: 1/8 of the capacity
+    assert {w for w, _, _ in steps_short} == {floor} and {r for _, r, _ in steps_short} == {1}
+    # the long one's table grows with its chunks (16 pages more per 64-token chunk) in powers of two,
+    # and its decode steps (176 pages) read 256 of the 512
+    for width, rows, need in steps_long:
+        assert need <= width < max(2 * need, floor + 1) and rows == 1, (width, need)
+    assert [w for w, _, _ in steps_long] == [64] * 4 + [128] * 4 + [256] * 6
+    assert e.stats["max_table_width"] == 256 < capacity
+    res = e.results
+    assert res[a].tokens == generate(graphdef, state, cfg, [short], max_new_tokens=4)[0]
+    assert res[b].tokens == generate(graphdef, state, cfg, [long], max_new_tokens=4)[0]
+
+
+def test_batch_rows_follow_the_running_sequences(llama):
+    cfg, graphdef, state = llama
+    e = eng.Engine(graphdef, state, cfg, num_pages=40, page_size=L, max_batch=8, chunk_size=8)
+    for n, new in ((3, 2), (5, 4), (7, 6)):
+        e.submit(list(range(1, n + 1)), SamplingParams(max_new_tokens=new))
+    rows = [r for _, r, _ in run_steps(e)]
+    assert rows == [4, 4, 2, 2, 1, 1]  # 3 sequences run in 4 rows of 8, then 2, then 1
+
+
+@settings(deadline=None)
+@given(data=st.data())
+def test_bucketed_steps_equal_each_request_alone(llama, data):
+    """Random requests through an engine whose narrowest table is one page, so steps switch table widths
+    (1, 2, 4, 8 and the 10-page capacity) and batch rows (1, 2) as sequences grow, finish and are
+    preempted: every output equals the request generated alone with the contiguous cache."""
+    cfg, graphdef, state = llama
+    n = data.draw(st.integers(1, 4), label="requests")
+    lens = data.draw(st.lists(st.integers(1, 30), min_size=n, max_size=n), label="prompt lengths")
+    new = data.draw(st.lists(st.integers(1, 8), min_size=n, max_size=n), label="new tokens")
+    num_pages = data.draw(st.sampled_from([10, 24]), label="pages")
+    rng = np.random.default_rng(sum(lens))
+    prompts = [list(map(int, rng.integers(0, 256, k))) for k in lens]
+    e = eng.Engine(graphdef, state, cfg, num_pages=num_pages, page_size=L, max_batch=2, chunk_size=8)
+    ids = [e.submit(p, SamplingParams(max_new_tokens=k)) for p, k in zip(prompts, new)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(eng, "MIN_TABLE_TOKENS", L)
+        steps = run_steps(e)
+    assert len({w for w, _, _ in steps}) > 1 or max(n for _, _, n in steps) == 1, steps
+    for width, _, need in steps:
+        assert need <= width <= max(1, 2 * need - 1) or width == e.max_pages_per_seq, (width, need)
+    res = e.results
+    for rid, p, k in zip(ids, prompts, new):
+        assert res[rid].tokens == generate(graphdef, state, cfg, [p], max_new_tokens=8)[0][:k], (p, k)
+
+
+@settings(deadline=None)
+@given(data=st.data())
+@pytest.mark.parametrize("name", ["llama_tiny", "gpt2_tiny", "vaswani_tiny"])
+def test_head_at_one_position_equals_that_position_of_the_full_head(name, data):
+    """``logits_at [B]``: logits ``[B, 1, V]`` equal to the full logits at those positions (decoders and the
+    encoder-decoder's target; a soft cap and a head bias included)."""
+    cfg = presets.get(name, logits_softcap=30.0, head_bias=True)
+    graphdef, state = init(cfg, jax.random.key(0))
+    B = data.draw(st.integers(1, 3), label="B")
+    T = data.draw(st.sampled_from([1, 5, 12]), label="T")
+    at = jnp.asarray(data.draw(st.lists(st.integers(0, T - 1), min_size=B, max_size=B), label="at"), jnp.int32)
+    tokens = jnp.asarray(np.random.default_rng(T).integers(0, 256, (B, T)), jnp.int32)
+    args = (tokens, tokens) if cfg.kind == "encoder_decoder" else (tokens,)
+    full = apply(graphdef, state, *args)
+    one = apply(graphdef, state, *args, logits_at=at)
+    assert one.shape == (B, 1, cfg.vocab_size)
+    np.testing.assert_allclose(np.asarray(one[:, 0]), np.asarray(full)[np.arange(B), np.asarray(at)],
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.no_typecheck
+def test_logits_at_must_be_one_index_per_row(llama):
+    cfg, graphdef, state = llama
+    with pytest.raises(ValueError, match=r"logits_at.shape=\(3,\) must be \[B\]=\(2,\)"):
+        apply(graphdef, state, jnp.zeros((2, 4), jnp.int32), logits_at=jnp.zeros(3, jnp.int32))
+
+
+def test_table_width_buckets():
+    assert [eng.table_width(p, 512, 16) for p in (1, 16, 17, 33, 200, 257, 512)] == [16, 16, 32, 64, 256, 512, 512]
+    assert [eng.table_width(p, 10, 4) for p in (1, 9, 10)] == [10, 10, 10]  # the floor above the capacity
+    assert [eng.bucket(n, 1, 6) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 6, 6]

@@ -1,0 +1,46 @@
+"""Refusals and no-ops are decided before the corpus and tokenizer are built (they took 20-39 s with the stdlib
+corpus): an incompatible resume, --steps below the run's step, a finished run re-run. ``build_corpus`` is made to
+fail, so any of them that still built the corpus fails here; a resume that trains shows the patch is on the path."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxformer.cli import main
+from jaxformer.train import loop
+from tests.train.helpers import make_corpus, tiny_raw, write_config
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("check_first")
+    cfg = write_config(tmp / "cfg.yaml", tiny_raw(make_corpus(tmp / "corpus"), eval={"at_end": True}))
+    run = tmp / "run"
+    assert main(["train", str(cfg), "--run-dir", str(run)]) == 0
+    return cfg, run
+
+
+@pytest.fixture
+def no_corpus(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the corpus was built")
+    monkeypatch.setattr(loop, "build_corpus", refuse)
+
+
+@pytest.mark.parametrize("args,code,says", [
+    (["model.d_model=64"], 2, "model.d_model (saved 32, now 64)"),
+    (["--steps", "2"], 2, "already at step 4, past steps=2"),
+    ([], 0, "already finished at step 4"),
+])
+def test_refusals_and_no_ops_do_not_build_the_corpus(finished, no_corpus, capsys, args, code, says):
+    cfg, run = finished
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--run-dir", str(run), *args]) == code
+    out = capsys.readouterr()
+    assert says in out.out + out.err
+
+
+def test_a_resume_that_trains_builds_the_corpus(finished, no_corpus):
+    cfg, run = finished
+    with pytest.raises(AssertionError, match="the corpus was built"):
+        main(["train", str(cfg), "--run-dir", str(run), "--steps", "6"])
