@@ -102,7 +102,7 @@ MUTATIONS = [
              'tie_word_embeddings="output.weight" not in g.tensors,', 'tie_word_embeddings="output.weight" in g.tensors,',
              (GGUF + "::test_config_mapping",), "a file without output.weight read as an untied head"),
     Mutation("gguf_spm_prefix_inverted", "jaxformer/interop/gguf.py",
-             'prepend_scheme="first" if prefix else "never"', 'prepend_scheme="never" if prefix else "first"',
+             'scheme = "first" if prefix else "never"', 'scheme = "never" if prefix else "first"',
              (GGUF + "::test_sentencepiece_vocabulary_matches_transformers",),
              "a SentencePiece vocabulary's leading \u2581 not prepended"),
     # -- study options, the attention probe, the sweep runner, evaluation at another length
@@ -394,6 +394,26 @@ MUTATIONS = [
              "keep = rows",
              ("tests/train/test_checkpoint.py", "tests/train/test_resume.py"),
              "resume keeps the interrupted run's rows after the checkpoint"),
+    # -- studies: fair tuning, paired intervals, the same evaluation bytes at every length
+    Mutation("tune_picks_worst", "jaxformer/train/sweep.py",
+             'sign = 1.0 if sweep.spec.tune.mode == "min" else -1.0',
+             'sign = -1.0 if sweep.spec.tune.mode == "min" else 1.0',
+             ("tests/train/test_sweep_tune.py",), "tuning picks each arm's worst value"),
+    Mutation("tune_after_final", "jaxformer/train/sweep.py",
+             "mine = shard_points(sweep.tune_points + sweep.points, shard)",
+             "mine = shard_points(sweep.points + sweep.tune_points, shard)",
+             ("tests/train/test_sweep_tune.py",), "final points run before their arm's tuning points"),
+    Mutation("paired_interval_z", "jaxformer/train/sweep_stats.py",
+             "half = t_quantile(1.0 - (1.0 - confidence) / 2.0, n - 1) * sd / math.sqrt(n)",
+             "half = 1.96 * sd / math.sqrt(n)",
+             ("tests/train/test_sweep_stats.py",), "the interval uses the normal 1.96 instead of Student's t"),
+    Mutation("paired_unpaired_sd", "jaxformer/train/sweep_stats.py",
+             "    sd = statistics.stdev(d)\n", "    sd = statistics.stdev([float(arm[s]) for s in seeds])\n",
+             ("tests/train/test_sweep_stats.py",), "the interval's sd is the arm's own, not the paired differences'"),
+    Mutation("nested_windows_overlap", "jaxformer/train/eval_windows.py",
+             "            pieces.append(stream[j:min(j + seq_len + 1, end)])",
+             "            pieces.append(stream[j:j + seq_len + 1])",
+             ("tests/train/test_eval_windows.py",), "a length's last window scores targets past its span"),
 ]
 
 

@@ -416,17 +416,20 @@ def cmd_sweep(args) -> int:
     sweep = load_sweep(args.sweep_file)
     shard = parse_shard(args.shard) if args.shard else (0, 1)
     out = Path(args.out) if args.out else default_out(sweep, args.quick)
-    mine = shard_points(sweep.points, shard)
+    every = sweep.tune_points + sweep.points  # tuning points run first (their arms' final points need them)
+    mine = shard_points(every, shard)
     if args.dry_run:
         first = quick_config(sweep.points[0].config) if args.quick else sweep.points[0].config
         base = C.to_dict(first)
-        print(f"{sweep.path}: {len(sweep.points)} points" + (f", {len(mine)} in shard {args.shard}" if args.shard
-                                                             else "") + f" -> {out}")
+        tuning = f" ({len(sweep.tune_points)} tuning, {len(sweep.points)} final)" if sweep.tune_points else ""
+        print(f"{sweep.path}: {len(every)} points{tuning}" + (f", {len(mine)} in shard {args.shard}" if args.shard
+                                                               else "") + f" -> {out}")
         for p in mine:
             cfg = quick_config(p.config) if args.quick else p.config
             changed = [f"{k}={b!r}" for k, a, b in C.diff(first, cfg)]
+            at = " (at its arm's tuned values)" if sweep.tune_points and not p.tuning else ""
             print(f"  {p.name}: {cfg.steps} steps, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}"
-                  + (f"; vs the first point: {', '.join(changed)}" if changed else ""))
+                  + (f"; vs the first point: {', '.join(changed)}" if changed else "") + at)
         import yaml
 
         print("the first point, resolved (the others differ only where listed):\n"

@@ -23,8 +23,9 @@ the same logits below 4096 tokens). ``mistral`` (which llama.cpp does not write)
 ``mistral.attention.sliding_window``, when the file says so. Anything the metadata cannot say exactly
 is an :class:`HFConfigError` naming the file and key (or tensor): another architecture, a key of the
 architecture this module does not map (a MoE's ``expert_count``, a sliding window, YaRN RoPE scaling,
-Llama 3.1's ``rope_freqs.weight`` frequency factors), a tensor type ``gguf.quants`` cannot de-quantize,
-a truncated file.
+Llama 3.1's ``rope_freqs.weight`` frequency factors). A bad file is an :class:`HFWeightsError` naming
+the file and tensor: truncated, an unknown type id, a type ``gguf.quants`` cannot de-quantize, a tensor
+missing or of the wrong shape.
 
 **The Q/K permutation.** llama.cpp's converter (``convert_hf_to_gguf.py``, ``LlamaModel.permute``)
 stores the rows of ``W_q`` / ``W_k`` (and their biases) of ``llama`` models in the interleaved-pair
@@ -167,13 +168,13 @@ def _read(path: Path):
                 try:
                     qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
                 except ValueError:
-                    raise _Bad(f"tensor {name}: type id {int(raw_type[0])} is not a GGML type (gguf "
-                               f"{_version()} knows {sorted(t.name for t in gguf.GGMLQuantizationType)})") from None
+                    raise _Bad(f"tensor {name}: type id {int(raw_type[0])} is not a GGML type gguf "
+                               f"{_version()} knows") from None
                 block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-                n = int(np.prod([int(d) for d in dims]))
-                end = int(start_offs) + int(offset[0]) + n // block * type_size
-                if n % block or end > size:
-                    why = (f"{n} elements are not whole {qtype.name} blocks of {block}" if n % block else
+                shape = [int(d) for d in dims]  # innermost first
+                end = int(start_offs) + int(offset[0]) + int(np.prod(shape)) // block * type_size
+                if shape and shape[0] % block or end > size:
+                    why = (f"rows of {shape[0]} are not whole {qtype.name} blocks of {block}" if end <= size else
                            f"its {qtype.name} data ends at byte {end}, the file has {size} (truncated?)")
                     raise _Bad(f"tensor {name}: {why}")
             super()._build_tensors(start_offs, fields)
@@ -361,7 +362,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dequantizable(type_name: str) -> bool:
     """Whether ``gguf.quants.dequantize`` implements this GGML type (tried on one block of zeros)."""
     import gguf
@@ -454,7 +455,8 @@ def generate_merges(vocab: Mapping[str, int], scores: Mapping[str, float]) -> li
     every split of a piece into two pieces of the vocabulary, best score first, as transformers rebuilds them."""
     merges = []
     for piece, score in scores.items():
-        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
         merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(a, b) for a, b, _ in merges]
@@ -497,14 +499,16 @@ def load_gguf_tokenizer(path: str | os.PathLike):
         vocab = {t: i for i, t in enumerate(tokens)}
         if merges is None:
             scores = g.need("tokenizer.ggml.scores", list)
-            merges = generate_merges(vocab, dict(zip(tokens, scores)))
+            if len(scores) != len(tokens):
+                raise g.error("tokenizer.ggml.scores", f"{len(scores)} scores for {len(tokens)} tokens")
+            merges = generate_merges(vocab, dict(zip(tokens, scores, strict=True)))
         unk = g.get("tokenizer.ggml.unknown_token_id", types=int)
         unk = tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None
         # a character with no piece and no <0xNN> byte piece becomes <unk> (transformers' GGUF reader drops it)
         tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True, dropout=None, unk_token=unk))
         prefix = g.get("tokenizer.ggml.add_space_prefix", True, bool)
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
-                                                     split=False)
+        scheme = "first" if prefix else "never"
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=scheme, split=False)
         steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
         add_bos_default = True  # llama.cpp (and transformers) add BOS to a SentencePiece vocabulary by default
@@ -518,15 +522,17 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     specials = {ours: None if ids[theirs] is None else tokens[ids[theirs]]
                 for ours, theirs in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}
     spelled = set(_byte_spelling().values()) if kind == "gpt2" else None
-    control = [t for t, k in zip(tokens, types) if k == TOKEN_CONTROL and (spelled is None or set(t) <= spelled)]
+    # a control token spelled outside the byte alphabet is a llama.cpp mislabel (transformers skips it too)
+    control = [t for t, k in zip(tokens, types, strict=True)
+               if k == TOKEN_CONTROL and (spelled is None or set(t) <= spelled)]
     named = [t for t in specials.values() if t is not None and t not in control]
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control + named])
-    user = [t for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED]
+    user = [t for t, k in zip(tokens, types, strict=True) if k == TOKEN_USER_DEFINED]
     if user:
         tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
     add = [(specials["bos"], ids["bos"]) if g.get("tokenizer.ggml.add_bos_token", add_bos_default, bool) else None,
            (specials["eos"], ids["eos"]) if g.get("tokenizer.ggml.add_eos_token", False, bool) else None]
-    for key, pair in zip(("add_bos_token", "add_eos_token"), add):
+    for key, pair in zip(("add_bos_token", "add_eos_token"), add, strict=True):
         if pair is not None and pair[0] is None:
             raise g.error(f"tokenizer.ggml.{key}", f"true, but the file has no {key[4:7]}_token_id")
     bos, eos = add

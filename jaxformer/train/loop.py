@@ -62,7 +62,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class _Signals:
     """SIGINT / SIGTERM while :func:`train` runs (main thread only, which alone may set handlers; the
-    handlers before are restored after).
+    handlers before are restored after; an ignored signal stays ignored).
 
     While steps run, the first signal asks the loop to stop after the current step and checkpoint it
     (:attr:`signum`). Otherwise (a second signal; before this process's first step; once its last
@@ -87,7 +87,8 @@ class _Signals:
     def __enter__(self) -> _Signals:
         if threading.current_thread() is not threading.main_thread():
             return self
-        self._old = {s: signal.signal(s, self._handler) for s in SIGNALS}
+        # a signal ignored on purpose (a background job of a shell script: SIGINT) stays ignored
+        self._old = {s: signal.signal(s, self._handler) for s in SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
         if self.exit_at_once:
             self._r, self._w = os.pipe()
             os.set_blocking(self._w, False)  # as set_wakeup_fd requires

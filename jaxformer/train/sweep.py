@@ -13,13 +13,21 @@ A sweep file names a base experiment and the axes to vary::
     eval_max_tokens: 65536                    # scored tokens per length
     probes: [attention, mlp]                  # attention statistics, per-block gradient norms and dead
                                               # FFN units, at initialisation and at the end
-    report: {metric: val_bpb, x: model.position, plots: [loss_curves, final_metric]}
+    tune:                                      # per arm, search these keys first (fair tuning) ...
+      keys: {optimizer.lr: [1.0e-3, 3.0e-3, 1.0e-2]}
+      metric: val_bpb                          # ... pick each arm's best value (mode: min | max) ...
+      seeds: 1                                 # ... from runs of its first N seeds, then run the arm there
+    report: {metric: val_bpb, x: model.position, plots: [loss_curves, final_metric],
+             baseline: {model.position: rope}} # paired differences (same seed) vs this arm, 95% t intervals
 
 Every point is an ordinary run directory ``OUT/<point name>/`` (what ``jaxformer train`` writes) plus
 ``sweep_point.json``, its row of the summary. A point with that file is finished and skipped; one
 without resumes from its checkpoints, so a killed sweep re-run with the same command loses at most one
 checkpoint interval of one point; a finished point whose recorded config differs from the sweep file's
-is refused, naming the keys. ``shard=(i, n)`` runs points ``i, i+n, i+2n, ...`` (a job array);
+is refused, naming the keys. With ``tune:`` every arm (a setting of the varied keys) first runs the
+tuning grid (points ``tune-<arm>_<tuned values>_seed-<s>``, each an ordinary point); its final points
+then run at the value with the best tuning metric, recorded in their rows as ``tuned``.
+``shard=(i, n)`` runs points ``i, i+n, i+2n, ...`` of the tuning points followed by the final ones (a job array);
 :func:`jaxformer.train.sweep_report.write_report` gathers what every shard wrote. A run that diverges
 (non-finite loss, or its last train losses above its first: :func:`blew_up`) is recorded as
 diverged, and the sweep goes on.
@@ -35,7 +43,7 @@ import os
 import re
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,6 +64,32 @@ class ReportConfig(BaseModel):
     metric: str = Field("val_bpb", description="the summary column the table and plots compare")
     x: str | None = Field(None, description="the axis on the x of the final_metric plot (default: the first)")
     plots: tuple[Literal[PLOTS], ...] = ("loss_curves", "final_metric")  # type: ignore[valid-type]
+    baseline: dict[str, Any] | None = Field(None, description="values of varied keys naming the baseline arm: "
+                                            "every other arm gets its paired difference to the baseline arm "
+                                            "that agrees on the keys not named here")
+    confidence: float = Field(0.95, gt=0, lt=1, description="of the paired difference's t interval")
+
+
+class TuneConfig(BaseModel):
+    """Per-arm search before the final runs: every arm runs each combination of ``keys`` with its first
+    ``seeds`` seeds, and its final points use the combination whose mean ``metric`` is best."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    keys: dict[str, list[Any]] = Field(min_length=1, description="dotted key -> values to try (their product)")
+    metric: str | None = Field(None, description="the summary column to optimise (default: report.metric)")
+    mode: Literal["min", "max"] = "min"
+    seeds: int = Field(1, ge=1, description="tuning runs per value: the sweep's first N seeds")
+
+    @field_validator("keys")
+    @classmethod
+    def _keys(cls, v):
+        for key, values in v.items():
+            if not values:
+                raise ValueError(f"tune key {key!r} has no values")
+            if key == "seed":
+                raise ValueError("the seed cannot be tuned")
+        return v
 
 
 class SweepConfig(BaseModel):
@@ -69,6 +103,7 @@ class SweepConfig(BaseModel):
     eval_lengths: list[int] = Field(default_factory=list)
     eval_max_tokens: int | None = Field(65536, gt=0, description="scored tokens per evaluation length")
     probes: list[Literal[PROBES]] = Field(default_factory=list)  # type: ignore[valid-type]
+    tune: TuneConfig | None = None
     report: ReportConfig = ReportConfig()
 
     @field_validator("axes")
@@ -109,6 +144,16 @@ class SweepConfig(BaseModel):
             raise ValueError(f"report.x={self.report.x!r} is not one of the varied keys {keys}")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds={self.seeds} repeats a seed")
+        if self.tune is not None:
+            both = sorted(set(self.tune.keys) & set(keys))
+            if both:
+                raise ValueError(f"tune.keys {both} are also varied (axes / zip): tune another key")
+            if self.tune.seeds > len(self.seeds):
+                raise ValueError(f"tune.seeds={self.tune.seeds} is more than the {len(self.seeds)} seeds {self.seeds}")
+        if self.report.baseline is not None:
+            unknown = sorted(set(self.report.baseline) - set(keys))
+            if unknown:
+                raise ValueError(f"report.baseline keys {unknown} are not varied keys {keys}")
         return self
 
     @property
@@ -119,12 +164,16 @@ class SweepConfig(BaseModel):
 
 @dataclass(frozen=True)
 class Point:
-    """One run of a sweep: its directory name, the varied values, the seed and the validated config."""
+    """One run of a sweep: its directory name, the varied values, the seed and the validated config
+    (with ``tune:``: a final point's config holds the base's values of the tuned keys until
+    :func:`tuned_point` resolves it; a tuning point's ``tuned`` holds the values it tries)."""
 
     name: str
     values: dict[str, Any]
     seed: int
     config: C.ExperimentConfig
+    tuned: dict[str, Any] | None = None
+    tuning: bool = False  # a point of the tuning grid (``tune:``), not a final one
 
 
 @dataclass(frozen=True)
@@ -132,10 +181,21 @@ class Sweep:
     path: Path
     spec: SweepConfig
     points: list[Point]
+    tune_points: list[Point] = field(default_factory=list)
+    base: dict = field(default_factory=dict)  # the base experiment with the sweep's overrides, as raw YAML
+    base_dir: Path | None = None
 
     @property
     def name(self) -> str:
         return self.path.stem
+
+    def config(self, values: dict[str, Any], seed: int, where: str) -> C.ExperimentConfig:
+        """The validated config of the base with ``values`` (dotted keys) set and ``seed``."""
+        raw = copy.deepcopy(self.base)
+        for k, v in values.items():
+            _set(raw, k, v, f"{self.path}: axes")
+        raw["seed"] = seed
+        return C.from_dict(raw, where, base_dir=self.base_dir)
 
 
 # -- loading and expanding ---------------------------------------------------------------------
@@ -220,24 +280,81 @@ def load_sweep(path: str | Path) -> Sweep:
         raise C.ConfigError(f"{path}: base: {base_path} is not a mapping")
     _merge(base, spec.overrides, f"{path}: overrides")
 
+    sweep = Sweep(path, spec, [], [], base, base_path.parent)
     groups: list[list[dict[str, Any]]] = [[{k: v} for v in vals] for k, vals in spec.axes.items()]
     groups += [[{k: g[k][i] for k in g} for i in range(len(next(iter(g.values()))))] for g in spec.zip]
-    points, names = [], set()
+    names: set[str] = set()
+
+    def add(points: list[Point], name: str, values: dict, seed: int, tuned: dict | None = None) -> None:
+        if name in names:
+            raise C.ConfigError(f"{path}: two points are both named {name!r}; give the values distinct spellings")
+        names.add(name)
+        cfg = sweep.config({**values, **(tuned or {})}, seed, f"{path} (point {name})")
+        points.append(Point(name, values, seed, cfg, tuned, tuning=tuned is not None))
+
     for combo in itertools.product(*groups):
         values = {k: v for part in combo for k, v in part.items()}
+        if spec.tune is not None:
+            for tuned in tune_grid(spec.tune):
+                for seed in spec.seeds[:spec.tune.seeds]:
+                    add(sweep.tune_points, "tune-" + point_name({**values, **tuned}, seed), values, seed, tuned)
         for seed in spec.seeds:
-            name = point_name(values, seed)
-            if name in names:
-                raise C.ConfigError(f"{path}: two points are both named {name!r}; give the values distinct "
-                                    "spellings")
-            names.add(name)
-            raw_point = copy.deepcopy(base)
-            for k, v in values.items():
-                _set(raw_point, k, v, f"{path}: axes")
-            raw_point["seed"] = seed
-            cfg = C.from_dict(raw_point, f"{path} (point {name})", base_dir=base_path.parent)
-            points.append(Point(name, values, seed, cfg))
-    return Sweep(path, spec, points)
+            add(sweep.points, point_name(values, seed), values, seed)
+    return sweep
+
+
+def tune_grid(tune: TuneConfig) -> list[dict[str, Any]]:
+    """Every combination of the tuned keys' values, in order."""
+    keys = list(tune.keys)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(tune.keys[k] for k in keys))]
+
+
+def tune_metric(sweep: Sweep) -> str:
+    return sweep.spec.tune.metric or sweep.spec.report.metric
+
+
+def tuning_results(sweep: Sweep, out: Path, values: dict) -> list[tuple[dict, float | None, list[dict]]]:
+    """``(tuned values, mean metric over the tuning seeds or None, rows)`` per combination of one arm; a
+    diverged or unfinished run counts as no value (None when any seed lacks one)."""
+    metric = tune_metric(sweep)
+    by: dict[str, tuple[dict, list[dict | None]]] = {}
+    for p in sweep.tune_points:
+        if p.values == values:
+            by.setdefault(json.dumps(p.tuned, sort_keys=True), (p.tuned, []))[1].append(read_point(out, p))
+    results = []
+    for tuned, rows in by.values():
+        ok = [r.get(metric) for r in rows if r is not None and not r["diverged"]]
+        good = len(ok) == len(rows) and all(isinstance(x, (int, float)) and math.isfinite(x) for x in ok)
+        results.append((tuned, statistics.fmean(ok) if good else None, [r for r in rows if r is not None]))
+    return results
+
+
+def chosen_values(sweep: Sweep, out: Path, values: dict) -> dict | None:
+    """The tuned values an arm's final points run at: the combination with the best mean tuning metric
+    (ties: the first listed; combinations that diverged are never chosen), or None while any of its tuning
+    points is unfinished. ValueError when every combination diverged."""
+    results = tuning_results(sweep, out, values)
+    n_seeds = sweep.spec.tune.seeds
+    if any(len(rows) < n_seeds for _, _, rows in results):
+        return None
+    scored = [(m, i, tuned) for i, (tuned, m, _) in enumerate(results) if m is not None]
+    if not scored:
+        raise ValueError(f"{sweep.path}: every tuning run of arm {values} diverged or has no "
+                         f"{tune_metric(sweep)}; widen tune.keys")
+    sign = 1.0 if sweep.spec.tune.mode == "min" else -1.0
+    return min(scored, key=lambda x: (sign * x[0], x[1]))[2]
+
+
+def tuned_point(sweep: Sweep, point: Point, out: Path) -> Point | None:
+    """A final point with its arm's chosen tuned values in its config (itself without ``tune:``), or None
+    while its arm's tuning is unfinished (other shards may still be running it)."""
+    if sweep.spec.tune is None or point.tuning:
+        return point
+    chosen = chosen_values(sweep, out, point.values)
+    if chosen is None:
+        return None
+    cfg = sweep.config({**point.values, **chosen}, point.seed, f"{sweep.path} (point {point.name})")
+    return replace(point, config=cfg, tuned=chosen)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -306,20 +423,27 @@ def run_sweep(sweep: Sweep, out: str | Path, *, shard: tuple[int, int] = (0, 1),
     """Run this shard's points one after another (finished ones skipped); their summary rows."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    mine = shard_points(sweep.points, shard)
+    mine = shard_points(sweep.tune_points + sweep.points, shard)  # tuning first: final points need it
     for point in mine:  # refuse before any work if a finished point disagrees with the sweep file
         done = read_point(out, point)
-        if done is not None:
-            check_finished(point, done, quick_config(point.config) if quick else point.config, quick,
+        if done is not None and (resolved := tuned_point(sweep, point, out)) is not None:
+            check_finished(resolved, done, quick_config(resolved.config) if quick else resolved.config, quick,
                            out / point.name / POINT_FILE)
-    rows = []
+    rows, waiting = [], []
     for i, point in enumerate(mine, 1):
         done = read_point(out, point)
         if done is not None:
             say(f"[{i}/{len(mine)}] {point.name}: finished, skipped")
             rows.append(done)
             continue
-        say(f"[{i}/{len(mine)}] {point.name}")
+        resolved = tuned_point(sweep, point, out)
+        if resolved is None:
+            say(f"[{i}/{len(mine)}] {point.name}: its arm's tuning points are not all finished (another shard?); "
+                "skipped for now")
+            waiting.append(point.name)
+            continue
+        point = resolved
+        say(f"[{i}/{len(mine)}] {point.name}" + (f" at the tuned {point.tuned}" if point.tuned else ""))
         row = run_point(sweep, point, out / point.name, quick=quick)
         _write_json(out / point.name / POINT_FILE, row)
         metric = row.get(sweep.spec.report.metric)
@@ -327,6 +451,9 @@ def run_sweep(sweep: Sweep, out: str | Path, *, shard: tuple[int, int] = (0, 1),
                                                     f"{sweep.spec.report.metric} {metric:.4f}" if metric is not None
                                                     else "done") + f" in {row['wall_s']:.0f} s")
         rows.append(row)
+    if waiting:
+        say(f"{len(waiting)} final point(s) wait for tuning points of other shards; when those are done, run "
+            "this shard again")
     return rows
 
 
@@ -367,6 +494,9 @@ def run_point(sweep: Sweep, point: Point, run_dir: Path, *, quick: bool = False)
     t0 = time.perf_counter()
     row: dict[str, Any] = {"name": point.name, "values": point.values, "seed": point.seed,
                            "params": count_params(cfg.model), "diverged": False}
+    if point.tuned is not None:
+        row["tuned"] = point.tuned
+        row["tuning"] = point.tuning
     try:
         summary = train(cfg, run_dir)
         stopped = False
@@ -446,5 +576,6 @@ def probe_run(run_dir: Path, probes=("attention",), *, cfg: C.ExperimentConfig |
     return out
 
 
-__all__ = ["PLOTS", "Point", "Sweep", "SweepConfig", "default_out", "load_sweep", "parse_shard", "point_name",
-           "quick_config", "read_point", "run_sweep", "shard_points"]
+__all__ = ["PLOTS", "Point", "Sweep", "SweepConfig", "TuneConfig", "chosen_values", "default_out", "load_sweep",
+           "parse_shard", "point_name", "quick_config", "read_point", "run_sweep", "shard_points", "tune_grid",
+           "tuned_point", "tuning_results"]

@@ -26,7 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxformer.train.metrics import read_metrics
-from jaxformer.train.sweep import QUICK_STEPS, Sweep, format_value, read_point
+from jaxformer.train.sweep import (QUICK_STEPS, Sweep, chosen_values, format_value, read_point, tune_grid,
+                                   tune_metric, tuning_results)
+from jaxformer.train.sweep_stats import PairedDifference, paired_difference
 
 PROBE_KEYS = ("logit_var", "entropy_ratio", "max_weight", "qk_grad_norm", "grad_norm_first_block", "dead_fraction")
 
@@ -37,18 +39,82 @@ def probe_keys(rows: list[dict]) -> list[str]:
     return [k for k in PROBE_KEYS if k in have]
 
 
-def gather(sweep: Sweep, out: Path) -> list[dict]:
+def gather(sweep: Sweep, out: Path, *, tuning: bool = False) -> list[dict]:
     """The rows of every finished point (any shard), in the sweep's point order (``params`` filled in
-    from the point's config for rows written before it was recorded)."""
+    from the point's config for rows written before it was recorded); ``tuning``: of the tuning points."""
     from jaxformer.model import count_params
 
     rows = []
-    for p in sweep.points:
+    for p in sweep.tune_points if tuning else sweep.points:
         r = read_point(out, p)
         if r is not None:
             r.setdefault("params", count_params(p.config.model))
             rows.append(r)
     return rows
+
+
+def baseline_of(sweep: Sweep, values: dict) -> dict | None:
+    """The baseline arm an arm is compared with: its values with ``report.baseline``'s keys set to the
+    baseline's; None without a baseline, or for a baseline arm itself."""
+    base = sweep.spec.report.baseline
+    if base is None:
+        return None
+    ref = {**values, **base}
+    return None if setting_key({"values": ref}, sweep.spec.varied) == setting_key({"values": values},
+                                                                                  sweep.spec.varied) else ref
+
+
+def differences(sweep: Sweep, rows: list[dict], metric: str) -> list[tuple[dict, dict, PairedDifference | None]]:
+    """``(arm values, baseline values, paired difference of metric)`` for every arm with a baseline
+    (seeds that diverged in either arm are left out of the pairs)."""
+    keys = sweep.spec.varied
+    by = {setting_key({"values": v}, keys): rs for v, rs in _settings(sweep, rows)}
+    out = []
+    for values, rs in _settings(sweep, rows):
+        ref = baseline_of(sweep, values)
+        if ref is None:
+            continue
+        base_rows = by.get(setting_key({"values": ref}, keys), [])
+
+        def per_seed(rows_):
+            return {r["seed"]: r.get(metric) for r in rows_ if not r["diverged"]}
+
+        out.append((values, ref, paired_difference(per_seed(rs), per_seed(base_rows),
+                                                   confidence=sweep.spec.report.confidence)))
+    return out
+
+
+def tuning_lines(sweep: Sweep, out: Path) -> list[str]:
+    """The report's tuning section: per arm the tuning metric at each tried value, the chosen one bold."""
+    tune = sweep.spec.tune
+    metric = tune_metric(sweep)
+    combos = tune_grid(tune)
+    tkeys = list(tune.keys)
+    lines = ["", f"Tuning (per arm, before the final runs): mean {metric} over the first {tune.seeds} seed(s) at "
+             f"each value of {', '.join(f'`{k}`' for k in tkeys)}; the final runs use the "
+             f"{'lowest' if tune.mode == 'min' else 'highest'} (**bold**; n/a: diverged or unfinished)", ""]
+    head = [k.split(".")[-1] for k in sweep.spec.varied] + [format_value(list(c.values())) if len(c) > 1 else
+                                                             format_value(next(iter(c.values()))) for c in combos]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for values in _arms(sweep):
+        results = {json.dumps(t, sort_keys=True): m for t, m, _ in tuning_results(sweep, out, values)}
+        try:
+            best = chosen_values(sweep, out, values)
+        except ValueError:
+            best = None
+        cells = [format_value(values.get(k)) for k in sweep.spec.varied]
+        for c in combos:
+            m = results.get(json.dumps(c, sort_keys=True))
+            cell = "n/a" if m is None else f"{m:.4f}"
+            cells.append(f"**{cell}**" if best == c else cell)
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _arms(sweep: Sweep) -> list[dict]:
+    """Every setting of the varied keys, in the sweep's order."""
+    keys = sweep.spec.varied
+    return list({setting_key({"values": p.values}, keys): p.values for p in sweep.points}.values())
 
 
 def setting_key(row: dict, keys: list[str]) -> tuple:
@@ -118,13 +184,18 @@ def write_report(sweep: Sweep, out: str | Path) -> Path:
     with (out / "summary.jsonl").open("w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
+    if sweep.spec.tune is not None:
+        with (out / "tuning.jsonl").open("w") as f:
+            for r in gather(sweep, out, tuning=True):
+                f.write(json.dumps(r) + "\n")
     plots = draw_plots(sweep, out, rows) if rows else []
     path = out / "report.md"
-    path.write_text(report_markdown(sweep, rows, plots))
+    path.write_text(report_markdown(sweep, rows, plots, out=out))
     return path
 
 
-def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str]) -> str:
+def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str], *, out: Path | None = None) -> str:
+    """The report's text (``out``: the sweep's directory, where the tuning rows are read from)."""
     spec, keys = sweep.spec, sweep.spec.varied
     metric = spec.report.metric
     n_seeds = len(spec.seeds)
@@ -132,11 +203,16 @@ def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str]) -> str:
     lines = [f"# Sweep `{sweep.name}`" + (f" — {quick}" if quick else ""), "",
              f"`jaxformer sweep {sweep.path}{' --quick' if quick else ''}` · {len(rows)} of {len(sweep.points)} "
              f"points finished · seeds {spec.seeds} · mean ± standard deviation over seeds", ""]
-    head = [k.split(".")[-1] for k in keys] + ["params", f"{metric}", "train loss", "tokens/s", "wall s", "diverged"]
+    tuned = spec.tune is not None
+    head = [k.split(".")[-1] for k in keys] + (["tuned"] if tuned else []) + [
+        "params", f"{metric}", "train loss", "tokens/s", "wall s", "diverged"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for values, rs in _settings(sweep, rows):
         ok = [r for r in rs if not r["diverged"]]
         cells = [format_value(values.get(k)) for k in keys]
+        if tuned:
+            cells.append(", ".join(f"{k.split('.')[-1]}={format_value(v)}" for k, v in (rs[0].get("tuned") or {}
+                                                                                      ).items()) or "n/a")
         cells += [f"{rs[0]['params']:,}" if "params" in rs[0] else "n/a",
                   fmt(*mean_spread([r.get(metric) for r in ok])), fmt(*mean_spread([r.get("loss") for r in ok])),
                   fmt(*mean_spread([r.get("tokens_per_s") for r in ok]), digits=0),
@@ -166,6 +242,21 @@ def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str]) -> str:
                 a, b = (mean_spread([probe(r, when, key) for r in rs])[0] for when in ("init", "final"))
                 cells.append(" → ".join("n/a" if v is None else f"{v:.3g}" for v in (a, b)))
             lines.append("| " + " | ".join(cells) + " |")
+    diffs = differences(sweep, rows, metric)
+    if diffs:
+        conf = spec.report.confidence
+        base = label(spec.report.baseline, list(spec.report.baseline))
+        lines += ["", f"{metric}: each arm minus its baseline ({base}), paired by seed (same initialisation and data order), mean and {conf:.0%} interval "
+                  f"(Student's t on the per-seed differences); *within noise*: the interval contains 0", ""]
+        head = [k.split(".")[-1] for k in keys] + ["vs", "seeds paired", f"difference [{conf:.0%} interval]"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for values, ref, d in diffs:
+            cells = [format_value(values.get(k)) for k in keys]
+            cells += [label(ref, list(spec.report.baseline)), "0" if d is None else str(d.n),
+                      "n/a" if d is None else d.format()]
+            lines.append("| " + " | ".join(cells) + " |")
+    if spec.tune is not None and out is not None:
+        lines += tuning_lines(sweep, out)
     if plots:
         lines += [""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
@@ -213,7 +304,8 @@ def draw_plots(sweep: Sweep, out: Path, rows: list[dict]) -> list[str]:
     plt = _pyplot()
     made = []
     quick = quick_warning(rows)
-    for name in sweep.spec.report.plots:
+    names = list(sweep.spec.report.plots) + (["tuning_curves"] if sweep.spec.tune is not None else [])
+    for name in names:
         fig = globals()[f"_plot_{name}"](plt, sweep, out, rows)
         if fig is None:
             continue
@@ -253,6 +345,44 @@ def _plot_loss_curves(plt, sweep, out, rows):
     else:
         ax.legend(fontsize=7)
     ax.set_title(f"{sweep.name}: training loss")
+    return fig
+
+
+def _plot_tuning_curves(plt, sweep, out, rows):
+    """The tuning metric against the tuned value, one line per arm (the chosen value ringed); a numeric
+    single key on a log axis when it spans 8x or more, anything else categorical."""
+    tune = sweep.spec.tune
+    combos = tune_grid(tune)
+    numeric = len(tune.keys) == 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                          for c in combos for v in c.values())
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    if numeric:
+        xs = [float(next(iter(c.values()))) for c in combos]
+        if min(xs) > 0 and max(xs) / min(xs) >= 8:
+            ax.set_xscale("log")
+    else:
+        xs = list(range(len(combos)))
+        ax.set_xticks(xs, [format_value(list(c.values())) for c in combos])
+    for values in _arms(sweep):
+        res = {json.dumps(t, sort_keys=True): m for t, m, _ in tuning_results(sweep, out, values)}
+        ys = [res.get(json.dumps(c, sort_keys=True)) for c in combos]
+        keep = [(x, y) for x, y in zip(xs, ys) if y is not None]
+        if not keep:
+            continue
+        color = _color(sweep, values)
+        ax.plot([x for x, _ in keep], [y for _, y in keep], marker="o", color=color,
+                ls="-" if numeric else "none", label=label(values, sweep.spec.varied))
+        try:
+            best = chosen_values(sweep, out, values)
+        except ValueError:
+            best = None
+        if best is not None:
+            i = combos.index(best)
+            ax.plot([xs[i]], [ys[i]], marker="o", ms=12, mfc="none", color=color)
+    ax.set_xlabel(", ".join(tune.keys))
+    ax.set_ylabel(f"{tune_metric(sweep)} (mean over {tune.seeds} tuning seed(s))")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title(f"{sweep.name}: tuning (ringed: the value each arm's final runs use)")
     return fig
 
 

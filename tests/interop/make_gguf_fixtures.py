@@ -170,7 +170,8 @@ def spm(out: Path) -> None:
         for text in SPM_TEXTS:
             ids = tok(text)["input_ids"]
             plain = tok(text, add_special_tokens=False)["input_ids"]
-            rows.append(dict(text=text, ids=ids, ids_no_specials=plain, decoded=tok.decode(ids, skip_special_tokens=True)))
+            rows.append(dict(text=text, ids=ids, ids_no_specials=plain,
+                             decoded=tok.decode(ids, skip_special_tokens=True)))
         record[name] = dict(file=file.name, texts=rows, bos=tok.bos_token, eos=tok.eos_token, unk=tok.unk_token)
     write_json(out / "spm.json", dict(versions=versions(), source="tests/interop/fixtures/llama/tokenizer.json",
                                       call="AutoTokenizer.from_pretrained(dir, gguf_file=...)", **record))

@@ -30,7 +30,8 @@ class Train:
 
     def __init__(self, cfg: Path, run: Path, env: dict, *args: str):
         self.cmd = [sys.executable, "-m", "jaxformer.cli", "train", str(cfg), "--run-dir", str(run), *args]
-        self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=_default_signals)
         self.lines: queue.Queue = queue.Queue()
         self.out: list[str] = []
         self.err: list[str] = []
@@ -70,6 +71,23 @@ class Train:
         self.proc.stdout.close()
         self.proc.stderr.close()
         return rc
+
+
+def _default_signals() -> None:
+    """In the child: SIGINT and SIGTERM at their defaults, even when the tests run as a background job of a
+    shell script (which starts them with SIGINT ignored, and an ignored signal stays ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@pytest.fixture
+def default_signals():
+    """SIGINT / SIGTERM of this process at Python's defaults for the test (as the ``python`` command sets them)."""
+    before = {s: signal.signal(s, h) for s, h in ((signal.SIGINT, signal.default_int_handler),
+                                                   (signal.SIGTERM, signal.SIG_DFL))}
+    yield
+    for s, h in before.items():
+        signal.signal(s, h)
 
 
 def _env(cache: Path) -> dict:
@@ -178,7 +196,7 @@ def test_a_second_sigint_exits_at_once_without_the_checkpoint(setup):
 #    what it did before train() was called (KeyboardInterrupt), instead of ending the process
 
 
-def test_a_library_call_raises_interrupted_after_checkpointing_and_restores_the_handlers(tmp_path):
+def test_a_library_call_raises_interrupted_after_checkpointing_and_restores_the_handlers(tmp_path, default_signals):
     from jaxformer.train import config as C
     from jaxformer.train.loop import Interrupted, train
 
@@ -196,7 +214,8 @@ def test_a_library_call_raises_interrupted_after_checkpointing_and_restores_the_
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
-def test_a_library_call_interrupted_before_the_first_step_gets_a_plain_keyboard_interrupt(tmp_path, monkeypatch):
+def test_a_library_call_interrupted_before_the_first_step_gets_a_plain_keyboard_interrupt(tmp_path, monkeypatch,
+                                                                                          default_signals):
     from jaxformer.train import config as C
     from jaxformer.train import loop
     from jaxformer.train.loop import Interrupted
@@ -212,3 +231,14 @@ def test_a_library_call_interrupted_before_the_first_step_gets_a_plain_keyboard_
         loop.train(cfg, tmp_path / "run")
     assert not isinstance(e.value, Interrupted)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_ignored_sigint_stays_ignored(tmp_path, default_signals):
+    """A shell script's background job starts with SIGINT ignored: training does not start catching it."""
+    from jaxformer.train import config as C
+    from jaxformer.train.loop import train
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cfg = C.from_dict(tiny_raw(make_corpus(tmp_path / "corpus"), steps=4, logging={"peak_tflops": 1.0}), "<test>")
+    summary = train(cfg, tmp_path / "run", on_step=lambda step, row: os.kill(os.getpid(), signal.SIGINT))
+    assert summary["step"] == 4 and signal.getsignal(signal.SIGINT) == signal.SIG_IGN

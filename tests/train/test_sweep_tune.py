@@ -1,0 +1,166 @@
+"""``tune:`` in a sweep file (per-arm search, then the final runs at each arm's best value) and the report's
+paired differences against a baseline arm. The runner's flow is tested with a stand-in for training
+(``run_point`` returns a metric computed from the point's config), so the choice is known in advance."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from jaxformer.train import config as C
+from jaxformer.train import sweep as S
+from jaxformer.train.sweep_report import differences, report_markdown, write_report
+from jaxformer.train.sweep_stats import paired_difference
+from tests.train.test_sweep import write_sweep
+
+BEST = {"rope": 3e-3, "alibi": 1e-2}  # the learning rate each arm does best at, in the stand-in
+
+
+def fake_metric(cfg: C.ExperimentConfig) -> float:
+    """A made-up val_bpb: lowest at the arm's BEST rate, plus a per-seed offset shared by the arms."""
+    return 1.0 + abs(math.log(cfg.optimizer.lr / BEST[cfg.model.position])) + 0.01 * cfg.seed + (
+        0.05 if cfg.model.position == "alibi" else 0.0)
+
+
+@pytest.fixture
+def fake_training(monkeypatch):
+    ran = []
+
+    def run_point(sweep, point, run_dir, *, quick=False):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ran.append(point.name)
+        row = {"name": point.name, "values": point.values, "seed": point.seed, "params": 1, "diverged": False,
+               "val_bpb": fake_metric(point.config), "wall_s": 0.0, "quick": quick,
+               "config": C.to_dict(point.config)}
+        if point.tuned is not None:
+            row["tuned"], row["tuning"] = point.tuned, point.tuning
+        return row
+
+    monkeypatch.setattr(S, "run_point", run_point)
+    return ran
+
+
+def tune_sweep(tmp_path, **tune):
+    return write_sweep(tmp_path, {"axes": {"model.position": ["rope", "alibi"]}, "seeds": [0, 1, 2],
+                                  "tune": {"keys": {"optimizer.lr": [1e-3, 3e-3, 1e-2]}, **tune},
+                                  "report": {"plots": ["final_metric"], "baseline": {"model.position": "rope"}}})
+
+
+def test_tuning_points_are_the_grid_per_arm_before_the_final_points(tmp_path):
+    sweep = S.load_sweep(tune_sweep(tmp_path, seeds=2))
+    assert len(sweep.tune_points) == 2 * 3 * 2 and len(sweep.points) == 2 * 3
+    t = sweep.tune_points[0]
+    assert t.name == "tune-position-rope_lr-0.001_seed-0" and t.tuning and t.tuned == {"optimizer.lr": 1e-3}
+    assert {(p.config.optimizer.lr, p.seed) for p in sweep.tune_points if p.values["model.position"] == "alibi"} == {
+        (lr, s) for lr in (1e-3, 3e-3, 1e-2) for s in (0, 1)}
+    assert all(not p.tuning and p.tuned is None for p in sweep.points)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"axes": {"optimizer.lr": [1e-3]}, "tune": {"keys": {"optimizer.lr": [1e-3]}}}, r"also varied"),
+    ({"tune": {"keys": {"optimizer.lr": [1e-3]}, "seeds": 2}}, r"tune.seeds=2 is more than the 1 seeds"),
+    ({"tune": {"keys": {"optimizer.lr": []}}}, r"has no values"),
+    ({"axes": {"model.position": ["rope"]}, "report": {"baseline": {"model.norm": "rmsnorm"}}},
+     r"report.baseline keys \['model.norm'\] are not varied"),
+])
+def test_bad_tune_and_baseline_are_refused_naming_the_file(tmp_path, spec, match):
+    with pytest.raises(C.ConfigError, match=r"sweep\.yaml"):
+        S.load_sweep(write_sweep(tmp_path, spec))
+    with pytest.raises(C.ConfigError, match=match):
+        S.load_sweep(write_sweep(tmp_path, spec))
+
+
+def test_each_arm_runs_at_its_own_best_value(tmp_path, fake_training):
+    path = tune_sweep(tmp_path)
+    sweep = S.load_sweep(path)
+    out = tmp_path / "out"
+    rows = S.run_sweep(sweep, out, say=lambda s: None)
+    assert fake_training[:6] == [p.name for p in sweep.tune_points]  # tuning first
+    final = {r["name"]: r for r in rows if not r.get("tuning")}
+    assert len(final) == 6
+    for p in sweep.points:
+        r = final[p.name]
+        assert r["tuned"] == {"optimizer.lr": BEST[p.values["model.position"]]}
+        assert r["config"]["optimizer"]["lr"] == BEST[p.values["model.position"]] and r["config"]["seed"] == p.seed
+    # a second run skips everything, and the finished final points are checked against the tuned config
+    said = []
+    S.run_sweep(sweep, out, say=said.append)
+    assert len(fake_training) == 12 and all("finished, skipped" in s for s in said)
+
+
+def test_shards_wait_for_tuning_run_elsewhere_then_finish(tmp_path, fake_training):
+    sweep = S.load_sweep(tune_sweep(tmp_path))
+    out = tmp_path / "out"
+    said = []
+    S.run_sweep(sweep, out, shard=(1, 2), say=said.append)  # half the tuning points: every arm incomplete
+    assert any("not all finished" in s for s in said) and "wait for tuning points" in said[-1]
+    S.run_sweep(sweep, out, shard=(0, 2), say=lambda s: None)
+    S.run_sweep(sweep, out, shard=(1, 2), say=lambda s: None)
+    assert all(S.read_point(out, p) is not None for p in sweep.points + sweep.tune_points)
+    assert sorted(fake_training) == sorted(p.name for p in sweep.points + sweep.tune_points)
+
+
+def test_choice_modes_divergence_and_unfinished(tmp_path):
+    sweep = S.load_sweep(tune_sweep(tmp_path))
+    out = tmp_path / "out"
+    arm = {"model.position": "rope"}
+
+    def write(lr, value, diverged=False):
+        p = next(p for p in sweep.tune_points if p.values == arm and p.tuned["optimizer.lr"] == lr)
+        (out / p.name).mkdir(parents=True, exist_ok=True)
+        (out / p.name / S.POINT_FILE).write_text(json.dumps({"val_bpb": value, "diverged": diverged}))
+
+    write(1e-3, 2.0)
+    write(3e-3, 1.5)
+    assert S.chosen_values(sweep, out, arm) is None  # 1e-2 unfinished
+    write(1e-2, 1.0, diverged=True)  # the lowest number, but diverged: never chosen
+    assert S.chosen_values(sweep, out, arm) == {"optimizer.lr": 3e-3}
+    maxed = S.load_sweep(tune_sweep(tmp_path / "max", mode="max"))
+    assert S.chosen_values(maxed, out, arm) == {"optimizer.lr": 1e-3}
+    for lr in (1e-3, 3e-3):
+        write(lr, float("nan"))
+    with pytest.raises(ValueError, match="every tuning run of arm .* diverged"):
+        S.chosen_values(sweep, out, arm)
+
+
+def test_report_shows_tuning_choice_curves_and_paired_differences(tmp_path, fake_training):
+    sweep = S.load_sweep(tune_sweep(tmp_path))
+    out = tmp_path / "out"
+    S.run_sweep(sweep, out, say=lambda s: None)
+    report = write_report(sweep, out).read_text()
+    assert (out / "tuning_curves.png").stat().st_size > 1000
+    assert len((out / "tuning.jsonl").read_text().splitlines()) == 6
+    assert "| rope | lr=0.003 |" in report and "| alibi | lr=0.01 |" in report
+    assert "**1.0000**" in report  # rope's tuning row: 1.0 at its best rate (seed 0), in bold
+    # the difference alibi - rope at their tuned rates is exactly 0.05 on every seed: a zero-width interval
+    (values, ref, d), = differences(sweep, [json.loads(x) for x in (out / "summary.jsonl").read_text().splitlines()],
+                                    "val_bpb")
+    assert values == {"model.position": "alibi"} and ref == {"model.position": "rope"}
+    assert d.n == 3 and d.mean == pytest.approx(0.05) and d.hi - d.lo == pytest.approx(0.0, abs=1e-9)
+    assert "| alibi | position=rope | 3 | +0.0500 [+0.0500, +0.0500] |" in report
+
+
+def test_differences_pair_by_seed_and_leave_out_diverged(tmp_path):
+    sweep = S.load_sweep(write_sweep(tmp_path, {"axes": {"model.position": ["rope", "alibi"],
+                                                         "model.norm": ["layernorm", "rmsnorm"]},
+                                                "seeds": [0, 1, 2, 3],
+                                                "report": {"baseline": {"model.position": "rope"}}}))
+    rng = np.random.default_rng(1)
+    rows = []
+    for p in sweep.points:
+        rows.append({"name": p.name, "values": p.values, "seed": p.seed, "val_bpb": float(rng.normal(2, 0.1)),
+                     "diverged": p.seed == 3 and p.values["model.position"] == "alibi"})
+    diffs = differences(sweep, rows, "val_bpb")
+    assert [(v["model.position"], v["model.norm"], r["model.norm"]) for v, r, _ in diffs] == [
+        ("alibi", "layernorm", "layernorm"), ("alibi", "rmsnorm", "rmsnorm")]  # paired within the same norm
+    for values, ref, d in diffs:
+        arm = {r["seed"]: r["val_bpb"] for r in rows if r["values"] == values and not r["diverged"]}
+        base = {r["seed"]: r["val_bpb"] for r in rows if r["values"] == ref}
+        want = np.array([arm[s] - base[s] for s in (0, 1, 2)])
+        assert d.seeds == (0, 1, 2) and d.mean == pytest.approx(want.mean())
+        assert d == paired_difference(arm, base)
+    text = report_markdown(sweep, rows, [])
+    assert "paired by seed" in text and "95% interval" in text
