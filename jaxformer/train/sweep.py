@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from jaxformer.train import config as C
 
-PLOTS = ("loss_curves", "final_metric", "metric_vs_eval_length", "loss_by_position", "probes",
+PLOTS = ("loss_curves", "val_curves", "final_metric", "metric_vs_eval_length", "loss_by_position", "probes",
          "sinusoidal_table", "rope_decay", "alibi_bias")
 PROBES = ("attention", "mlp")
 POINT_FILE = "sweep_point.json"

@@ -3,7 +3,10 @@ seeds per setting) and PNG plots (matplotlib, imported only here, from the ``exp
 
 Plots (``report.plots`` of the sweep file):
 
-* ``loss_curves``: train loss vs step, one line per setting (mean over seeds);
+* ``loss_curves``: train loss vs step, one line per setting (mean over seeds, smoothed: an exponential
+  moving average over about 10 logged rows, so one batch's bump does not read as a difference);
+* ``val_curves``: ``report.metric`` of the periodic evaluations (``eval.every``) vs step, one line per
+  setting (mean over seeds), the final evaluation (on its own, larger token set) as a separate marker;
 * ``final_metric``: ``report.metric`` per value of ``report.x`` with the seeds' spread as error bars;
 * ``metric_vs_eval_length``: ``report.metric`` at each of ``eval_lengths`` (log-log);
 * ``loss_by_position``: bits per byte (else loss) by position bucket at the longest evaluation length;
@@ -332,13 +335,14 @@ def _plot_loss_curves(plt, sweep, out, rows):
         curves = [c for c in (curve(r) for r in rs if not r["diverged"]) if c]
         if curves:
             steps = sorted(set.intersection(*(set(c) for c in curves)))
-            ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], label=name, lw=1.2, color=color)
+            ax.plot(steps, smooth([statistics.fmean(c[s] for c in curves) for s in steps]), label=name, lw=1.2,
+                    color=color)
         for r in rs:
             if r["diverged"] and (c := curve(r)):
                 ax.plot(sorted(c), [c[s] for s in sorted(c)], ls="--", lw=0.8, color=color,
                         label=f"{name} (diverged, seed {r['seed']})")
     ax.set_xlabel("step")
-    ax.set_ylabel("train loss (nats/token), mean over seeds")
+    ax.set_ylabel(f"train loss (nats/token), mean over seeds, EMA over ~{SMOOTH_ROWS} rows")
     ax.set_yscale("log")
     if many:  # beside the axes, not over the curves
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -383,6 +387,57 @@ def _plot_tuning_curves(plt, sweep, out, rows):
     ax.set_ylabel(f"{tune_metric(sweep)} (mean over {tune.seeds} tuning seed(s))")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(f"{sweep.name}: tuning (ringed: the value each arm's final runs use)")
+    return fig
+
+
+SMOOTH_ROWS = 10
+
+
+def smooth(ys: list[float], rows: int = SMOOTH_ROWS) -> list[float]:
+    """Exponential moving average with ``alpha = 2 / (rows + 1)`` (pandas' ``ewm(span=rows, adjust=True)``:
+    each point the weighted mean of those so far, so the curve starts at the first value, not at 0)."""
+    alpha = 2.0 / (rows + 1)
+    out, num, den = [], 0.0, 0.0
+    for y in ys:
+        num = (1 - alpha) * num + y
+        den = (1 - alpha) * den + 1.0
+        out.append(num / den)
+    return out
+
+
+def _plot_val_curves(plt, sweep, out, rows):
+    """Periodic validation ``report.metric`` vs step (mean over the seeds that did not diverge, at the
+    steps they share); the final evaluation of each setting as an open marker at its last step."""
+    metric = sweep.spec.report.metric
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    drew = False
+    for values, rs in _settings(sweep, rows):
+        color, name = _color(sweep, values), label(values, sweep.spec.varied)
+        curves, finals = [], []
+        for r in rs:
+            if r["diverged"]:
+                continue
+            evals = [m for m in read_metrics(out / r["name"]) if isinstance(m.get(metric), (int, float))
+                     and "final" in m]
+            curves.append({m["step"]: m[metric] for m in evals if not m["final"]})
+            finals += [(m["step"], m[metric]) for m in evals if m["final"]]
+        curves = [c for c in curves if c]
+        if curves:
+            steps = sorted(set.intersection(*(set(c) for c in curves)))
+            ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], marker=".", lw=1.2,
+                    color=color, label=name)
+            drew = True
+        if finals:
+            ax.plot([max(s for s, _ in finals)], [statistics.fmean(v for _, v in finals)], marker="o", mfc="none",
+                    color=color, ls="none", label=None if curves else f"{name} (final)")
+            drew = True
+    if not drew:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"validation {metric}, mean over seeds (open marker: final evaluation)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title(f"{sweep.name}: validation curves")
     return fig
 
 

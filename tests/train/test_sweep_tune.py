@@ -164,3 +164,50 @@ def test_differences_pair_by_seed_and_leave_out_diverged(tmp_path):
         assert d == paired_difference(arm, base)
     text = report_markdown(sweep, rows, [])
     assert "paired by seed" in text and "95% interval" in text
+
+
+def test_smoothing_is_the_adjusted_exponential_moving_average():
+    from jaxformer.train.sweep_report import smooth
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=37)
+    a = 2.0 / (10 + 1)
+    want = [sum((1 - a) ** (t - i) * x[i] for i in range(t + 1)) / sum((1 - a) ** (t - i) for i in range(t + 1))
+            for t in range(len(x))]  # the definition, in float64, term by term
+    np.testing.assert_allclose(smooth(list(x), 10), want, rtol=1e-12)
+    assert smooth([3.0, 3.0, 3.0]) == [3.0, 3.0, 3.0]
+
+
+def test_validation_curves_are_drawn_from_the_periodic_evaluations(tmp_path, monkeypatch):
+    from jaxformer.train import sweep_report as R
+
+    sweep = S.load_sweep(write_sweep(tmp_path, {"axes": {"model.position": ["rope", "alibi"]}, "seeds": [0, 1],
+                                                "report": {"plots": ["loss_curves", "val_curves"]}}))
+    out = tmp_path / "out"
+    for p in sweep.points:
+        d = out / p.name
+        d.mkdir(parents=True)
+        lines = [{"step": s, "loss": 5.0 - s / 10} for s in range(1, 11)]
+        lines += [{"step": s, "val_loss": 4.0 - s / 20, "val_bpb": 3.0 - s / 20 + 0.01 * p.seed, "final": False}
+                  for s in (5, 10)] + [{"step": 10, "val_bpb": 2.4, "final": True}]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        (d / S.POINT_FILE).write_text(json.dumps({"name": p.name, "values": p.values, "seed": p.seed, "params": 1,
+                                                  "diverged": False, "val_bpb": 2.4, "quick": False}))
+    drawn = []
+    real = R._plot_val_curves
+
+    def spy(plt, sweep_, out_, rows_):
+        fig = real(plt, sweep_, out_, rows_)
+        drawn.append([(line.get_label(), list(line.get_ydata())) for line in fig.axes[0].get_lines()])
+        return fig
+
+    monkeypatch.setattr(R, "_plot_val_curves", spy)
+    report = write_report(sweep, out).read_text()
+    assert "val_curves.png" in report and (out / "val_curves.png").stat().st_size > 1000
+    lines = dict((label, ys) for label, ys in drawn[0] if not label.startswith("_"))
+    # mean over the two seeds at steps 5 and 10 (seed offsets 0 and 0.01)
+    np.testing.assert_allclose(lines["position=rope"], [2.755, 2.505], rtol=1e-12)
+    for p in sweep.points:  # without periodic or final evaluations there is nothing to draw
+        (out / p.name / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    import matplotlib.pyplot as plt
+    assert real(plt, sweep, out, R.gather(sweep, out)) is None
