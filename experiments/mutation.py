@@ -414,6 +414,23 @@ MUTATIONS = [
              "            pieces.append(stream[j:min(j + seq_len + 1, end)])",
              "            pieces.append(stream[j:j + seq_len + 1])",
              ("tests/train/test_eval_windows.py",), "a length's last window scores targets past its span"),
+    # -- jaxformer serve: the real server process, driven over HTTP (tests/serve)
+    Mutation("serve_utf8_split", "jaxformer/serve/text.py",
+             "while end > start and full[end - 1] == REPLACEMENT:", "while False and full[end - 1] == REPLACEMENT:",
+             ("tests/serve/test_run_dir.py",), "streamed deltas emit half a UTF-8 character (U+FFFD, never retracted)"),
+    Mutation("serve_stop_returned", "jaxformer/serve/text.py",
+             "return self._emit(full[:cut])", "return self._emit(full)",
+             ("tests/serve/test_server.py",), "the stop string (and what follows it) is returned"),
+    Mutation("serve_seed_not_offset", "jaxformer/serve/app.py",
+             "top_p=sampling.top_p, seed=base + j,", "top_p=sampling.top_p, seed=base,",
+             ("tests/serve/test_server.py",), "every choice samples with the request's seed, not seed + i"),
+    Mutation("serve_cancel_ignored", "jaxformer/serve/worker.py",
+             "if rid in self._active and self.engine.cancel(rid):", "if False:",
+             ("tests/serve/test_server.py",), "a dropped stream's request runs on, holding its pages"),
+    Mutation("serve_logprobs_shifted", "jaxformer/decode/scoring.py",
+             "chosen = jnp.take_along_axis(logp, tokens[0, 1:, None], axis=-1)[:, 0]",
+             "chosen = jnp.take_along_axis(logp, tokens[0, :-1, None], axis=-1)[:, 0]",
+             ("tests/serve/test_server.py",), "echo logprobs score each token where it is, not where it is predicted"),
 ]
 
 

@@ -1,5 +1,5 @@
-"""``jaxformer train | eval | info | generate | translate | sweep | export``: a thin argparse layer over
-``jaxformer.train``.
+"""``jaxformer train | eval | info | generate | translate | sweep | export | serve``: a thin argparse layer over
+``jaxformer.train`` (``serve``: over :mod:`jaxformer.serve`).
 
 ``eval`` and ``generate`` take a run directory or ``--hf DIR`` (a Hugging Face checkpoint directory);
 ``translate --hf DIR`` runs a translation checkpoint (Marian); ``export RUN --hf OUT`` writes a run as one.
@@ -84,7 +84,34 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                    "model.safetensors, tokenizer files)")
     x.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="the saved tensors' dtype (default: the run's model.param_dtype)")
+
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, logprobs, "
+                       "/metrics) over the continuous-batching engine")
+    add_serve_args(v)
     return p, sub.choices
+
+
+def add_serve_args(v: argparse.ArgumentParser) -> None:
+    v.add_argument("run_dir", nargs="?")
+    v.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory (or .gguf file) instead of a run")
+    v.add_argument("--adapter", metavar="PEFT_DIR", help="a peft LoRA adapter to apply to the model")
+    v.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="with --hf: parameter and compute dtype")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--served-model-name", help="the model's name in the API (default: the directory's name)")
+    v.add_argument("--max-batch", type=int, default=8, help="sequences decoded together per engine step")
+    v.add_argument("--max-queue", type=int, default=64, help="sequences that may wait; more are answered 429")
+    v.add_argument("--num-pages", type=int, help="KV pages per layer (default: max-batch sequences of max-context)")
+    v.add_argument("--page-size", type=int, default=16)
+    v.add_argument("--max-context", type=int, help="longest sequence (prompt + completion); default: the "
+                   "model's context, at most 2048")
+    v.add_argument("--chunk-size", type=int, default=64, help="prefill tokens per sequence per step")
+    v.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get to finish "
+                   "after SIGTERM before they are cancelled")
+    v.add_argument("--precompile", action="store_true", help="compile every engine step shape before serving "
+                   "(steady latency from the first request; minutes for a large model)")
+    v.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
 def add_generate_args(g: argparse.ArgumentParser) -> None:
@@ -448,8 +475,41 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Load a run or ``--hf`` checkpoint as ``generate`` does and serve it (:mod:`jaxformer.serve`) until
+    SIGTERM / SIGINT."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"serve needs the serve extra: pip install 'jaxformer[serve]' ({e})") from None
+    from jaxformer.serve.server import serve
+    from jaxformer.train.run_dir import load_run
+
+    _run_or_hf(args, "serve")
+    if args.adapter is not None:
+        raise ValueError("serve --adapter: loading peft LoRA adapters is not in jaxformer yet; merge the adapter "
+                         "into the checkpoint and serve that with --hf DIR")
+    if args.hf is not None:
+        model, graphdef, params, tok = load_hf_decoder(args.hf, dtype=args.dtype, command="serve")
+        name = Path(args.hf).stem if Path(args.hf).is_file() else Path(args.hf).resolve().name
+    else:
+        cfg, trainer, params, tok, _ = load_run(args.run_dir)
+        if tok is None:
+            raise ValueError(f"{args.run_dir}: source='bin' has no text tokenizer to encode prompts")
+        model, graphdef, name = cfg.model, trainer.graphdef, Path(args.run_dir).resolve().name
+    try:
+        return serve(graphdef, params, model, tok, name=args.served_model_name or name, host=args.host,
+                     port=args.port, max_batch=args.max_batch, max_queue=args.max_queue, num_pages=args.num_pages,
+                     page_size=args.page_size, max_context=args.max_context, chunk_size=args.chunk_size,
+                     shutdown_timeout=args.shutdown_timeout, precompile=args.precompile, log_level=args.log_level)
+    except KeyboardInterrupt:  # SIGINT: uvicorn shut down gracefully, then re-raised it
+        return 130
+
+
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "info": cmd_info, "generate": cmd_generate, "sweep": cmd_sweep,
-            "export": cmd_export, "translate": cmd_translate}
+            "export": cmd_export, "translate": cmd_translate, "serve": cmd_serve}
 
 
 def _one_line_warning(command: str):

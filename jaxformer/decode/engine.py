@@ -64,9 +64,9 @@ MIN_TABLE_TOKENS = 256  # narrowest block table a step sends, in tokens: fewer c
 
 @dataclasses.dataclass
 class Result:
-    """What became of one request. ``finish_reason``: "stop" | "length" | "error";
-    ``stopped_by``, the finer cause: "stop_token" | "max_new_tokens" | "context" (the
-    sequence filled ``max_context``; a sliding window never does) | "error"."""
+    """What became of one request. ``finish_reason``: "stop" | "length" | "error" | "cancelled"
+    (:meth:`Engine.cancel`); ``stopped_by``, the finer cause: "stop_token" | "max_new_tokens" | "context" (the
+    sequence filled ``max_context``; a sliding window never does) | "error" | "cancelled"."""
 
     request_id: Hashable
     prompt: list[int]
@@ -96,8 +96,9 @@ class StepInputs:
     """One engine step's device inputs, a row per batch slot (``B`` slots, step width ``T``).
 
     tokens, positions: ``[B, T]`` int32, each row's new tokens (zero-padded) and their positions.
-    tables: ``[B, M]`` int32 block tables, ``M`` the step's width (:func:`table_width`). lengths: ``[B]`` tokens already cached, counted from
-    the table's first page. num_new: ``[B]`` new tokens per row (0: an idle slot).
+    tables: ``[B, M]`` int32 block tables, ``M`` the step's width (:func:`table_width`).
+    lengths: ``[B]`` tokens already cached, counted from the table's first page.
+    num_new: ``[B]`` new tokens per row (0: an idle slot).
     seeds ``[B]`` uint32 and steps ``[B]`` (tokens generated so far): the sampling keys.
     temperature, top_k, top_p: ``[B]`` sampling parameters.
     """
@@ -124,16 +125,41 @@ class StepOptions:
     window: int | None = None
 
 
+class StaticModel:
+    """The static half of the model for the jitted step: its graphdef and the state's tree structure, hashed
+    once. Hashing a graphdef walks every node (about a millisecond for 30 layers) and flattening an
+    ``nnx.State`` sorts its keys in Python, both on every call; the step takes this and the state's leaves."""
+
+    def __init__(self, graphdef, treedef):
+        self.graphdef, self.treedef = graphdef, treedef
+        self._hash = hash((graphdef, treedef))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, StaticModel) and self._hash == other._hash
+                                 and (self.graphdef, self.treedef) == (other.graphdef, other.treedef))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=16)
+    def of(graphdef, treedef) -> StaticModel:
+        """One object per distinct model, so engines over equal models share compiled steps by identity."""
+        return StaticModel(graphdef, treedef)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=2)
-def engine_step(graphdef, state, pools, inputs: StepInputs, options: StepOptions):
-    """One batched model call over paged caches; returns each row's next token and the new pools.
-    The head runs at each row's last new token only (the one sampled)."""
+def engine_step(model: StaticModel, leaves, pools, inputs: StepInputs, options: StepOptions):
+    """One batched model call over paged caches (the state given as ``model.treedef``'s ``leaves``); returns
+    each row's next token and the new pools. The head runs at each row's last new token only (the one
+    sampled)."""
     (B, T), M = inputs.tokens.shape, inputs.tables.shape[1]
     TRACE_COUNTS[f"step_B{B}_T{T}_M{M}"] += 1
     caches = [PagedKVCache(k, v, inputs.tables, inputs.lengths, inputs.num_new, options.backend,
                            options.interpret, options.window) for k, v in pools]
-    logits, caches = nnx.merge(graphdef, state)(inputs.tokens, positions=inputs.positions, cache=caches,
-                                                logits_at=jnp.maximum(inputs.num_new - 1, 0))
+    state = jax.tree.unflatten(model.treedef, leaves)
+    logits, caches = nnx.merge(model.graphdef, state)(inputs.tokens, positions=inputs.positions, cache=caches,
+                                                      logits_at=jnp.maximum(inputs.num_new - 1, 0))
     nxt = sample(logits[:, 0], request_keys(inputs.seeds, inputs.steps), inputs.temperature, inputs.top_k,
                  inputs.top_p)
     return nxt, [(c.k_pages, c.v_pages) for c in caches]
@@ -204,6 +230,8 @@ class Engine:
                  chunk_size: int = 64, max_context: int | None = None, prefix_sharing: bool = True,
                  backend: str = "auto", interpret: bool = False, window: int | None = None):
         self.graphdef, self.state, self.config = graphdef, state, config
+        leaves, treedef = jax.tree.flatten(state)
+        self._model, self._leaves = StaticModel.of(graphdef, treedef), leaves
         self.max_context = config.max_seq_len if max_context is None else max_context
         if not 0 < self.max_context <= config.max_seq_len:
             raise ValueError(f"max_context={max_context} must be in [1, config.max_seq_len={config.max_seq_len}]")
@@ -255,6 +283,49 @@ class Engine:
         while not self.done:
             self.step()
         return self.results
+
+    def cancel(self, request_id: Hashable) -> bool:
+        """Drop a waiting or running request now: its pages go back to the pool (those no other sequence
+        shares) before the next step, and its ``Result`` has ``finish_reason="cancelled"`` and the tokens it
+        generated. False (nothing changed) if it is not waiting or running: unknown, or already finished."""
+        for queue in (self.waiting, self.running):
+            req = next((r for r in queue if r.rid == request_id), None)
+            if req is not None:
+                queue.remove(req)
+                if req.rid in self.manager:  # a running request holds pages; a waiting one none
+                    self.manager.finish(req.rid)
+                self.results[req.rid] = Result(req.rid, req.prompt, list(req.generated), "cancelled",
+                                               num_preemptions=req.preemptions, stopped_by="cancelled")
+                self.stats["cancelled"] += 1
+                return True
+        return False
+
+    def in_progress(self) -> dict[Hashable, list[int]]:
+        """The tokens each waiting or running request has generated so far (copies), by request id: what a
+        caller streams between steps. A preempted request keeps its tokens, so each list only grows."""
+        return {r.rid: list(r.generated) for r in itertools.chain(self.running, self.waiting)}
+
+    def step_shapes(self) -> list[tuple[int, int, int]]:
+        """Every ``(B, T, M)`` a step of this engine can run: batch rows (powers of two up to ``max_batch``)
+        x widths (1 and the prefill buckets, :meth:`_width`) x block-table widths (:func:`table_width`)."""
+        rows = sorted({bucket(b, 1, self.max_batch) for b in range(1, self.max_batch + 1)})
+        widths = sorted({1} | {self._width(n) for n in range(2, self.chunk_size + 1)})
+        L, cap = self.manager.page_size, self.max_pages_per_seq
+        tables = sorted({table_width(p, cap, L) for p in range(1, cap + 1)})
+        return [(B, T, M) for B in rows for T in widths for M in tables]
+
+    def compile_all(self) -> int:
+        """Compile the step for every shape in :meth:`step_shapes` now, so no request waits for a compilation
+        later (a server warms up with it); returns how many. The steps run on idle rows only (``num_new`` 0,
+        as a step's padding rows), so the pools and every request are unchanged."""
+        shapes = self.step_shapes()
+        for B, T, M in shapes:
+            z = np.zeros(B, np.int32)
+            inputs = StepInputs(np.zeros((B, T), np.int32), np.zeros((B, T), np.int32), np.zeros((B, M), np.int32),
+                                z, z, np.zeros(B, np.uint32), z, np.zeros(B, np.float32), z, np.ones(B, np.float32))
+            _, self.pools = engine_step(self._model, self._leaves, self.pools, inputs, self.options)
+        jax.block_until_ready(self.pools)
+        return len(shapes)
 
     # -- scheduling
     def _peak_pages(self, prompt_len: int) -> int:
@@ -377,7 +448,7 @@ class Engine:
             src[: len(copies)], dst[: len(copies)] = zip(*copies)
             self.pools = copy_pages(self.pools, jnp.asarray(src), jnp.asarray(dst))
         inputs = self._inputs(plan)
-        nxt, self.pools = engine_step(self.graphdef, self.state, self.pools, inputs, self.options)
+        nxt, self.pools = engine_step(self._model, self._leaves, self.pools, inputs, self.options)
         nxt = np.asarray(nxt)
         self.stats["steps"] += 1
         self.stats["tokens_computed"] += sum(n for _, n in plan)

@@ -193,6 +193,9 @@ class Attention(nnx.Module):
         else:
             o = dot_product_attention(q, k, v, mask=mask, scale=scale, alibi_slopes=slopes,
                                       softcap=self.softcap, impl=self.impl)
-        y = jnp.einsum("BTNH,NHD->BTD", o.astype(self.dtype), self.w_o[...].astype(self.dtype))
+        # one (N*H)-wide contraction: as a two-axis einsum, XLA CPU may lay the attention output out H-major
+        # and then transpose all of w_o to match, every call (a weight-sized copy per layer per decode step)
+        B_, T_, N_, H_ = o.shape
+        y = o.astype(self.dtype).reshape(B_, T_, N_ * H_) @ self.w_o[...].astype(self.dtype).reshape(N_ * H_, -1)
         y = add_bias(y, self.b_o, self.dtype)
         return y if cache is None else (y, new_cache)

@@ -134,3 +134,18 @@ def test_table_width_buckets():
     assert [eng.table_width(p, 512, 16) for p in (1, 16, 17, 33, 200, 257, 512)] == [16, 16, 32, 64, 256, 512, 512]
     assert [eng.table_width(p, 10, 4) for p in (1, 9, 10)] == [10, 10, 10]  # the floor above the capacity
     assert [eng.bucket(n, 1, 6) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 6, 6]
+
+
+def test_engines_over_one_model_share_compiled_steps(llama):
+    """The step's static model (graphdef and state structure) is hashed once per engine and shared by
+    identity, so a second engine over the same model traces nothing new."""
+    cfg, graphdef, state = llama
+    prompt = list(range(1, 6))
+    eng.serve(graphdef, state, cfg, [(prompt, SamplingParams(max_new_tokens=3))], num_pages=10, page_size=L,
+              max_batch=4, chunk_size=8)
+    before = dict(eng.TRACE_COUNTS)
+    e = eng.Engine(graphdef, state, cfg, num_pages=10, page_size=L, max_batch=4, chunk_size=8)
+    e.submit(prompt, SamplingParams(max_new_tokens=3))
+    e.run()
+    assert dict(eng.TRACE_COUNTS) == before
+    assert e._model is eng.StaticModel.of(graphdef, jax.tree.structure(state))

@@ -1,0 +1,78 @@
+"""TextStream: deltas that concatenate to the decoded text, never half a UTF-8 character, stop strings cut
+before they start (no server, no model: a byte tokenizer's decode)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from jaxformer.serve.text import TextStream
+
+EOS = 300
+
+
+def decode(ids) -> str:  # raw bytes, as jaxformer's byte tokenizer and a byte-level BPE decode
+    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def feed(stream: TextStream, ids, step: int = 1) -> list[str]:
+    deltas = [stream.add(ids[i:i + step]) for i in range(0, len(ids), step)]
+    return deltas + [stream.finish()]
+
+
+@pytest.mark.parametrize("text", ["h\u00e9llo \u20ac 12 \U0001f600!", "\u00e9", "\u4e2d\u6587\u5b57", "plain"])
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_deltas_concatenate_to_the_text_and_hold_no_half_character(text, step):
+    ids = list(text.encode("utf-8"))
+    deltas = feed(TextStream(decode), ids, step)
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)  # never the replacement of a character not yet complete
+
+
+def test_invalid_bytes_come_out_once_a_later_character_shows_they_were_real():
+    ids = [0xC3, ord("a"), 0xE2, 0x82]  # a lone lead byte, then an unfinished euro sign at the end
+    s = TextStream(decode)
+    assert s.add(ids[:1]) == ""  # could still become a character
+    assert s.add(ids[1:2]) == "\ufffda"
+    assert s.add(ids[2:]) == ""
+    assert s.finish() == "\ufffd"  # the request ended: what is left is what the bytes decode to
+    assert s.text == decode(ids)
+
+
+def test_random_byte_streams_concatenate_to_their_decoding():
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.choice([rng.randrange(256), rng.randrange(0x80, 0x100)]) for _ in range(rng.randrange(1, 30))]
+        deltas = feed(TextStream(decode), ids, rng.randrange(1, 4))
+        assert "".join(deltas) == decode(ids)
+
+
+def test_a_stop_string_ends_the_text_before_it_even_split_over_tokens():
+    ids = list(b"say hello world")
+    s = TextStream(decode, stop=["lo w", "xyz"])
+    deltas = [s.add([t]) for t in ids]
+    assert "".join(deltas) == "say hel" and s.stopped and s.text == "say hel"
+    assert s.num_tokens == len(b"say hello w")  # up to the token that completed the stop string
+    assert s.add(list(b"more")) == "" and s.finish() == "" and s.num_tokens == len(b"say hello w")
+
+
+def test_text_that_may_start_a_stop_string_is_held_until_it_cannot():
+    s = TextStream(decode, stop=["abc"])
+    assert s.add(list(b"xa")) == "x"
+    assert s.add(list(b"b")) == ""
+    assert s.add(list(b"d")) == "abd"  # not the stop string after all
+    assert s.add(list(b"ab")) == "" and s.finish() == "ab" and not s.stopped
+
+
+def test_earliest_stop_wins_and_skipped_tokens_are_counted_not_decoded():
+    s = TextStream(decode, stop=["cd", "b"], skip=[EOS])
+    assert s.add([ord("a"), EOS, ord("b"), ord("c"), ord("d")]) == "a" and s.stopped and s.num_tokens == 3
+    t = TextStream(decode, skip=[EOS])
+    assert t.add([ord("a"), EOS]) == "a" and t.finish() == "" and t.num_tokens == 2
+
+
+def test_a_stop_string_inside_one_token():
+    s = TextStream(lambda ids: "".join({1: "one", 2: " two three", 3: " four"}[i] for i in ids), stop=["o t"])
+    assert s.add([1]) == "one"
+    assert s.add([2, 3]) == " tw" and s.stopped and s.num_tokens == 2
