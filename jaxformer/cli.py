@@ -1,8 +1,10 @@
 """``jaxformer train | eval | info | generate | translate | sweep | export | serve``: a thin argparse layer over
 ``jaxformer.train`` (``serve``: over :mod:`jaxformer.serve`).
 
-``eval`` and ``generate`` take a run directory or ``--hf DIR`` (a Hugging Face checkpoint directory);
-``translate --hf DIR`` runs a translation checkpoint (Marian); ``export RUN --hf OUT`` writes a run as one.
+``eval`` and ``generate`` take a run directory or ``--hf DIR`` (a Hugging Face checkpoint directory; with
+``--adapter PEFT_DIR`` a peft LoRA adapter merged in); ``translate --hf DIR`` runs a translation checkpoint
+(Marian); ``export RUN --hf OUT`` writes a run as one (a LoRA run merged), ``export RUN --peft OUT`` a LoRA
+run's adapter as peft writes it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     e.add_argument("run_dir", nargs="?")
     e.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory instead of a run (with --text)")
     e.add_argument("--text", metavar="FILE", help="with --hf: the UTF-8 text file to score")
+    e.add_argument("--adapter", metavar="PEFT_DIR", help="with --hf: a peft LoRA adapter to apply (merged)")
     e.add_argument("--batch-size", type=int, default=8, help="with --hf: windows per batch")
     e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="with --hf: parameter and compute dtype")
@@ -78,10 +81,13 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                    "model's context - 1")
     r.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
 
-    x = sub.add_parser("export", help="write a run's newest checkpoint as a Hugging Face checkpoint")
+    x = sub.add_parser("export", help="write a run's newest checkpoint as a Hugging Face checkpoint (a LoRA run: "
+                       "merged), or a LoRA run's adapter as a peft adapter (--peft OUT)")
     x.add_argument("run_dir")
-    x.add_argument("--hf", metavar="OUT", required=True, help="the directory to write (config.json, "
+    x.add_argument("--hf", metavar="OUT", help="the directory to write (config.json, "
                    "model.safetensors, tokenizer files)")
+    x.add_argument("--peft", metavar="OUT", help="a LoRA run: the directory to write its adapter to "
+                   "(adapter_config.json, adapter_model.safetensors), as peft's save_pretrained does")
     x.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="the saved tensors' dtype (default: the run's model.param_dtype)")
 
@@ -94,7 +100,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 def add_serve_args(v: argparse.ArgumentParser) -> None:
     v.add_argument("run_dir", nargs="?")
     v.add_argument("--hf", metavar="DIR", help="a Hugging Face checkpoint directory (or .gguf file) instead of a run")
-    v.add_argument("--adapter", metavar="PEFT_DIR", help="a peft LoRA adapter to apply to the model")
+    v.add_argument("--adapter", metavar="PEFT_DIR", help="a peft LoRA adapter (adapter_config.json + "
+                   "adapter_model.safetensors), merged into the model's weights")
     v.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="with --hf: parameter and compute dtype")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
@@ -106,7 +113,8 @@ def add_serve_args(v: argparse.ArgumentParser) -> None:
     v.add_argument("--page-size", type=int, default=16)
     v.add_argument("--max-context", type=int, help="longest sequence (prompt + completion); default: the "
                    "model's context, at most 2048")
-    v.add_argument("--chunk-size", type=int, default=64, help="prefill tokens per sequence per step")
+    v.add_argument("--chunk-size", type=int, default=16, help="prefill tokens per sequence per step (a step with a "
+                   "prefill chunk runs every row at its width: small keeps decoding streams smooth)")
     v.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests get to finish "
                    "after SIGTERM before they are cancelled")
     v.add_argument("--precompile", action="store_true", help="compile every engine step shape before serving "
@@ -120,6 +128,7 @@ def add_generate_args(g: argparse.ArgumentParser) -> None:
                    "(decoder-only models; prompts get the specials its tokenizer adds; stops at its EOS)")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="with --hf: parameter and compute dtype")
+    g.add_argument("--adapter", metavar="PEFT_DIR", help="with --hf: a peft LoRA adapter to apply (merged)")
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     g.add_argument("--prompts-file", help='one request per line: text, or JSON {"prompt": ..., "temperature": ...}; '
                                           "writes one JSON line per request")
@@ -185,6 +194,7 @@ def cmd_eval(args) -> int:
 
     limit = None if args.all else args.max_tokens
     _run_or_hf(args, "eval")
+    _adapter_with_hf(args, "eval")
     if args.hf is not None:
         if args.text is None:
             raise ValueError("eval --hf DIR needs --text FILE (the text to score)")
@@ -193,7 +203,7 @@ def cmd_eval(args) -> int:
         return _print_eval(evaluate_hf_text(args.hf, args.text, seq_len=args.seq_len,
                                             max_tokens=None if limit == -1 else limit, stride=args.stride,
                                             batch_size=args.batch_size, dtype=args.dtype,
-                                            compressors=args.compressors), args.json)
+                                            compressors=args.compressors, adapter=args.adapter), args.json)
     if args.text is not None:
         raise ValueError("eval: --text FILE goes with --hf DIR (a run is evaluated on its validation split)")
     if args.seq_len is None:
@@ -218,7 +228,8 @@ def format_eval(ev: dict) -> str:
     if "model" in ev:  # --hf DIR --text FILE
         head = [f"loss {ev['loss']:.4f} nats/token over {ev['tokens']:,} tokens",
                 f"{ev['bpb']:.4f} bits/byte over {ev['bytes']:,} bytes"]
-        where = (f"  {ev['model']} on {ev['text']} ({ev['text_bytes']:,} bytes), windows of {ev['seq_len']} "
+        model = ev["model"] + (f" + adapter {ev['adapter']}" if ev.get("adapter") else "")
+        where = (f"  {model} on {ev['text']} ({ev['text_bytes']:,} bytes), windows of {ev['seq_len']} "
                  f"tokens, stride {ev['stride']}")
     else:
         head = [f"step {ev['step']:,}", f"val loss {ev['val_loss']:.4f} over {ev['val_tokens']:,} tokens"]
@@ -241,6 +252,13 @@ def _run_or_hf(args, command: str) -> None:
     if (args.run_dir is None) == (args.hf is None):
         raise ValueError(f"{command}: give a run directory or --hf DIR (a Hugging Face checkpoint), not "
                          + ("both" if args.hf is not None else "neither"))
+
+
+def _adapter_with_hf(args, command: str) -> None:
+    """``--adapter`` goes with ``--hf`` (a run's own adapter is in its checkpoints)."""
+    if getattr(args, "adapter", None) is not None and args.hf is None:
+        raise ValueError(f"{command}: --adapter PEFT_DIR goes with --hf DIR (the base it adapts); a LoRA run "
+                         f"directory applies its own adapter")
 
 
 # model_type -> kind, for families jaxformer may not read: a clear refusal either way
@@ -318,7 +336,21 @@ def cmd_export(args) -> int:
     from jaxformer.train.pretrained import export_run
     from jaxformer.train.run_dir import config_path
 
+    if (args.hf is None) == (args.peft is None):
+        raise ValueError("export: give --hf OUT (a Hugging Face checkpoint) or --peft OUT (a LoRA run's adapter), "
+                         + ("not both" if args.hf is not None else "one of them"))
     config_path(args.run_dir)  # "no such run directory" before anything is read
+    if args.peft is not None:
+        from jaxformer.train.pretrained import export_peft
+
+        if args.dtype is not None:
+            raise ValueError("export --peft: the adapter is written in float32, as peft saves it; drop --dtype")
+        out = export_peft(args.run_dir, args.peft)
+        print(f"exported the adapter of step {out['step']} of {args.run_dir} as a peft adapter: {out['path']} "
+              f"(adapter_config.json, adapter_model.safetensors: {out['tensors']} tensors; base {out['base']})")
+        print(f"  next  jaxformer generate --hf {out['base']} --adapter {out['path']} --prompt '...'  ·  peft: "
+              f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({out['base']!r}), {out['path']!r})")
+        return 0
     out = export_run(args.run_dir, args.hf, dtype=args.dtype)
     files = ", ".join(["config.json", "*.safetensors", *out["tokenizer_files"]])
     print(f"exported step {out['step']} of {args.run_dir} as a {out['model_type']} checkpoint: {out['path']} ({files})")
@@ -376,8 +408,13 @@ def cmd_generate(args) -> int:
     if not args.prompt and not args.prompts_file:
         raise ValueError("generate: give --prompt TEXT (repeatable) or --prompts-file FILE")
     _run_or_hf(args, "generate")
+    _adapter_with_hf(args, "generate")
     if args.hf is not None:
         model, graphdef, params, tok = load_hf_decoder(args.hf, dtype=args.dtype, command="generate")
+        if args.adapter is not None:
+            from jaxformer.interop.peft import load_adapter
+
+            params = load_adapter(args.adapter, model, params)
     else:
         cfg, trainer, params, tok, _ = load_run(args.run_dir)
         if tok is None:
@@ -488,9 +525,6 @@ def cmd_serve(args) -> int:
     from jaxformer.train.run_dir import load_run
 
     _run_or_hf(args, "serve")
-    if args.adapter is not None:
-        raise ValueError("serve --adapter: loading peft LoRA adapters is not in jaxformer yet; merge the adapter "
-                         "into the checkpoint and serve that with --hf DIR")
     if args.hf is not None:
         model, graphdef, params, tok = load_hf_decoder(args.hf, dtype=args.dtype, command="serve")
         name = Path(args.hf).stem if Path(args.hf).is_file() else Path(args.hf).resolve().name
@@ -499,6 +533,11 @@ def cmd_serve(args) -> int:
         if tok is None:
             raise ValueError(f"{args.run_dir}: source='bin' has no text tokenizer to encode prompts")
         model, graphdef, name = cfg.model, trainer.graphdef, Path(args.run_dir).resolve().name
+    if args.adapter is not None:  # merged into the kernels: the base model's graphdef computes the adapted model
+        from jaxformer.interop.peft import load_adapter
+
+        params = load_adapter(args.adapter, model, params)
+        name = f"{name}+{Path(args.adapter).resolve().name}"
     try:
         return serve(graphdef, params, model, tok, name=args.served_model_name or name, host=args.host,
                      port=args.port, max_batch=args.max_batch, max_queue=args.max_queue, num_pages=args.num_pages,

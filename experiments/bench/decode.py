@@ -196,11 +196,12 @@ def cpu_line() -> str:
     """The CPU model, its vector ISA flags, the cores and the load average, for every table."""
     model, flags = "unknown CPU", set()
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and model == "unknown CPU":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model == "unknown CPU":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
     isa = " ".join(f for f in ISA_FLAGS if f in flags) or "none of " + " ".join(ISA_FLAGS)
@@ -343,7 +344,7 @@ def microbench(cfg, state, rec, torch_model):
                               inputs.top_p, repeats=7)
 
     tws = [[torch.from_numpy(np.asarray(w).T.copy()) for w in layer] for layer in ws]
-    temb, tx = torch.from_numpy(np.asarray(emb)), torch.ones(B, D)
+    temb, tx = torch.from_numpy(np.array(emb)), torch.ones(B, D)
     F_ = torch.nn.functional
 
     def torch_matmuls():

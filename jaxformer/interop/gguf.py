@@ -36,7 +36,7 @@ RoPE layout of Meta's original checkpoints: per head, rows ``[x_0..x_{H/2-1} | y
 ``LlamaTensorProcessor``); llama.cpp's ``Qwen2Model`` converter does not permute (NeoX RoPE), and
 transformers reads ``qwen2`` and ``mistral`` files unchanged.
 
-**Tokenizer** (:func:`load_gguf_tokenizer`, through ``tokenizers``): ``tokenizer.ggml.model`` ``gpt2``
+**Tokenizer** (:func:`gguf_tokenizer_fields`, through ``tokenizers``): ``tokenizer.ggml.model`` ``gpt2``
 (byte-level BPE with the file's merges; the split regex chosen by ``tokenizer.ggml.pre`` from
 :data:`PRE_TOKENIZER_SPLITS`) or ``llama`` (SentencePiece-style BPE with byte fallback, merges from the
 file or rebuilt from the token scores as transformers rebuilds them); control tokens are special,
@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxformer.interop.byte_level import byte_unicode_table
 from jaxformer.interop.rules import HFConfigError, HFWeightsError
 
 SUFFIX = ".gguf"
@@ -437,19 +438,6 @@ def open_tensors(path: str | os.PathLike) -> GGUFTensors:
 
 # -- tokenizer
 
-def _byte_spelling() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (byte-level BPE spells every token in these characters)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def generate_merges(vocab: Mapping[str, int], scores: Mapping[str, float]) -> list[tuple[str, str]]:
     """BPE merges implied by a SentencePiece vocabulary with scores (a file without ``tokenizer.ggml.merges``):
     every split of a piece into two pieces of the vocabulary, best score first, as transformers rebuilds them."""
@@ -462,11 +450,11 @@ def generate_merges(vocab: Mapping[str, int], scores: Mapping[str, float]) -> li
     return [(a, b) for a, b, _ in merges]
 
 
-def load_gguf_tokenizer(path: str | os.PathLike):
-    """The tokenizer a GGUF file describes, as a :class:`jaxformer.interop.tokenizer.HFTokenizer`."""
+def gguf_tokenizer_fields(path: str | os.PathLike) -> dict[str, Any]:
+    """The tokenizer a GGUF file describes, as the keyword arguments of
+    :class:`jaxformer.interop.tokenizer.HFTokenizer` (``load_tokenizer`` builds it; this module never imports
+    that one, which dispatches a ``.gguf`` path here)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    from jaxformer.interop.tokenizer import HFTokenizer
 
     g = open_gguf(path)
     kind = g.need("tokenizer.ggml.model", str)
@@ -477,7 +465,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     merges = g.get("tokenizer.ggml.merges", types=list)
     merges = None if merges is None else [tuple(m.split(" ", 1)) for m in merges]
     if kind == "gpt2":
-        spelling = _byte_spelling()
+        spelling = byte_unicode_table()
         alphabet = set(spelling.values())
         vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
                  for i, t in enumerate(tokens)}
@@ -521,7 +509,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
             raise g.error(f"tokenizer.ggml.{k}_token_id", f"{i} is not a token id (vocabulary of {len(tokens)})")
     specials = {ours: None if ids[theirs] is None else tokens[ids[theirs]]
                 for ours, theirs in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}
-    spelled = set(_byte_spelling().values()) if kind == "gpt2" else None
+    spelled = set(byte_unicode_table().values()) if kind == "gpt2" else None
     # a control token spelled outside the byte alphabet is a llama.cpp mislabel (transformers skips it too)
     control = [t for t, k in zip(tokens, types, strict=True)
                if k == TOKEN_CONTROL and (spelled is None or set(t) <= spelled)]
@@ -544,7 +532,7 @@ def load_gguf_tokenizer(path: str | os.PathLike):
                                                            special_tokens=sorted({p for p in add if p}))
     special_ids = {i for i, k in enumerate(types) if k in (TOKEN_CONTROL, TOKEN_UNKNOWN)}
     special_ids |= {i for i in ids.values() if i is not None}
-    return HFTokenizer(
+    return dict(
         path=g.path, vocab=tok.get_vocab(with_added_tokens=True), specials=specials,
         encode_fn=lambda s: tok.encode(s, add_special_tokens=False).ids,
         decode_fn=lambda i: tok.decode(i, skip_special_tokens=True),

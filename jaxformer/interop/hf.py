@@ -259,6 +259,9 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32", sharding
     config = config_from_hf(hf, where, dtype=dtype)
     if overrides:
         config = ModelConfig(**{**config.model_dump(), **overrides})
+    if config.lora is not None:
+        raise ValueError("load_pretrained reads a base model (lora=None); add an adapter with "
+                         "jaxformer.interop.peft.apply_adapter / load_adapter")
     model_config = config
     if config.scan_layers:  # a checkpoint holds per-layer tensors: read those, stack them at the end
         config = per_layer_config(config)
@@ -423,6 +426,9 @@ def save_pretrained(path: str | os.PathLike, config: ModelConfig, state, *, mode
     """
     from safetensors.numpy import save_file
 
+    if config.lora is not None:
+        raise ValueError("save_pretrained writes a model without adapters: merge them first "
+                         "(jaxformer.interop.peft.merge_lora) or write the adapter alone (peft.save_adapter)")
     path = Path(path)
     model_type = model_type or (hf_config or {}).get("model_type") or guess_model_type(config)
     family = families().get(model_type)

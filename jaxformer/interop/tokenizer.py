@@ -212,13 +212,13 @@ def load_tokenizer(path: str | os.PathLike, *, side: str = "source") -> HFTokeni
     ``side``: for a translation checkpoint with separate SentencePiece models
     (Marian's ``source.spm`` / ``target.spm``), which one splits the text.
     """
-    from jaxformer.interop.gguf import is_gguf, load_gguf_tokenizer
+    from jaxformer.interop.gguf import gguf_tokenizer_fields, is_gguf
 
     path = Path(path)
     if side not in ("source", "target"):
         raise ValueError(f"side={side!r} must be 'source' or 'target'")
     if is_gguf(path):
-        return load_gguf_tokenizer(path)
+        return HFTokenizer(**gguf_tokenizer_fields(path))
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: not a directory")
     if (path / "tokenizer.json").is_file():

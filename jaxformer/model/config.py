@@ -12,6 +12,9 @@ band ``(left, right)`` (combined with ``causal`` in a decoder), widened by
 whose only pattern is the band is a sliding window (Mistral, Qwen2) of
 ``causal_window`` positions, which KV caches apply; global tokens and random
 blocks refuse a cache.
+
+``lora`` (:class:`LoRAConfig`) adds low-rank adapters to the self-attention and MLP projections of
+every block (:mod:`jaxformer.nn.lora`); the base model is the same config with ``lora=None``.
 """
 
 from __future__ import annotations
@@ -68,6 +71,47 @@ class RandomBlocksConfig(BaseModel):
     def to_ops(self, n_heads: int) -> RandomBlocks:
         return RandomBlocks(self.num_blocks, self.block_size, self.seed,
                             num_heads=n_heads if self.per_head else None)
+
+
+LORA_TARGETS = ("w_q", "w_k", "w_v", "w_o", "w_gate", "w_up", "w_down", "w_in", "w_out")
+"""The projections LoRA can adapt, by their kernels' names: attention's W_q, W_k, W_v, W_o; a gated
+MLP's W_gate, W_up, W_down; a plain MLP's W_in, W_out."""
+
+
+class LoRAConfig(BaseModel):
+    """Low-rank adapters (Hu et al. 2021) as ``peft`` defines them: rank R, scale ``alpha / R``
+    (``rslora``: ``alpha / sqrt(R)``), dropout on the adapter's input, on ``targets`` (None: every
+    projection of the model's self-attention and MLP, as Levanter and the QLoRA paper recommend)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    targets: tuple[str, ...] | None = Field(None, description=f"kernel names among {LORA_TARGETS}; None: all "
+                                            "the model has")
+    rslora: bool = Field(False, description="scale alpha / sqrt(rank) (Kalajdzievski 2023) instead of alpha / rank")
+
+    @field_validator("targets")
+    @classmethod
+    def _check_targets(cls, v):
+        if v is None:
+            return v
+        bad = [t for t in v if t not in LORA_TARGETS]
+        if bad:
+            raise ValueError(f"targets {bad} are not projections; known: {list(LORA_TARGETS)}")
+        if not v:
+            raise ValueError("targets is empty; leave it unset for every projection")
+        if len(set(v)) != len(v):
+            raise ValueError(f"targets {list(v)} repeat a projection")
+        return tuple(v)
+
+    @property
+    def scale(self) -> float:
+        """:func:`jaxformer.nn.lora.lora_scale`: ``alpha / rank`` (``rslora``: ``alpha / sqrt(rank)``)."""
+        from jaxformer.nn.lora import lora_scale
+
+        return lora_scale(self.alpha, self.rank, self.rslora)
 
 
 class ModelConfig(BaseModel):
@@ -136,6 +180,7 @@ class ModelConfig(BaseModel):
     compute_dtype: Dtype = "float32"
     remat: bool = False
     scan_layers: bool = False
+    lora: LoRAConfig | None = Field(None, description="low-rank adapters on the projections (None: none)")
 
     @field_validator("activation")
     @classmethod
@@ -185,6 +230,11 @@ class ModelConfig(BaseModel):
         if self.sandwich_norm and self.norm_position != "pre":
             raise ValueError(f"sandwich_norm needs norm_position='pre', got norm_position={self.norm_position!r}")
         self._check_sparse()
+        if self.lora is not None and self.lora.targets is not None:
+            have = self.projections
+            missing = [t for t in self.lora.targets if t not in have]
+            if missing:
+                raise ValueError(f"lora.targets {missing}: this model's projections are {list(have)}")
         return self
 
     def _check_sparse(self) -> None:
@@ -231,6 +281,31 @@ class ModelConfig(BaseModel):
     def resolved_qkv_bias(self) -> bool:
         """Whether the q/k/v projections have biases: ``qkv_bias`` or ``use_bias``."""
         return self.use_bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The kernels of a block's self-attention and MLP (what LoRA may target), in :data:`LORA_TARGETS`
+        order."""
+        out = ["w_q", "w_k", "w_v", "w_o"]
+        if self.qkv_sharing != "none":
+            out.remove("w_k")
+        if self.qkv_sharing == "qkv":
+            out.remove("w_v")
+        return tuple(out + (["w_gate", "w_up", "w_down"] if self.gated else ["w_in", "w_out"]))
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The projections adapted: ``lora.targets`` (in :data:`LORA_TARGETS` order), every projection when
+        it is None, none without ``lora``."""
+        if self.lora is None:
+            return ()
+        chosen = self.projections if self.lora.targets is None else self.lora.targets
+        return tuple(t for t in LORA_TARGETS if t in chosen)
+
+    @property
+    def base(self) -> ModelConfig:
+        """This model without its adapters (``lora=None``)."""
+        return self if self.lora is None else self.model_copy(update=dict(lora=None))
 
     @property
     def gated(self) -> bool:

@@ -12,6 +12,7 @@ L layers. Per component:
 * MLP: ``2 D F`` plain, ``3 D F`` gated (+ biases ``F + D`` plain, ``2 F + D`` gated)
 * block: self-attention + MLP (+ cross-attention in an encoder-decoder's decoder),
   one norm per sublayer (two with sandwich norm); final norm per stack if enabled.
+* LoRA (``lora``): ``R (prod(I) + prod(O))`` per adapted kernel ``[*I, *O]`` per layer (:func:`lora_params`).
 
 FLOPs per token for one training step (forward + backward = 3 x forward), after
 Kaplan et al. 2020 / PaLM (Chowdhery et al. 2022, App. B)::
@@ -25,6 +26,10 @@ x T keys x N H, times 3) with the full T x T score matrix, causal or not (the
 usual convention). For an encoder-decoder, "per token" means per target token
 of a (source, target) pair both of length ``seq_len``: encoder and decoder
 costs are summed; ``L_self = L_enc + L_dec``, ``L_cross = L_dec``.
+
+With LoRA the base is frozen: its weight gradients are not computed, so its matmuls cost 4 (forward
++ input gradient) instead of 6 FLOPs per weight, and the adapters 6: ``4 * P_matmul + 6 * P_lora``
+plus the attention term.
 """
 
 from __future__ import annotations
@@ -63,6 +68,23 @@ def _block(cfg: ModelConfig, cross: bool) -> int:
     return sum(_attention(cfg)) + (sum(_attention(cfg, cross=True)) if cross else 0) + sum(_mlp(cfg)) + norms
 
 
+def _projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """``(prod(I), prod(O))`` of each self-attention / MLP kernel ``[*I, *O]``."""
+    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim, cfg.resolved_d_ff
+    return {"w_q": (D, N * H), "w_k": (D, K * H), "w_v": (D, K * H), "w_o": (N * H, D), "w_gate": (D, F),
+            "w_up": (D, F), "w_down": (F, D), "w_in": (D, F), "w_out": (F, D)}
+
+
+def lora_params(config: ModelConfig) -> int:
+    """Parameters of the adapters alone (0 without ``lora``): what a LoRA run trains."""
+    cfg = config
+    if cfg.lora is None:
+        return 0
+    shapes = _projection_shapes(cfg)
+    per_layer = sum(cfg.lora.rank * (shapes[t][0] + shapes[t][1]) for t in cfg.lora_targets)
+    return (cfg.n_encoder_stack_layers + cfg.n_decoder_layers) * per_layer
+
+
 def count_params(config: ModelConfig) -> int:
     """Number of parameters the model has (the module docstring lists every term)."""
     cfg = config
@@ -84,7 +106,7 @@ def count_params(config: ModelConfig) -> int:
     total += n_enc * _block(cfg, cross=False) + n_dec * _block(cfg, cross=cross)
     if cfg.resolved_final_norm:
         total += ((n_enc > 0) + (n_dec > 0)) * _norm(cfg)
-    return total
+    return total + lora_params(cfg)
 
 
 def matmul_params(config: ModelConfig) -> int:
@@ -105,4 +127,7 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> int:
     d_attn = cfg.n_heads * cfg.resolved_head_dim
     n_self = cfg.n_encoder_stack_layers + cfg.n_decoder_layers
     n_cross = cfg.n_decoder_layers if cfg.kind == "encoder_decoder" else 0
-    return 6 * matmul_params(cfg) + 12 * seq_len * d_attn * (n_self + n_cross)
+    attention = 12 * seq_len * d_attn * (n_self + n_cross)
+    if cfg.lora is not None:  # a frozen base: no weight gradients (see the module doc)
+        return 4 * matmul_params(cfg) + 6 * lora_params(cfg) + attention
+    return 6 * matmul_params(cfg) + attention

@@ -16,6 +16,7 @@ from jaxtyping import Array, Float
 from jaxformer.model.config import ModelConfig
 from jaxformer.nn.attention import Attention
 from jaxformer.nn.block import Block, Residual
+from jaxformer.nn.lora import LoRASpec
 from jaxformer.nn.mlp import make_mlp
 from jaxformer.nn.norms import make_norm
 from jaxformer.nn.params import xavier_std
@@ -28,9 +29,18 @@ def make_norm_for(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
                      param_dtype=cfg.param_dtype, rngs=rngs)
 
 
+def lora_spec(cfg: ModelConfig) -> LoRASpec | None:
+    """What a block's self-attention and MLP need of ``cfg.lora`` (None without adapters)."""
+    if cfg.lora is None:
+        return None
+    c = cfg.lora
+    return LoRASpec(frozenset(cfg.lora_targets), c.rank, c.alpha, c.dropout, c.rslora)
+
+
 def make_block(cfg: ModelConfig, *, cross: bool, alpha: float | None, beta: float | None,
                rngs: nnx.Rngs) -> Block:
-    """One block: self-attention (+ cross-attention) + MLP, with DeepNorm's alpha / beta-init if given."""
+    """One block: self-attention (+ cross-attention) + MLP, with DeepNorm's alpha / beta-init if given;
+    adapters (``cfg.lora``) on the self-attention and MLP projections."""
     D, N, K, H, F = (cfg.d_model, cfg.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim,
                      cfg.resolved_d_ff)
     if cfg.norm_position == "deepnorm":
@@ -55,12 +65,13 @@ def make_block(cfg: ModelConfig, *, cross: bool, alpha: float | None, beta: floa
 
     self_attn = Attention(D, N, K, H, position=self_pos, rope_base=cfg.rope_base,
                           rope_scaling=cfg.rope, rope_interleaved=cfg.rope_interleaved,
-                          scale=cfg.attn_scale, share=cfg.qkv_sharing, rngs=rngs, **attn_kw)
+                          scale=cfg.attn_scale, share=cfg.qkv_sharing, lora=lora_spec(cfg), rngs=rngs, **attn_kw)
     attn_res = residual()
     cross_attn = (Attention(D, N, K, H, position="none", scale=cfg.attn_scale, rngs=rngs, **attn_kw)
                   if cross else None)
     cross_res = residual() if cross else None
-    mlp = make_mlp(D, F, cfg.activation, use_bias=cfg.use_bias, rngs=rngs, **mlp_stds, **dtypes)
+    mlp = make_mlp(D, F, cfg.activation, use_bias=cfg.use_bias, lora=lora_spec(cfg), rngs=rngs, **mlp_stds,
+                   **dtypes)
     return Block(self_attn, attn_res, mlp, residual(), cross_attn=cross_attn, cross_residual=cross_res)
 
 

@@ -17,6 +17,8 @@ With ``record_stats = True`` (an attribute, off by default) a call without a
 cache also sows :func:`jaxformer.ops.attention.attention_logit_stats` of its
 logits as ``nnx.Intermediate`` ``"attention_stats"`` (read them with
 ``nnx.pop(model, nnx.Intermediate)``): what the softmax sees, for studies.
+``lora`` (a :class:`jaxformer.nn.lora.LoRASpec`) adds low-rank adapters ``w_q_lora`` ... ``w_o_lora`` to
+the projections it targets (``"w_q"``, ``"w_k"``, ``"w_v"``, ``"w_o"``): ``x W + s (x A) B``.
 Position handling inside attention: ``"rope"`` rotates q and k, ``"alibi"``
 passes the paper's slopes to the attention op, anything else does nothing here
 (sinusoidal and learned positions are added to the embeddings by the model).
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from jaxformer.nn.lora import LoRASpec
 from jaxformer.nn.params import add_bias, as_dtype, normal, param, zeros
 from jaxformer.ops.attention import attention_logit_stats, dot_product_attention
 from jaxformer.ops.masks import MaskSpec
@@ -85,6 +88,7 @@ class Attention(nnx.Module):
         ``b_q [N, H]``, ``b_k, b_v [K, H]`` on the input projections.
       qkv_bias: biases on q/k/v (None: ``use_bias``); ``qkv_bias=True, use_bias=False`` is Qwen2's layout.
       qk_std, v_std, o_std: init standard deviations of W_q and W_k, W_v, W_o.
+      lora: adapters on the targeted projections (see the module doc); None: none.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None,
@@ -93,7 +97,8 @@ class Attention(nnx.Module):
                  rope_interleaved: bool = False, softcap: float | None = None, impl: str = "auto",
                  scale: float | None = None, share: str = "none",
                  use_bias: bool = False, qkv_bias: bool | None = None, qk_std: float = 0.02, v_std: float = 0.02,
-                 o_std: float = 0.02, param_dtype="float32", dtype="float32", rngs: nnx.Rngs):
+                 o_std: float = 0.02, param_dtype="float32", dtype="float32", lora: LoRASpec | None = None,
+                 rngs: nnx.Rngs):
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if n_kv_heads <= 0 or n_heads % n_kv_heads:
             raise ValueError(f"heads {n_heads} not divisible by kv heads {n_kv_heads}")
@@ -137,9 +142,22 @@ class Attention(nnx.Module):
         self.b_k = bias((K, H), ("kv_heads", "head_dim"), qkv_bias and self.w_k is not None)
         self.b_v = bias((K, H), ("kv_heads", "head_dim"), qkv_bias and self.w_v is not None)
         self.b_o = bias((d_model,), ("embed",), use_bias)
+        missing = lora.targets & {n for n in ("w_k", "w_v") if getattr(self, n) is None} if lora else ()
+        if missing:
+            raise ValueError(f"LoRA targets {sorted(missing)}: share={share!r} has no such projection")
+        kv = ((kv_dim,), (K, H), ("embed",), ("kv_heads", "head_dim"))
+        shapes = {"w_q": ((d_model,), (N, H), ("embed",), ("heads", "head_dim")), "w_k": kv, "w_v": kv,
+                  "w_o": ((N, H), (d_model,), ("heads", "head_dim"), ("embed",))}
 
-    def _project(self, x, w, b, spec):
+        def adapter(name):
+            return None if lora is None else lora.make(name, *shapes[name], dtype=dtype, rngs=rngs)
+
+        self.w_q_lora, self.w_k_lora, self.w_v_lora, self.w_o_lora = (adapter(n) for n in shapes)
+
+    def _project(self, x, w, b, spec, lora=None):
         y = jnp.einsum(spec, x.astype(self.dtype), w[...].astype(self.dtype))
+        if lora is not None:
+            y = y + lora(x)
         return add_bias(y, b, self.dtype)
 
     def __call__(self, x: Activations, context: Float[ArrayLike, "B S _"] | None = None, *,
@@ -165,12 +183,13 @@ class Attention(nnx.Module):
             raise ValueError("a KV cache is only supported for self-attention (context must be None)")
         T = x.shape[1]
         ctx = x if context is None else context
-        q = self._project(x, self.w_q, self.b_q, "BTD,DNH->BTNH")
+        q = self._project(x, self.w_q, self.b_q, "BTD,DNH->BTNH", self.w_q_lora)
         shared = None
         if self.share != "none":  # keys (and values) from W_q
-            shared = q if context is None else self._project(ctx, self.w_q, self.b_q, "BSD,DNH->BSNH")
-        k = shared if self.w_k is None else self._project(ctx, self.w_k, self.b_k, "BSD,DKH->BSKH")
-        v = shared if self.w_v is None else self._project(ctx, self.w_v, self.b_v, "BSD,DKH->BSKH")
+            shared = q if context is None else self._project(ctx, self.w_q, self.b_q, "BSD,DNH->BSNH",
+                                                             self.w_q_lora)
+        k = shared if self.w_k is None else self._project(ctx, self.w_k, self.b_k, "BSD,DKH->BSKH", self.w_k_lora)
+        v = shared if self.w_v is None else self._project(ctx, self.w_v, self.b_v, "BSD,DKH->BSKH", self.w_v_lora)
         if self.position == "rope":
             if positions is None:
                 if cache is not None:
@@ -197,5 +216,7 @@ class Attention(nnx.Module):
         # and then transpose all of w_o to match, every call (a weight-sized copy per layer per decode step)
         B_, T_, N_, H_ = o.shape
         y = o.astype(self.dtype).reshape(B_, T_, N_ * H_) @ self.w_o[...].astype(self.dtype).reshape(N_ * H_, -1)
+        if self.w_o_lora is not None:
+            y = y + self.w_o_lora(o)
         y = add_bias(y, self.b_o, self.dtype)
         return y if cache is None else (y, new_cache)

@@ -3,6 +3,9 @@
 With ``record_stats = True`` (an attribute, off by default) a call also sows, as ``nnx.Intermediate``
 ``"fired"``, where the activation's input (the gate's, for GLUs) is positive, bool ``[..., F]``: a
 ReLU unit that is never positive on the data never fires (is dead). Read with ``nnx.capture``.
+
+``lora`` (a :class:`jaxformer.nn.lora.LoRASpec`) adds low-rank adapters (``w_gate_lora``, ...) to the
+projections it targets: ``w_in``, ``w_out`` (plain) or ``w_gate``, ``w_up``, ``w_down`` (gated).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from jaxformer.nn.lora import LoRASpec
 from jaxformer.nn.params import add_bias, as_dtype, normal, param, zeros
 from jaxformer.ops.activations import activation_fn, geglu, is_gated, swiglu
 from jaxformer.typing import ArrayLike
@@ -19,10 +23,27 @@ _GLU = {"swiglu": swiglu, "geglu": geglu}
 _IN, _OUT = "...D,DF->...F", "...F,FD->...D"  # into the FFN width and back
 
 
-def dense(x, w, b, dtype, spec: str):
-    """``einsum(spec, x, w) (+ b)`` in ``dtype``: ``_IN`` (``[..., D] -> [..., F]``) or ``_OUT`` (back)."""
+def dense(x, w, b, dtype, spec: str, lora=None):
+    """``einsum(spec, x, w) (+ lora(x)) (+ b)`` in ``dtype``: ``_IN`` (``[..., D] -> [..., F]``) or ``_OUT``
+    (back)."""
     y = jnp.einsum(spec, x.astype(dtype), w[...].astype(dtype))
+    if lora is not None:
+        y = y + lora(x)
     return add_bias(y, b, dtype)
+
+
+def _adapters(module, lora: LoRASpec | None, d_model: int, d_ff: int, names_in, names_out, dtype, rngs):
+    """The adapters of the projections ``names_in`` (``[D, F]``) then ``names_out`` (``[F, D]``), each None
+    unless ``lora`` targets it."""
+    if lora is None:
+        return (None,) * (len(names_in) + len(names_out))
+    wrong = lora.targets & {"w_in", "w_out", "w_gate", "w_up", "w_down"} - set(names_in) - set(names_out)
+    if wrong:
+        raise ValueError(f"LoRA targets {sorted(wrong)}: a {type(module).__name__} has only "
+                         f"{[*names_in, *names_out]}")
+    into = [lora.make(n, (d_model,), (d_ff,), ("embed",), ("mlp",), dtype=dtype, rngs=rngs) for n in names_in]
+    back = [lora.make(n, (d_ff,), (d_model,), ("mlp",), ("embed",), dtype=dtype, rngs=rngs) for n in names_out]
+    return (*into, *back)
 
 
 class MLP(nnx.Module):
@@ -30,7 +51,7 @@ class MLP(nnx.Module):
 
     def __init__(self, d_model: int, d_ff: int, activation: str, *, use_bias: bool = True,
                  in_std: float = 0.02, out_std: float = 0.02, param_dtype="float32",
-                 dtype="float32", rngs: nnx.Rngs):
+                 dtype="float32", lora: LoRASpec | None = None, rngs: nnx.Rngs):
         if is_gated(activation):
             raise ValueError(f"MLP got gated activation {activation!r}; use GatedMLP")
         self.activation = activation
@@ -40,13 +61,14 @@ class MLP(nnx.Module):
         self.b_in = param(rngs, zeros, (d_ff,), ("mlp",), param_dtype) if use_bias else None
         self.b_out = param(rngs, zeros, (d_model,), ("embed",), param_dtype) if use_bias else None
         self.record_stats = False
+        self.w_in_lora, self.w_out_lora = _adapters(self, lora, d_model, d_ff, ("w_in",), ("w_out",), dtype, rngs)
 
     def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
-        pre = dense(x, self.w_in, self.b_in, self.dtype, _IN)
+        pre = dense(x, self.w_in, self.b_in, self.dtype, _IN, self.w_in_lora)
         if self.record_stats:
             self.sow(nnx.Intermediate, "fired", pre > 0)
         h = activation_fn(self.activation)(pre)
-        return dense(h, self.w_out, self.b_out, self.dtype, _OUT)
+        return dense(h, self.w_out, self.b_out, self.dtype, _OUT, self.w_out_lora)
 
 
 class GatedMLP(nnx.Module):
@@ -54,7 +76,7 @@ class GatedMLP(nnx.Module):
 
     def __init__(self, d_model: int, d_ff: int, activation: str, *, use_bias: bool = False,
                  in_std: float = 0.02, out_std: float = 0.02, param_dtype="float32",
-                 dtype="float32", rngs: nnx.Rngs):
+                 dtype="float32", lora: LoRASpec | None = None, rngs: nnx.Rngs):
         if activation not in _GLU:
             raise ValueError(f"GatedMLP activation {activation!r} is not one of {tuple(_GLU)}")
         self.activation = activation
@@ -66,13 +88,15 @@ class GatedMLP(nnx.Module):
         self.b_up = param(rngs, zeros, (d_ff,), ("mlp",), param_dtype) if use_bias else None
         self.b_down = param(rngs, zeros, (d_model,), ("embed",), param_dtype) if use_bias else None
         self.record_stats = False
+        self.w_gate_lora, self.w_up_lora, self.w_down_lora = _adapters(
+            self, lora, d_model, d_ff, ("w_gate", "w_up"), ("w_down",), dtype, rngs)
 
     def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
-        gate = dense(x, self.w_gate, self.b_gate, self.dtype, _IN)
+        gate = dense(x, self.w_gate, self.b_gate, self.dtype, _IN, self.w_gate_lora)
         if self.record_stats:
             self.sow(nnx.Intermediate, "fired", gate > 0)
-        up = dense(x, self.w_up, self.b_up, self.dtype, _IN)
-        return dense(_GLU[self.activation](gate, up), self.w_down, self.b_down, self.dtype, _OUT)
+        up = dense(x, self.w_up, self.b_up, self.dtype, _IN, self.w_up_lora)
+        return dense(_GLU[self.activation](gate, up), self.w_down, self.b_down, self.dtype, _OUT, self.w_down_lora)
 
 
 def make_mlp(d_model: int, d_ff: int, activation: str, **kwargs):

@@ -79,7 +79,8 @@ def add_bias(y, b, dtype):
     return y + b.reshape((1,) * (y.ndim - b.ndim) + b.shape)
 
 
-def _eager() -> bool:
+def eager_sharding() -> bool:
+    """Whether new parameters are sharded at creation (flax's eager sharding on, a mesh and rules active)."""
     return bool(
         nnx.using_eager_sharding() and meta.global_mesh_defined() and core_spmd.get_logical_axis_rules()
     )
@@ -95,4 +96,4 @@ def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequenc
     if bad:
         raise ValueError(f"unknown logical axes {bad}; use {LOGICAL_AXES} or None")
     value = init(rngs.params(), shape, as_dtype(dtype))
-    return nnx.Param(value, out_sharding=axes, eager_sharding=_eager())
+    return nnx.Param(value, out_sharding=axes, eager_sharding=eager_sharding())

@@ -21,9 +21,11 @@ DEFAULT_MAX_CONTEXT = 2048  # a model's own context (SmolLM2: 8192) makes a defa
 
 
 def build_engine(graphdef, state, config, *, max_batch: int = 8, num_pages: int | None = None, page_size: int = 16,
-                 max_context: int | None = None, chunk_size: int = 64) -> Engine:
+                 max_context: int | None = None, chunk_size: int = 16) -> Engine:
     """The engine a server runs: ``max_context`` defaults to the model's context, at most 2048 tokens;
-    ``num_pages`` to ``max_batch`` sequences of ``max_context``."""
+    ``num_pages`` to ``max_batch`` sequences of ``max_context``; prefill chunks of 16 tokens (a step holding a
+    chunk runs every row at the chunk's width, so a request joining a decoding batch costs it little:
+    experiments/results/serve_cpu.md)."""
     context = min(config.max_seq_len, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
     if num_pages is None:
         num_pages = max_batch * pages_per_sequence(context, page_size, config.causal_window)
@@ -47,7 +49,7 @@ def warm_up(engine: Engine, *, precompile: bool = False) -> str:
 
 def serve(graphdef, state, config, tokenizer, *, name: str, host: str = "127.0.0.1", port: int = 8000,
           max_batch: int = 8, max_queue: int = 64, num_pages: int | None = None, page_size: int = 16,
-          max_context: int | None = None, chunk_size: int = 64, shutdown_timeout: float = 30.0,
+          max_context: int | None = None, chunk_size: int = 16, shutdown_timeout: float = 30.0,
           precompile: bool = False, log_level: str = "info") -> int:
     """Serve the model over HTTP until a signal stops it (see the module docstring); the exit code."""
     import uvicorn

@@ -30,6 +30,11 @@ from its parameters and the data is tokenized with its tokenizer
 (``data.tokenizer: hf``, the default then). A relative path is resolved against
 the YAML file's directory. The resolved config keeps the full model and the
 directory as ``hf_source``, so a run directory is read back without it.
+
+``model: {hf: DIR, lora: {rank: 8, alpha: 16, dropout: 0.0, targets: [...], rslora: false}}`` trains low-rank
+adapters on the frozen checkpoint instead (:mod:`jaxformer.train.lora`); ``model: {hf: DIR, adapter: PEFT_DIR}``
+continues training a peft adapter (its ``adapter_config.json`` gives the LoRA settings, its weights step 0's
+adapter; recorded as ``adapter_source``).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       model_validator)
 from pydantic_core import PydanticCustomError
 
-from jaxformer.model import ModelConfig, presets
+from jaxformer.model import LoRAConfig, ModelConfig, presets
 from jaxformer.model.config import Dtype
 
 
@@ -219,6 +224,9 @@ class HFModelConfig(_Section):
     max_seq_len: int | None = Field(None, gt=0)
     compute_dtype: Dtype | None = None
     param_dtype: Dtype | None = None
+    lora: LoRAConfig | None = Field(None, description="train low-rank adapters on the frozen checkpoint")
+    adapter: str | None = Field(None, description="a peft adapter directory to continue training (its "
+                                "adapter_config.json gives the LoRA settings)")
 
     @model_validator(mode="before")
     @classmethod
@@ -246,8 +254,14 @@ class HFModelConfig(_Section):
             raise ValueError(str(e)) from None
         return path
 
+    @field_validator("adapter", mode="after")
+    @classmethod
+    def _adapter_path(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return None if v is None else _resolve_path(v, info)
+
     def resolve(self) -> ModelConfig:
-        """The checkpoint's ModelConfig (float32 unless set) with the fields set here."""
+        """The checkpoint's ModelConfig (float32 unless set) with the fields set here (``lora``: as given, or
+        as ``adapter``'s ``adapter_config.json`` says)."""
         from jaxformer.interop.hf import config_from_hf, read_config
 
         model = config_from_hf(read_config(self.hf), str(Path(self.hf) / "config.json"),
@@ -257,7 +271,24 @@ class HFModelConfig(_Section):
             raise ValidationError.from_exception_data("HFModelConfig", [{"type": PydanticCustomError(
                 "hf_fixed", "position='learned': the checkpoint's position table has {n} rows; it cannot change",
                 {"n": model.max_seq_len}), "loc": ("max_seq_len",), "input": self.max_seq_len}])
-        return ModelConfig(**{**model.model_dump(), **changes}) if changes else model
+        if self.adapter is not None:
+            if self.lora is not None:
+                raise ValidationError.from_exception_data("HFModelConfig", [{"type": PydanticCustomError(
+                    "hf_fixed", "give lora (a new adapter) or adapter (a peft adapter to continue), not both: the "
+                    "adapter's adapter_config.json sets rank, alpha, dropout and targets", {}), "loc": ("lora",),
+                    "input": self.lora}])
+            from jaxformer.interop.peft import read_adapter_config
+
+            try:
+                changes["lora"] = read_adapter_config(self.adapter, model)
+            except (FileNotFoundError, ValueError) as e:  # ValueError: PeftAdapterError
+                raise ValidationError.from_exception_data("HFModelConfig", [{"type": PydanticCustomError(
+                    "peft", "{message}", {"message": str(e)}), "loc": ("adapter",), "input": self.adapter}]) from None
+        elif self.lora is not None:
+            changes["lora"] = self.lora
+        if not changes:
+            return model
+        return ModelConfig(**{**model.model_dump(), **changes})
 
 
 class ExperimentConfig(_Section):
@@ -269,7 +300,10 @@ class ExperimentConfig(_Section):
     seq_len: int = Field(256, gt=1)
     model: ModelConfig
     hf_source: str | None = Field(None, description="the Hugging Face checkpoint directory the run starts from "
-                                  "(set by model: {hf: DIR}): its parameters at step 0, its tokenizer")
+                                  "(set by model: {hf: DIR}): its parameters at step 0, its tokenizer; with "
+                                  "model.lora the frozen base, read from there on every resume")
+    adapter_source: str | None = Field(None, description="the peft adapter a LoRA run starts from (set by "
+                                       "model: {hf: DIR, adapter: PEFT_DIR}): its weights at step 0")
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     schedule: ScheduleConfig = ScheduleConfig()
@@ -287,12 +321,14 @@ class ExperimentConfig(_Section):
         raw = dict(raw)
         if raw.get("hf_source") is None:
             raw["hf_source"] = raw["model"]["hf"]
+        if raw.get("adapter_source") is None and raw["model"].get("adapter") is not None:
+            raw["adapter_source"] = raw["model"]["adapter"]
         data = raw.get("data")
         if data is None or (isinstance(data, dict) and "tokenizer" not in data and data.get("source") != "bin"):
             raw["data"] = {**(data or {}), "tokenizer": "hf"}
         return raw
 
-    @field_validator("hf_source", mode="after")
+    @field_validator("hf_source", "adapter_source", mode="after")
     @classmethod
     def _absolute(cls, v: str | None, info: ValidationInfo) -> str | None:
         return None if v is None else _resolve_path(v, info)
@@ -332,6 +368,11 @@ class ExperimentConfig(_Section):
         if tok == "hf" and self.hf_source is None:
             raise ValueError("data.tokenizer='hf' is the tokenizer of a Hugging Face checkpoint; "
                              "give model: {hf: DIR}")
+        if m.lora is not None and self.hf_source is None and not planning:
+            raise ValueError("model.lora adapts a pretrained model: give model: {hf: DIR, lora: {...}} (training "
+                             "adapters on a random base is not a LoRA run)")
+        if self.adapter_source is not None and m.lora is None:
+            raise ValueError(f"adapter_source={self.adapter_source!r} needs model.lora (the adapter's settings)")
         return self
 
 
@@ -365,7 +406,7 @@ def known_keys(loc: tuple, schema: type[BaseModel] | None = None) -> list[str]:
         if section is None:
             return []
     names = list(section.model_fields)
-    return names + ["preset", "hf"] if section is ModelConfig else names
+    return names + ["preset", "hf", "adapter"] if section is ModelConfig else names
 
 
 def _unknown_key(loc: tuple, schema: type[BaseModel] | None) -> str:

@@ -195,8 +195,9 @@ def evaluate_run_at_length(run_dir: str | Path, seq_len: int, *, max_tokens: int
 
 def evaluate_hf_text(path: str | Path, text_file: str | Path, *, seq_len: int | None = None,
                      max_tokens: int | None = None, stride: int | None = None, batch_size: int = 8,
-                     dtype: str = "float32", compressors: bool = False) -> dict:
-    """Loss and bits per byte of a Hugging Face checkpoint (``jaxformer eval --hf DIR --text FILE``).
+                     dtype: str = "float32", compressors: bool = False, adapter: str | Path | None = None) -> dict:
+    """Loss and bits per byte of a Hugging Face checkpoint (``jaxformer eval --hf DIR --text FILE``), with the
+    peft adapter ``adapter`` merged in if given (``--adapter PEFT_DIR``).
 
     The file is one document tokenized with the checkpoint's tokenizer (its BOS first, if it has
     one), cut into windows of ``seq_len`` tokens (default: the model's context, at most 1024) as the
@@ -214,6 +215,10 @@ def evaluate_hf_text(path: str | Path, text_file: str | Path, *, seq_len: int | 
     if config.kind != "decoder":
         raise ValueError(f"eval --hf: {path} is an {config.kind} model; loss per token needs a decoder-only "
                          "(causal LM) checkpoint")
+    if adapter is not None:
+        from jaxformer.interop.peft import load_adapter
+
+        state = load_adapter(adapter, config, state)
     seq_len = min(config.max_seq_len, 1024) if seq_len is None else seq_len
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} must be >= 2")
@@ -239,6 +244,8 @@ def evaluate_hf_text(path: str | Path, text_file: str | Path, *, seq_len: int | 
     out = {"model": str(path), "text": str(text_file), "seq_len": seq_len, "stride": stride or seq_len,
            "loss": nats / max(count, 1), "tokens": count, "bpb": nats / LN2 / max(nbytes, 1), "bytes": nbytes,
            "text_bytes": len(data)}
+    if adapter is not None:
+        out["adapter"] = str(adapter)
     if compressors:
         out.update(compressor_bpb(data))
     return out

@@ -17,6 +17,12 @@ Memory per device (bytes), from the shapes alone (nothing is allocated):
   input ``D`` plus one block's worth; plus fp32 logits and their gradient
   ``2 V / tensor``.
 
+A LoRA run (``model.lora``) keeps the frozen base in ``model.param_dtype`` and the adapter in float32;
+gradients and optimiser moments exist for the adapter alone, so only the activations stay near a full
+fine-tune's (backpropagating to the adapters of the first layer goes through every layer above it;
+the frozen matmuls keep their inputs for the input gradients they pass down). The plan prints the
+trainable fraction.
+
 With ``--compile`` (:func:`compiled_memory`) XLA's own accounting of the compiled train step is
 shown beside the estimate, on the devices present. Its arguments (the state and one batch) equal
 the estimate's parameters + optimiser moments + batch to the few scalar leaves (step, rng key,
@@ -80,10 +86,15 @@ def describe(model: ModelConfig, *, mesh_shape: dict, batch_size: int, seq_len: 
              grad_accum: int = 1, optimizer: str = "adamw") -> dict:
     """Sizes and the memory estimate (bytes per device) as a dict."""
     _, abstract = abstract_init(model)
-    params = nnx.to_pure_dict(abstract)
-    axes = shd.logical_axes(abstract)
-    n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(params))
-    p_bytes = _sharded_bytes(params, axes, mesh_shape)
+    trained_state, base_state, _ = nnx.split_state(abstract, nnx.LoRAParam if model.lora else nnx.Param,
+                                                   nnx.Param, ...)  # the rest: LoRA's dropout keys
+    params, base = nnx.to_pure_dict(trained_state), nnx.to_pure_dict(base_state)
+    axes, base_axes = shd.logical_axes(trained_state), shd.logical_axes(base_state)
+    n_trained = sum(math.prod(a.shape) for a in jax.tree.leaves(params))
+    n_params = n_trained + sum(math.prod(a.shape) for a in jax.tree.leaves(base))
+    g_bytes = _sharded_bytes(params, axes, mesh_shape)  # the trained parameters, and so their gradients
+    base_bytes = _sharded_bytes(base, base_axes, mesh_shape) if base else 0
+    p_bytes = g_bytes + base_bytes
     opt_bytes = _sharded_bytes(params, axes, mesh_shape, itemsize=4, copies=_moments(params, optimizer))
     shd.check_batch(batch_size, grad_accum, mesh_shape)
     b_local = batch_size // grad_accum // (mesh_shape["data"] * mesh_shape["fsdp"])
@@ -100,13 +111,16 @@ def describe(model: ModelConfig, *, mesh_shape: dict, batch_size: int, seq_len: 
     return {
         "params": n_params,
         "params_formula": count_params(model),
+        "trainable": n_trained,
+        "lora": None if model.lora is None else {**model.lora.model_dump(), "targets": list(model.lora_targets)},
         "flops_per_token": flops_per_token(model, seq_len),
         "mesh": dict(mesh_shape),
         "bytes_params": p_bytes,
-        "bytes_grads": p_bytes,
+        "bytes_base": base_bytes,
+        "bytes_grads": g_bytes,
         "bytes_optimizer": opt_bytes,
         "bytes_activations": int(act),
-        "bytes_total": int(2 * p_bytes + opt_bytes + act),
+        "bytes_total": int(p_bytes + g_bytes + opt_bytes + act),
         "batch_size": batch_size,
         "grad_accum": grad_accum,
         "batch_per_device": b_local,
@@ -208,23 +222,35 @@ def _gib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
 
 
+def _lora_text(lora: dict | None) -> str:
+    if lora is None:
+        return ": a full fine-tune"
+    scale = "alpha/sqrt(rank)" if lora["rslora"] else "alpha/rank"
+    return (f": LoRA rank {lora['rank']}, alpha {lora['alpha']:g} ({scale}) on {', '.join(lora['targets'])}; "
+            "the base frozen")
+
+
 def format_info(name: str, d: dict) -> str:
     m = d["mesh"]
     lines = [
         f"{name}",
         f"  parameters        {d['params']:,}  (formula {d['params_formula']:,})",
+        f"  trainable         {d['trainable']:,}  ({100 * d['trainable'] / max(d['params'], 1):.3g}% of the "
+        f"parameters{_lora_text(d['lora'])})",
         f"  FLOPs/token       {d['flops_per_token']:,}  (train, seq_len {d['seq_len']})",
         f"  mesh              data={m['data']} fsdp={m['fsdp']} tensor={m['tensor']}  "
         f"batch/device {d['batch_per_device']}",
         "  memory per device (estimate):",
-        f"    parameters      {_gib(d['bytes_params'])}",
-        f"    gradients       {_gib(d['bytes_grads'])}",
+        f"    parameters      {_gib(d['bytes_params'])}" + (
+            f"  (frozen base {_gib(d['bytes_base'])} + adapter {_gib(d['bytes_params'] - d['bytes_base'])})"
+            if d["lora"] else ""),
+        f"    gradients       {_gib(d['bytes_grads'])}" + ("  (the adapter's)" if d["lora"] else ""),
         f"    {d['optimizer'] + ' state':<16}{_gib(d['bytes_optimizer'])}",
         f"    activations     {_gib(d['bytes_activations'])}",
         f"    total           {_gib(d['bytes_total'])}",
     ]
     accum = f", grad_accum {d['grad_accum']}" if d["grad_accum"] > 1 else ""
-    lines[3] += f"  (batch_size {d['batch_size']}{accum})"
+    lines[4] += f"  (batch_size {d['batch_size']}{accum})"
     x = d.get("xla")
     if x is not None:
         sketch = d["bytes_grads"] + d["bytes_activations"]

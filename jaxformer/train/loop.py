@@ -231,6 +231,9 @@ def train(cfg: C.ExperimentConfig, run_dir: str | Path, *, on_step: Callable[[in
                 write_run_files(cfg, run_dir, corpus.tokenizer)
             if restored is not None:
                 state = restored[0]
+                if cfg.model.lora is not None:  # the frozen base, checked against the run's record of it
+                    from jaxformer.train.lora import attach_base
+                    attach_base(cfg, trainer, run_dir)
             elif cfg.hf_source is not None:  # step 0 of a fine-tune: the checkpoint's parameters
                 from jaxformer.train.pretrained import initial_state
                 state = initial_state(cfg, trainer)
@@ -298,7 +301,7 @@ def _run(cfg: C.ExperimentConfig, run_dir: Path, trainer: Trainer, corpus: Corpu
             reprobe(log)
             if cfg.eval.every and s % cfg.eval.every == 0 and s != cfg.steps and evalset is not None:
                 with log.paused():
-                    ev = evaluate(trainer, state["params"], evalset, batch_size=eval_bs,
+                    ev = evaluate(trainer, trainer.model_params(state), evalset, batch_size=eval_bs,
                                   token_bytes=tok.token_bytes)
                     writer.write({"step": s, **ev, "final": False}, prefix="eval")
                     bar.print(eval_line(s, ev))
@@ -311,7 +314,8 @@ def _run(cfg: C.ExperimentConfig, run_dir: Path, trainer: Trainer, corpus: Corpu
         bar.close()
         last = log.last or last_train_row(run_dir, start)  # no step ran: the row the run ended with
         summary = {"step": max(start, cfg.steps), **{k: v for k, v in last.items() if k != "step"}}
-        final = evaluate_validation(cfg, trainer, state["params"], corpus, max_tokens=cfg.eval.final_max_tokens,
+        final = evaluate_validation(cfg, trainer, trainer.model_params(state), corpus,
+                                    max_tokens=cfg.eval.final_max_tokens,
                                     compressors=cfg.eval.compare_compressors) if cfg.eval.at_end else None
         if final is not None:
             writer.write({"step": summary["step"], **final, "final": True}, prefix="eval")
@@ -320,7 +324,7 @@ def _run(cfg: C.ExperimentConfig, run_dir: Path, trainer: Trainer, corpus: Corpu
         if cfg.eval.sample is not None and (tok.bos_id is not None or hasattr(tok, "encode_prompt")):
             sp = cfg.eval.sample
             n_new = cfg.model.max_seq_len if sp.max_new_tokens is None else sp.max_new_tokens  # None: fill it
-            summary["sample"] = sample_text(trainer, state["params"], tok, prompt=sp.prompt,
+            summary["sample"] = sample_text(trainer, trainer.model_params(state), tok, prompt=sp.prompt,
                                             max_new_tokens=n_new, temperature=sp.temperature,
                                             top_k=sp.top_k, top_p=sp.top_p, seed=cfg.seed)
             bar.print("--- sample ---\n" + summary["sample"] + "\n--------------")
@@ -334,13 +338,17 @@ def _run(cfg: C.ExperimentConfig, run_dir: Path, trainer: Trainer, corpus: Corpu
 def start_line(cfg: C.ExperimentConfig, mesh, run_dir: Path, resumed_at: int | None, *, peak_note: str = "") -> str:
     """One line on what is about to run: model size, devices and mesh, tokens per step, where it goes
     (and, given ``peak_note``, what the MFU column is measured against)."""
-    from jaxformer.model import count_params
+    from jaxformer.model import count_params, lora_params
 
     n = count_params(cfg.model)
+    lora = cfg.model.lora
+    trained = (f", {lora_params(cfg.model):,} trained: LoRA rank {lora.rank} on a frozen base"
+               if lora is not None else "")
     devices = f"{mesh.size} {jax.default_backend()} device{'s' if mesh.size > 1 else ''}"
     layout = " ".join(f"{k}={v}" for k, v in mesh.shape.items())
     what = f"resuming at step {resumed_at}" if resumed_at is not None else "new run"
-    return (f"train: {n / 1e6:.2f} M parameters ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}) · "
+    return (f"train: {n / 1e6:.2f} M parameters ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}"
+            f"{trained}) · "
             f"{devices}, mesh {layout} · {cfg.batch_size * cfg.seq_len:,} tokens/step "
             f"({cfg.batch_size} x {cfg.seq_len}) · {cfg.steps:,} steps · {what} in {run_dir}"
             + (f" · MFU vs {peak_note}" if peak_note else ""))

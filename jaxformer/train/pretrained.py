@@ -7,10 +7,12 @@ of the checkpoint's ``config.json`` and tokenizer files (:func:`jaxformer.train.
 resumed, evaluated, sampled and exported without the original directory; the resolved
 ``config.yaml`` records where it came from (``hf_source``).
 
-:func:`export_run` (``jaxformer export RUN --hf OUT``) writes a run's newest parameters as a
-Hugging Face checkpoint, keeping the original ``config.json``'s other keys (token ids,
-``architectures``...) and its tokenizer; a run trained from scratch is exported too when a
-supported family can express its model (else :class:`~jaxformer.interop.HFConfigError`).
+:func:`export_run` (``jaxformer export RUN --hf OUT``) writes a run's newest parameters (a LoRA run's
+adapter merged into its base: :func:`jaxformer.interop.peft.merge_lora`) as a Hugging Face checkpoint,
+keeping the original ``config.json``'s other keys (token ids, ``architectures``...) and its tokenizer; a run
+trained from scratch is exported too when a supported family can express its model (else
+:class:`~jaxformer.interop.HFConfigError`). :func:`export_peft` (``--peft OUT``) writes a LoRA run's
+adapter as peft does.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import sys
 from pathlib import Path
 
 from jaxformer.train import config as C
-from jaxformer.train.run_dir import TOKENIZER_FILES, copy_files, load_run, run_tokenizer, source_dir
+from jaxformer.train import sharding as shd
+from jaxformer.train.run_dir import TOKENIZER_FILES, config_path, copy_files, load_run, run_tokenizer, source_dir
 
 def initial_state(cfg: C.ExperimentConfig, trainer):
     """The train state at step 0 of a run from ``cfg.hf_source``: the checkpoint's parameters, placed
@@ -32,6 +35,10 @@ def initial_state(cfg: C.ExperimentConfig, trainer):
     from jaxformer.interop.hf import load_pretrained
     from jaxformer.model import abstract_init
 
+    if cfg.model.lora is not None:  # the base frozen beside the state, the adapter trained
+        from jaxformer.train.lora import initial_state as lora_initial_state
+
+        return lora_initial_state(cfg, trainer)
     _, shardings = abstract_init(cfg.model)
     nnx.replace_by_pure_dict(shardings, trainer.state_shardings["params"])
     overrides = {k: getattr(cfg.model, k) for k in C.HF_MODEL_OVERRIDES if k != "param_dtype"}
@@ -82,10 +89,15 @@ def export_run(run_dir: str | Path, out: str | Path, *, dtype: str | None = None
         raise HFConfigError(f"model_type={model_type!r} is not supported (supported: {sorted(families())})")
     family.config_to_hf(cfg.model)  # a model the family cannot express fails here, before any weight is read
     cfg, _, params, tok, meta = load_run(run_dir)
-    _, state = abstract_init(cfg.model)
+    model = cfg.model
+    if model.lora is not None:  # a LoRA run: the adapter merged into its base, a checkpoint that stands alone
+        from jaxformer.interop.peft import merge_lora
+
+        model, params = merge_lora(model, params)
+    _, state = abstract_init(model)
     nnx.replace_by_pure_dict(state, params)
     # a scanned run (model.scan_layers) is written per layer by save_pretrained (unstack_layers)
-    save_pretrained(out, cfg.model, state, model_type=model_type, hf_config=hf_config, dtype=dtype)
+    save_pretrained(out, model, state, model_type=model_type, hf_config=hf_config, dtype=dtype)
     if cfg.hf_source is not None:
         tokenizer_files = copy_files(source if source.is_dir() else cfg.hf_source, out,
                                      ("generation_config.json", *TOKENIZER_FILES))
@@ -98,3 +110,27 @@ def export_run(run_dir: str | Path, out: str | Path, *, dtype: str | None = None
               f"no Hugging Face tokenizer is written", file=sys.stderr)
     return {"step": int(meta["step"]), "model_type": model_type, "path": str(out),
             "tokenizer_files": tokenizer_files}
+
+
+def export_peft(run_dir: str | Path, out: str | Path) -> dict:
+    """Write the newest checkpoint's adapter of the LoRA run ``run_dir`` as a peft adapter in ``out``
+    (:func:`jaxformer.interop.peft.save_adapter`; ``base_model_name_or_path``: the run's base). The base
+    is not read. Returns ``{"step", "path", "base", "tensors"}``."""
+    from jaxformer.interop.peft import save_adapter
+    from jaxformer.train.checkpoint import Checkpointer
+    from jaxformer.train.step import make_trainer
+
+    run_dir = Path(run_dir)
+    cfg = C.load(config_path(run_dir))
+    if cfg.model.lora is None:
+        raise ValueError(f"export --peft: {run_dir} is not a LoRA run (its config has no model.lora); "
+                         f"export a full fine-tune with --hf OUT")
+    trainer = make_trainer(cfg, shd.make_mesh(cfg.mesh))
+    restored = Checkpointer(run_dir / "checkpoints", read_only=True).restore_latest(
+        trainer.abstract_state, trainer.state_shardings)
+    if restored is None:
+        raise FileNotFoundError(f"no readable checkpoint in {run_dir / 'checkpoints'}")
+    state, meta = restored
+    save_adapter(out, cfg.model, state["params"], base_model_name_or_path=cfg.hf_source)
+    n = 2 * len(cfg.model.lora_targets) * cfg.model.n_layers
+    return {"step": int(meta["step"]), "path": str(out), "base": cfg.hf_source, "tensors": n}

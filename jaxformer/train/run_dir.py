@@ -169,6 +169,10 @@ def write_run_files(cfg: C.ExperimentConfig, run_dir: Path, tokenizer) -> None:
     C.dump(cfg, run_dir / "config.yaml")
     if cfg.hf_source is not None:
         copy_source(cfg, run_dir)
+    if cfg.model.lora is not None:  # the base's path and weights' hash: later reads refuse another base
+        from jaxformer.train.lora import record_base
+
+        record_base(cfg, run_dir)
     path = tokenizer_path(cfg, run_dir)
     if cfg.data.tokenizer == "bpe" and not path.exists():
         tokenizer.save(path)
@@ -196,7 +200,11 @@ def load_run(run_dir: str | Path, overrides=()):
     if restored is None:
         raise FileNotFoundError(f"no readable checkpoint in {run_dir / 'checkpoints'}")
     state, meta = restored
-    return cfg, trainer, state["params"], run_tokenizer(cfg, run_dir), meta
+    if cfg.model.lora is not None:  # the frozen base, from where the run recorded it (refused if moved or changed)
+        from jaxformer.train.lora import attach_base
+
+        attach_base(cfg, trainer, run_dir)
+    return cfg, trainer, trainer.model_params(state), run_tokenizer(cfg, run_dir), meta
 
 
 def run_tokenizer(cfg: C.ExperimentConfig, run_dir: Path):

@@ -6,11 +6,17 @@ the model computes in ``compute_dtype``). The step sums gradients over
 ``grad_accum`` micro-batches with a ``lax.scan``, normalises by the number of
 scored tokens in the whole batch, and applies the optimiser once. It is jitted
 with explicit in/out shardings and the state donated.
+
+A LoRA run (``model.lora``; :mod:`jaxformer.train.lora`) trains the adapter alone: its state's
+``params`` are the ``nnx.LoRAParam`` leaves, the frozen base lives beside the state in
+:attr:`Trainer.frozen` (never in a checkpoint), and :meth:`Trainer.model_params` joins the two.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +25,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxformer.model import ModelConfig, abstract_init, apply, init
+from jaxformer.model import ModelConfig, Transformer, abstract_init, apply, init
+from jaxformer.nn.lora import LORA_SUFFIX
 from jaxformer.ops.losses import cross_entropy
 from jaxformer.train import sharding as shd
 from jaxformer.train.config import (CheckpointConfig, DataConfig, EvalConfig, ExperimentConfig, LoggingConfig,
@@ -44,6 +51,8 @@ class Trainer:
     train_step: Any
     eval_step: Any
     from_params_fn: Any = None
+    frozen: Any = None  # LoRA: the frozen base (pure dict), set by jaxformer.train.lora.attach_base
+    frozen_shardings: Any = None  # LoRA: its shardings (None: not a LoRA trainer)
 
     def init_state(self, seed: int = 0):
         """Fresh parameters and optimiser state from ``seed``, sharded on the mesh."""
@@ -53,6 +62,15 @@ class Trainer:
         """The state at step 0 with the given parameters (a pure dict shaped like ``abstract_state["params"]``,
         e.g. a pretrained checkpoint's; donated) and a fresh optimiser state."""
         return self.from_params_fn(params, jax.random.key(seed))
+
+    def model_params(self, state) -> dict:
+        """The whole model's parameters of a train state (what ``eval_step``, ``graphdef`` and decoding take):
+        ``state["params"]``, joined with the frozen base of a LoRA run."""
+        if self.frozen_shardings is None:
+            return state["params"]
+        if self.frozen is None:
+            raise RuntimeError("a LoRA trainer's frozen base is not loaded: jaxformer.train.lora.attach_base first")
+        return join(self.frozen, state["params"])
 
 
 def model_loss(graphdef, params, batch, z_loss: float):
@@ -102,15 +120,55 @@ def make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
 
     Cached per process on what the compiled steps depend on (model, optimiser,
     schedule, batch and sequence sizes, mesh), so e.g. a resumed run with more
-    steps and a fixed ``schedule.decay_steps`` reuses the compiled step.
+    steps and a fixed ``schedule.decay_steps`` reuses the compiled step. A LoRA
+    run (``model.lora``) gets its own copy (its frozen base is per run).
     """
     decay = cfg.schedule.decay_steps or cfg.steps
-    key = cfg.model_copy(update={"steps": decay, "seed": 0, "hf_source": None, "data": DataConfig(),
+    key = cfg.model_copy(update={"steps": decay, "seed": 0, "hf_source": None, "adapter_source": None,
+                                 "data": DataConfig(),
                                  "mesh": MeshConfig(),
                                  "checkpoint": CheckpointConfig(),
                                  "logging": LoggingConfig(layer_grad_norms=cfg.logging.layer_grad_norms),
                                  "eval": EvalConfig()})
+    if cfg.model.lora is not None:
+        return make_lora_trainer(key, mesh)
     return _make_trainer(key, mesh)
+
+
+def accumulate(grad_fn, params, batch, accum: int):
+    """``(grads, ce_sum, n)`` summed over ``accum`` micro-batches of ``batch`` (a ``lax.scan``);
+    ``grad_fn(params, micro_batch, i) -> (grads, (ce_sum, n))`` with ``i`` the micro-batch's index."""
+    if accum == 1:
+        grads, (ce_sum, n) = grad_fn(params, batch, jnp.zeros((), jnp.int32))
+        return grads, ce_sum, n
+    micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+
+    def body(carry, mb_i):
+        g, c, k = carry
+        gi, (ci, ki) = grad_fn(params, *mb_i)
+        return (jax.tree.map(jnp.add, g, gi), c + ci, k + ki), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    zero = jnp.zeros((), jnp.float32)
+    (grads, ce_sum, n), _ = jax.lax.scan(body, (zeros, zero, zero), (micro, jnp.arange(accum, dtype=jnp.int32)))
+    return grads, ce_sum, n
+
+
+def apply_step(cfg: ExperimentConfig, optimizer, schedule, state, grads, ce_sum, n):
+    """``(new_state, metrics)``: the summed ``grads`` normalised by the scored tokens ``n``, the optimiser
+    applied once to ``state["params"]``."""
+    params = state["params"]
+    denom = jnp.maximum(n, 1.0)
+    grads = jax.tree.map(lambda g: g / denom, grads)
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+    new_params = optax.apply_updates(params, updates)
+    metrics = {"loss": ce_sum / denom, "grad_norm": grad_norm, "lr": schedule(state["step"]),
+               "param_norm": optax.tree.norm(new_params), "n_tokens": n}
+    if cfg.logging.layer_grad_norms:
+        metrics["grad_norm_layers"] = block_grad_norms(grads)
+    new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}
+    return new_state, metrics
 
 
 @functools.lru_cache(maxsize=16)
@@ -149,33 +207,9 @@ def _make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
     z_loss = cfg.optimizer.z_loss
 
     def step(state, batch):
-        params = state["params"]
-        grad_fn = jax.grad(lambda p, b: model_loss(graphdef, p, b, z_loss), has_aux=True)
-        if accum == 1:
-            grads, (ce_sum, n) = grad_fn(params, batch)
-        else:
-            micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
-
-            def body(carry, mb):
-                g, c, k = carry
-                gi, (ci, ki) = grad_fn(params, mb)
-                return (jax.tree.map(jnp.add, g, gi), c + ci, k + ki), None
-
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            zero = jnp.zeros((), jnp.float32)
-            (grads, ce_sum, n), _ = jax.lax.scan(body, (zeros, zero, zero), micro)
-        denom = jnp.maximum(n, 1.0)
-        grads = jax.tree.map(lambda g: g / denom, grads)
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
-        metrics = {"loss": ce_sum / denom, "grad_norm": grad_norm, "lr": schedule(state["step"]),
-                   "param_norm": optax.tree.norm(new_params), "n_tokens": n}
-        if cfg.logging.layer_grad_norms:
-            metrics["grad_norm_layers"] = block_grad_norms(grads)
-        new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1,
-                     "rng": state["rng"]}
-        return new_state, metrics
+        grad_fn = jax.grad(lambda p, b, i: model_loss(graphdef, p, b, z_loss), has_aux=True)
+        grads, ce_sum, n = accumulate(grad_fn, state["params"], batch, accum)
+        return apply_step(cfg, optimizer, schedule, state, grads, ce_sum, n)
 
     b_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
     train_step = jax.jit(step, in_shardings=(state_sh, b_sh), out_shardings=(state_sh, repl),
@@ -189,3 +223,144 @@ def _make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
     eval_step = jax.jit(evaluate, in_shardings=(p_sh, b_sh), out_shardings=repl)
     return Trainer(cfg, mesh, graphdef, optimizer, schedule, state_sh, abstract_state, init_fn,
                    train_step, eval_step, from_params_fn)
+
+
+# -- LoRA runs: the adapter trained, the base frozen beside the state (jaxformer.train.lora reads it)
+
+def join(frozen: dict, adapter: dict) -> dict:
+    """The whole model's pure dict from its frozen part and its adapter (disjoint leaves)."""
+    out = dict(frozen)
+    for k, v in adapter.items():
+        out[k] = join(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def is_dropout_key(path) -> bool:
+    return path[-1] == "key" and str(path[-2]).endswith(LORA_SUFFIX)
+
+
+def dropout_key_paths(frozen_abstract: dict) -> list[tuple]:
+    """Flat paths of the dropout keys (``.../w_q_lora/key``) in the frozen part."""
+    return [p for p in nnx.traversals.flatten_mapping(frozen_abstract) if is_dropout_key(p)]
+
+
+def dropout_keys(frozen: dict, paths: list[tuple], rng, step, micro) -> dict:
+    """``frozen`` with every dropout key replaced by ``fold_in(k, layer)``, ``k`` drawn from ``(rng, step,
+    micro)`` and the adapter's place in a block (its path without the layer index): a different mask per
+    adapter, layer, step and micro-batch, and the same masks per layer and with ``scan_layers`` (whose
+    ``[L, 2]`` leaves get layers 0..L-1)."""
+    if not paths:
+        return frozen
+    base = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(rng), step), micro)
+    places = sorted({tuple(k for k in p if not isinstance(k, int)) for p in paths}, key=str)
+    flat = dict(nnx.traversals.flatten_mapping(frozen))
+    for p in paths:
+        k = jax.random.fold_in(base, places.index(tuple(x for x in p if not isinstance(x, int))))
+        layer = [x for x in p if isinstance(x, int)]
+        shape = flat[p].shape
+        if layer:  # per layer: blocks/{i}/.../key [2]
+            flat[p] = jax.random.key_data(jax.random.fold_in(k, layer[0])).reshape(shape)
+        else:  # scanned: blocks/.../key [L, 2]
+            keys = jax.vmap(lambda i, k=k: jax.random.fold_in(k, i))(jnp.arange(math.prod(shape[:-1])))
+            flat[p] = jax.random.key_data(keys).reshape(shape)
+    return nnx.traversals.unflatten_mapping(flat)
+
+
+
+
+class _WithFrozen:
+    """A LoRA trainer's ``train_step(state, batch)``: the jitted ``step(frozen, state, batch)`` given the
+    trainer's frozen base (``lower`` works before it is loaded, for ``jaxformer info --compile``)."""
+
+    def __init__(self, step, trainer: Trainer, frozen_abstract: dict):
+        self.step, self.trainer, self.frozen_abstract = step, trainer, frozen_abstract
+
+    def __call__(self, state, batch):
+        if self.trainer.frozen is None:
+            raise RuntimeError("a LoRA trainer's frozen base is not loaded: jaxformer.train.lora.attach_base first")
+        return self.step(self.trainer.frozen, state, batch)
+
+    def lower(self, state, batch):
+        frozen = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.frozen_abstract,
+                              self.trainer.frozen_shardings)
+        return self.step.lower(frozen, state, batch)
+
+
+def split_abstract(config: ModelConfig):
+    """``(graphdef, adapter, frozen, adapter axes, frozen axes)`` of the LoRA model ``config``: abstract pure
+    dicts of its ``nnx.LoRAParam`` leaves and of the rest, and their logical axes."""
+    graphdef, abstract = abstract_init(config)
+    adapter, frozen = nnx.split_state(abstract, nnx.LoRAParam, ...)
+    return (graphdef, nnx.to_pure_dict(adapter), nnx.to_pure_dict(frozen), shd.logical_axes(adapter),
+            shd.logical_axes(frozen))
+
+
+def make_lora_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
+    """:func:`make_trainer` for ``model.lora``: the compiled functions cached, the
+    trainer (its :attr:`~Trainer.frozen` base) one per call."""
+    cached, frozen_abstract = _make_lora_trainer(cfg, mesh)
+    trainer = dataclasses.replace(cached)
+    trainer.train_step = _WithFrozen(cached.train_step, trainer, frozen_abstract)
+    return trainer
+
+
+@functools.lru_cache(maxsize=8)
+def _make_lora_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[Trainer, dict]:
+    mcfg = cfg.model
+    accum = cfg.optimizer.grad_accum
+    shd.check_batch(cfg.batch_size, accum, mesh.shape)
+    graphdef, adapter_abs, frozen_abs, adapter_axes, frozen_axes = split_abstract(mcfg)
+    optimizer, schedule = make_optimizer(cfg.optimizer, cfg.schedule, cfg.steps, adapter_abs)
+    a_sh = shd.param_shardings(adapter_abs, adapter_axes, mesh)
+    f_sh = shd.param_shardings(frozen_abs, frozen_axes, mesh)
+    repl = shd.replicated(mesh)
+    o_sh = opt_state_shardings(jax.eval_shape(optimizer.init, adapter_abs), adapter_abs, a_sh, repl)
+    state_sh = {"params": a_sh, "opt_state": o_sh, "step": repl, "rng": repl}
+
+    def fresh_adapter(key):  # the base's random init is dead code under jit: only the adapter is computed
+        return nnx.to_pure_dict(nnx.state(Transformer(mcfg, rngs=nnx.Rngs(params=key)), nnx.LoRAParam))
+
+    def build(key):
+        key, init_key = jax.random.split(key)
+        adapter = fresh_adapter(init_key)
+        return {"params": adapter, "opt_state": optimizer.init(adapter), "step": jnp.zeros((), jnp.int32),
+                "rng": jax.random.key_data(key)}
+
+    abstract_state = jax.eval_shape(build, jax.random.key(0))
+    init_fn = jax.jit(build, out_shardings=state_sh)
+
+    def build_from(adapter, key):
+        key, _ = jax.random.split(key)
+        adapter = jax.tree.map(lambda p, a: p.astype(a.dtype), adapter, abstract_state["params"])
+        return {"params": adapter, "opt_state": optimizer.init(adapter), "step": jnp.zeros((), jnp.int32),
+                "rng": jax.random.key_data(key)}
+
+    from_params_fn = jax.jit(build_from, out_shardings=state_sh, donate_argnums=0)
+    paths = dropout_key_paths(frozen_abs)
+    train_graphdef = graphdef
+    if paths:  # dropout acts only in the step's graphdef (an attribute: jaxformer.nn.lora)
+        model = nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)))
+        model.set_attributes(deterministic=False, raise_if_not_found=False)
+        train_graphdef = nnx.graphdef(model)
+    z_loss = cfg.optimizer.z_loss
+
+    def step(frozen, state, batch):
+        def loss(adapter, b, i):
+            f = dropout_keys(frozen, paths, state["rng"], state["step"], i)
+            return model_loss(train_graphdef, join(f, adapter), b, z_loss)
+
+        grads, ce_sum, n = accumulate(jax.grad(loss, has_aux=True), state["params"], batch, accum)
+        return apply_step(cfg, optimizer, schedule, state, grads, ce_sum, n)
+
+    b_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
+    train_step = jax.jit(step, in_shardings=(f_sh, state_sh, b_sh), out_shardings=(state_sh, repl),
+                         donate_argnums=1)
+
+    def evaluate(params, batch):
+        _, (ce_sum, n) = model_loss(graphdef, params, batch, 0.0)
+        return ce_sum, n
+
+    eval_step = jax.jit(evaluate, in_shardings=(join(f_sh, a_sh), b_sh), out_shardings=repl)
+    trainer = Trainer(cfg, mesh, graphdef, optimizer, schedule, state_sh, abstract_state, init_fn, train_step,
+                      eval_step, from_params_fn, frozen=None, frozen_shardings=f_sh)
+    return trainer, frozen_abs

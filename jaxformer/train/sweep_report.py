@@ -249,8 +249,8 @@ def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str], *, out: Pa
     if diffs:
         conf = spec.report.confidence
         base = label(spec.report.baseline, list(spec.report.baseline))
-        lines += ["", f"{metric}: each arm minus its baseline ({base}), paired by seed (same initialisation and data order), mean and {conf:.0%} interval "
-                  f"(Student's t on the per-seed differences); *within noise*: the interval contains 0", ""]
+        lines += ["", f"{metric}: each arm minus its baseline ({base}), paired by seed (same initialisation and "
+                  f"data order), mean and {conf:.0%} interval (Student's t on the per-seed differences); *within noise*: the interval contains 0", ""]
         head = [k.split(".")[-1] for k in keys] + ["vs", "seeds paired", f"difference [{conf:.0%} interval]"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for values, ref, d in diffs:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxformer.interop.byte_level import byte_unicode_table
+
 
 class ByteTokenizer:
     """Bytes 0..255, then BOS=256, EOS=257, PAD=258."""
@@ -37,19 +39,6 @@ class ByteTokenizer:
         return (np.arange(self.vocab_size) < 256).astype(np.int64)
 
 
-def _byte_unicode_table() -> dict[int, str]:
-    """The reversible byte -> printable character map of byte-level BPE (GPT-2's scheme)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 class BPETokenizer:
     """Byte-level BPE trained locally with the optional ``tokenizers`` package."""
 
@@ -60,7 +49,7 @@ class BPETokenizer:
         self._tok = tok
         self.bos_id, self.eos_id, self.pad_id = (tok.token_to_id(s) for s in self.SPECIALS)
         self.vocab_size = tok.get_vocab_size()
-        inv = {c: b for b, c in _byte_unicode_table().items()}
+        inv = {c: b for b, c in byte_unicode_table().items()}
         self._bytes = [b""] * self.vocab_size
         for piece, i in tok.get_vocab().items():
             if piece not in self.SPECIALS:

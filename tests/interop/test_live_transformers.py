@@ -63,7 +63,8 @@ def test_fixtures_regenerate_identically(tmp_path):
     from tests.interop import make_fixtures
 
     assert make_fixtures.main(["--out", str(tmp_path)]) == 0
-    for d in sorted(p for p in FIXTURES.iterdir() if p.is_dir()):
+    # make_fixtures.py's own directories (gguf/ and peft/ have their own generators and live checks)
+    for d in sorted(p for p in FIXTURES.iterdir() if (p / "expected.npz").is_file()):
         _, committed, _ = fixture(d.name)
         with np.load(tmp_path / d.name / "expected.npz") as z:
             fresh = {k: z[k] for k in z.files}
