@@ -261,6 +261,28 @@ def _adapter_with_hf(args, command: str) -> None:
                          f"directory applies its own adapter")
 
 
+def load_decoder(args, command: str):
+    """``(model config, graphdef, params, tokenizer, name)`` of the decoder ``generate`` and ``serve`` run: a
+    run directory's newest checkpoint, or ``--hf DIR`` (with ``--adapter PEFT_DIR`` merged in)."""
+    from jaxformer.train.run_dir import load_run
+
+    _run_or_hf(args, command)
+    _adapter_with_hf(args, command)
+    if args.hf is None:
+        cfg, trainer, params, tok, _ = load_run(args.run_dir)
+        if tok is None:
+            raise ValueError(f"{args.run_dir}: source='bin' has no text tokenizer to encode prompts")
+        return cfg.model, trainer.graphdef, params, tok, Path(args.run_dir).resolve().name
+    model, graphdef, params, tok = load_hf_decoder(args.hf, dtype=args.dtype, command=command)
+    name = Path(args.hf).stem if Path(args.hf).is_file() else Path(args.hf).resolve().name
+    if args.adapter is not None:  # merged into the kernels: the base model's graphdef computes the adapted model
+        from jaxformer.interop.peft import load_adapter
+
+        params = load_adapter(args.adapter, model, params)
+        name = f"{name}+{Path(args.adapter).resolve().name}"
+    return model, graphdef, params, tok, name
+
+
 # model_type -> kind, for families jaxformer may not read: a clear refusal either way
 _NOT_DECODERS = {"bert": "encoder", "roberta": "encoder", "distilbert": "encoder", "electra": "encoder",
                  "marian": "encoder-decoder", "t5": "encoder-decoder", "bart": "encoder-decoder",
@@ -333,7 +355,7 @@ def cmd_translate(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from jaxformer.train.pretrained import export_run
+    from jaxformer.train.export import export_run
     from jaxformer.train.run_dir import config_path
 
     if (args.hf is None) == (args.peft is None):
@@ -341,7 +363,7 @@ def cmd_export(args) -> int:
                          + ("not both" if args.hf is not None else "one of them"))
     config_path(args.run_dir)  # "no such run directory" before anything is read
     if args.peft is not None:
-        from jaxformer.train.pretrained import export_peft
+        from jaxformer.train.export import export_peft
 
         if args.dtype is not None:
             raise ValueError("export --peft: the adapter is written in float32, as peft saves it; drop --dtype")
@@ -403,29 +425,15 @@ def cmd_generate(args) -> int:
     """
     from jaxformer.decode.engine import RELATIVE_POSITIONS, check_window
     from jaxformer.decode.prompts import read_prompts_file, run_prompts, write_jsonl
-    from jaxformer.train.run_dir import load_run
 
     if not args.prompt and not args.prompts_file:
         raise ValueError("generate: give --prompt TEXT (repeatable) or --prompts-file FILE")
-    _run_or_hf(args, "generate")
-    _adapter_with_hf(args, "generate")
-    if args.hf is not None:
-        model, graphdef, params, tok = load_hf_decoder(args.hf, dtype=args.dtype, command="generate")
-        if args.adapter is not None:
-            from jaxformer.interop.peft import load_adapter
-
-            params = load_adapter(args.adapter, model, params)
-    else:
-        cfg, trainer, params, tok, _ = load_run(args.run_dir)
-        if tok is None:
-            raise ValueError(f"{args.run_dir}: source='bin' has no text tokenizer to encode prompts")
-        model, graphdef = cfg.model, trainer.graphdef
+    model, graphdef, params, tok, _ = load_decoder(args, "generate")
     window = check_window(args.window, model)  # ValueError: exit 2, saying why
     prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
-    num_pages = args.num_pages or _pages_needed(prompts, tok, model, args, window)
     records = run_prompts(graphdef, params, model, tok, prompts, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          num_pages=num_pages, page_size=args.page_size, max_batch=args.max_batch,
+                          num_pages=args.num_pages, page_size=args.page_size, max_batch=args.max_batch,
                           window=window)
     jsonl = bool(args.prompts_file)
     if window is not None and any(r["num_prompt_tokens"] + len(r["tokens"]) - 1 > model.max_seq_len
@@ -453,24 +461,6 @@ def cmd_generate(args) -> int:
     if any(r["error"] for r in records):
         return 1 if jsonl else 2  # a prompts file: its other requests were answered, the errors are in their records
     return 0
-
-
-def _pages_needed(prompts, tok, model, args, window) -> int:
-    """KV pages per layer for ``--max-batch`` sequences each as long as the longest request can get (its prompt
-    plus its new tokens, at most the context): the requests' need, not the model's context (131072 tokens for
-    Llama 3.2 would be tens of GB)."""
-    from jaxformer.decode.engine import pages_per_sequence
-
-    encode = getattr(tok, "encode_prompt", None) or (lambda t: [0, *tok.encode(t)])
-    longest, new = 1, args.max_new_tokens
-    for p in prompts:
-        text = p.get("prompt") if isinstance(p, dict) else p
-        if isinstance(p, dict) and isinstance(p.get("max_new_tokens"), int):
-            new = max(new, p["max_new_tokens"])
-        if isinstance(text, str):
-            longest = max(longest, len(encode(text)))
-    need = min(longest + max(new, 0) + 1, model.max_seq_len)
-    return args.max_batch * pages_per_sequence(need, args.page_size, window)
 
 
 def cmd_sweep(args) -> int:
@@ -522,22 +512,8 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise ValueError(f"serve needs the serve extra: pip install 'jaxformer[serve]' ({e})") from None
     from jaxformer.serve.server import serve
-    from jaxformer.train.run_dir import load_run
 
-    _run_or_hf(args, "serve")
-    if args.hf is not None:
-        model, graphdef, params, tok = load_hf_decoder(args.hf, dtype=args.dtype, command="serve")
-        name = Path(args.hf).stem if Path(args.hf).is_file() else Path(args.hf).resolve().name
-    else:
-        cfg, trainer, params, tok, _ = load_run(args.run_dir)
-        if tok is None:
-            raise ValueError(f"{args.run_dir}: source='bin' has no text tokenizer to encode prompts")
-        model, graphdef, name = cfg.model, trainer.graphdef, Path(args.run_dir).resolve().name
-    if args.adapter is not None:  # merged into the kernels: the base model's graphdef computes the adapted model
-        from jaxformer.interop.peft import load_adapter
-
-        params = load_adapter(args.adapter, model, params)
-        name = f"{name}+{Path(args.adapter).resolve().name}"
+    model, graphdef, params, tok, name = load_decoder(args, "serve")
     try:
         return serve(graphdef, params, model, tok, name=args.served_model_name or name, host=args.host,
                      port=args.port, max_batch=args.max_batch, max_queue=args.max_queue, num_pages=args.num_pages,

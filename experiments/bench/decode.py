@@ -381,7 +381,6 @@ def bench_vs_transformers(new: int = 128, repeats: int = 3, short: int = 8):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxformer.decode.engine import pages_per_sequence
     from jaxformer.decode.prompts import run_prompts
     from jaxformer.interop.hf import load_pretrained
 
@@ -397,11 +396,9 @@ def bench_vs_transformers(new: int = 128, repeats: int = 3, short: int = 8):
     long = [list(map(int, rng.integers(3, cfg.vocab_size, 512)))]
     tok = IdTokenizer()
 
-    def ours(prompts, n, max_batch=8):  # as `jaxformer generate --hf` runs them (cli._pages_needed's pool)
-        need = min(max(map(len, prompts)) + n + 1, cfg.max_seq_len)
+    def ours(prompts, n, max_batch=8):  # as `jaxformer generate --hf` runs them (run_prompts sizes the pool)
         recs = run_prompts(graphdef, state, cfg, tok, [" ".join(map(str, p)) for p in prompts], max_new_tokens=n,
-                           temperature=0.0, num_pages=max_batch * pages_per_sequence(need, 16), page_size=16,
-                           max_batch=max_batch)
+                           temperature=0.0, page_size=16, max_batch=max_batch)
         return [r["tokens"] for r in recs]
 
     def theirs(prompts, n, threads=2):

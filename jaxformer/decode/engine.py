@@ -262,8 +262,7 @@ class Engine:
                 raise ValueError(f"prompt of {len(prompt)} tokens is longer than the context "
                                  f"max_context={self.max_context}")
             params.validate(self.config.vocab_size)
-            longest = len(prompt) + params.max_new_tokens - 1
-            need = min(self.manager.pages_for(longest), self._peak_pages(len(prompt)))
+            need = self.pages_needed(len(prompt), params.max_new_tokens)
             if need > self.manager.num_pages:
                 raise ValueError(f"request needs {need} pages of "
                                  f"{self.manager.page_size} tokens; the pool has {self.manager.num_pages}")
@@ -291,11 +290,7 @@ class Engine:
         for queue in (self.waiting, self.running):
             req = next((r for r in queue if r.rid == request_id), None)
             if req is not None:
-                queue.remove(req)
-                if req.rid in self.manager:  # a running request holds pages; a waiting one none
-                    self.manager.finish(req.rid)
-                self.results[req.rid] = Result(req.rid, req.prompt, list(req.generated), "cancelled",
-                                               num_preemptions=req.preemptions, stopped_by="cancelled")
+                self._finish(req, "cancelled", "cancelled", queue)
                 self.stats["cancelled"] += 1
                 return True
         return False
@@ -326,6 +321,12 @@ class Engine:
             _, self.pools = engine_step(self._model, self._leaves, self.pools, inputs, self.options)
         jax.block_until_ready(self.pools)
         return len(shapes)
+
+    def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Most pages a request of this prompt length and ``max_new_tokens`` holds at once: what
+        :meth:`submit` checks against the pool (the last new token is sampled, never cached)."""
+        longest = prompt_len + max_new_tokens - 1
+        return min(self.manager.pages_for(longest), self._peak_pages(prompt_len))
 
     # -- scheduling
     def _peak_pages(self, prompt_len: int) -> int:
@@ -425,9 +426,12 @@ class Engine:
         self.stats["max_table_width"] = max(self.stats["max_table_width"], M)
         return StepInputs(tokens, positions, tables, lengths, num_new, seeds, steps, reals[0], top_k, reals[1])
 
-    def _finish(self, req: _Req, reason: str, stopped_by: str) -> None:
-        self.running.remove(req)
-        self.manager.finish(req.rid)
+    def _finish(self, req: _Req, reason: str, stopped_by: str, queue=None) -> None:
+        """Retire ``req`` from ``queue`` (default: the running list): its pages back to the pool, its
+        ``Result`` recorded."""
+        (self.running if queue is None else queue).remove(req)
+        if req.rid in self.manager:  # a running request holds pages; a waiting one none
+            self.manager.finish(req.rid)
         self.results[req.rid] = Result(req.rid, req.prompt, list(req.generated), reason,
                                        num_preemptions=req.preemptions, stopped_by=stopped_by)
 

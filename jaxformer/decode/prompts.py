@@ -82,7 +82,7 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
     finish_reason ("stop" | "length" | "error"), stopped_by ("stop_token" |
     "max_new_tokens" | "context" | "error"), error, num_prompt_tokens, num_preemptions``.
     """
-    bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
+    eos = getattr(tokenizer, "eos_id", None)
     stop = () if eos is None else (int(eos),)
     records: list[dict[str, Any]] = []
     requests: list[tuple[list[int], SamplingParams] | None] = []
@@ -95,10 +95,7 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
                             num_preemptions=0))
         try:
             text, params = _request(item, defaults, i)
-            if hasattr(tokenizer, "encode_prompt"):  # a checkpoint's tokenizer: the specials it adds itself
-                token_ids = [int(t) for t in tokenizer.encode_prompt(text)]
-            else:
-                token_ids = ([] if bos is None else [int(bos)]) + [int(t) for t in tokenizer.encode(text)]
+            token_ids = encode_prompt(tokenizer, text)
         except (ValueError, TypeError) as e:
             records[-1]["error"] = str(e)
             requests.append(None)
@@ -121,6 +118,15 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
                    completion=tokenizer.decode([t for t in r.tokens if t != (eos if eos is not None else -1)]),
                    num_preemptions=r.num_preemptions)
     return records
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """A prompt's token ids as every generation path encodes it: a checkpoint's tokenizer adds its own
+    specials (``encode_prompt``); any other gets its BOS (if it has one) before ``encode(text)``."""
+    if hasattr(tokenizer, "encode_prompt"):
+        return [int(t) for t in tokenizer.encode_prompt(text)]
+    bos = getattr(tokenizer, "bos_id", None)
+    return ([] if bos is None else [int(bos)]) + [int(t) for t in tokenizer.encode(text)]
 
 
 def requests_context(requests: Sequence[tuple[Sequence[int], SamplingParams]], max_seq_len: int) -> int:

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxformer.decode.engine import bucket
+
 MIN_LENGTH = 16
 
 
@@ -52,8 +54,7 @@ def token_logprobs(graphdef, state, tokens: Sequence[int], *, top: int = 0, max_
         return TokenLogprobs(np.zeros(0, np.float32), empty.astype(np.int32), empty)
     if max_len is not None and n > max_len:
         raise ValueError(f"{n} tokens are longer than the context max_len={max_len}")
-    T = max(MIN_LENGTH, 1 << (n - 1).bit_length())
-    T = n if max_len is not None and T > max_len else T
+    T = bucket(n, MIN_LENGTH, n << 1 if max_len is None else max_len)  # a power of two, at most the context
     padded = np.zeros((1, T), np.int32)
     padded[0, :n] = tokens
     chosen, ids, vals = jax.device_get(_score(graphdef, state, jnp.asarray(padded), top))

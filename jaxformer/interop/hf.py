@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxformer.interop.rules import Family, HFConfigError, HFWeightsError, Rule
+from jaxformer.interop.rules import Family, HFConfigError, HFWeightsError, Rule, read_json_object
 from jaxformer.model.config import ModelConfig
 from jaxformer.model.functional import abstract_init
 from jaxformer.model.layout import per_layer_config, stack_layers, unstack_layers
@@ -74,13 +74,7 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     file = path / CONFIG
     if not file.is_file():
         raise FileNotFoundError(f"{file}: missing; a Hugging Face checkpoint directory needs {CONFIG}")
-    try:
-        hf = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise HFConfigError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise HFConfigError(f"{file}: expected a JSON object, got {type(hf).__name__}")
-    return hf
+    return read_json_object(file)
 
 
 def config_where(path: str | os.PathLike) -> str:
@@ -107,6 +101,29 @@ def config_from_hf(hf: Mapping[str, Any], where: str = CONFIG, *, dtype: str = "
 
 # -- safetensors headers
 
+def safetensors_files(path: str | os.PathLike) -> list[str]:
+    """The safetensors files of the checkpoint directory ``path``, by name: its shards (those
+    ``model.safetensors.index.json`` lists) or ``model.safetensors``; :class:`HFWeightsError` naming what is
+    missing."""
+    path = Path(path)
+    index = path / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise HFWeightsError(f"{index}: not a safetensors index with a weight_map ({e})") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise HFWeightsError(f"{index} lists shards that are missing from {path}: {missing}")
+        return files
+    if (path / SINGLE).is_file():
+        return [SINGLE]
+    found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".h5", ".msgpack"))
+    hint = f" (found {found}: only safetensors is read; convert with transformers' save_pretrained)" if found else ""
+    raise HFWeightsError(f"{path}: no {SINGLE} or {INDEX}{hint}")
+
+
 class _Tensors:
     """Every tensor of a checkpoint: name -> (file, shape, dtype), read from headers only."""
 
@@ -114,23 +131,7 @@ class _Tensors:
         from safetensors import safe_open
 
         self._open = safe_open
-        index = path / INDEX
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise HFWeightsError(f"{index}: not a safetensors index with a weight_map ({e})") from None
-            files = sorted(set(weight_map.values()))
-            missing = [f for f in files if not (path / f).is_file()]
-            if missing:
-                raise HFWeightsError(f"{index} lists shards that are missing from {path}: {missing}")
-        elif (path / SINGLE).is_file():
-            files = [SINGLE]
-        else:
-            found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".h5", ".msgpack"))
-            hint = f" (found {found}: only safetensors is read; convert with transformers' save_pretrained)" \
-                if found else ""
-            raise HFWeightsError(f"{path}: no {SINGLE} or {INDEX}{hint}")
+        files = safetensors_files(path)
         self.where: dict[str, str] = {}
         self.shape: dict[str, tuple[int, ...]] = {}
         self.dtype: dict[str, str] = {}

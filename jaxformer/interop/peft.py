@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxformer.interop.rules import HFConfigError
+from jaxformer.interop.rules import HFConfigError, Reader, read_json_object
 from jaxformer.model.config import LoRAConfig, ModelConfig
 from jaxformer.model.functional import abstract_init
 from jaxformer.model.layout import per_layer_config, stack_layers, unstack_layers
@@ -92,9 +92,8 @@ def _module_name(layer: int, target: str) -> str:
 
 # -- adapter_config.json in
 
-class _Reader:
-    def __init__(self, raw: Mapping[str, Any], where: str):
-        self.raw, self.where = raw, where
+class _Reader(Reader):
+    """:class:`jaxformer.interop.rules.Reader` over ``adapter_config.json``, raising :class:`PeftAdapterError`."""
 
     def error(self, key: str, message: str) -> PeftAdapterError:
         return PeftAdapterError(f"{self.where}: {key}: {message}")
@@ -120,12 +119,7 @@ def read_adapter_config(path: str | os.PathLike, config: ModelConfig) -> LoRACon
     if not file.is_file():
         raise FileNotFoundError(f"{file}: missing; a peft adapter directory needs {ADAPTER_CONFIG}")
     _check_family(config, str(file))
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise PeftAdapterError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise PeftAdapterError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    raw = read_json_object(file, PeftAdapterError)
     r = _Reader(raw, str(file))
 
     def expect(key, ok, default, why):

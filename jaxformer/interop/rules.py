@@ -18,6 +18,7 @@ anything it cannot reproduce exactly) and back, and lists its rules.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +35,18 @@ class HFConfigError(ValueError):
 
 class HFWeightsError(ValueError):
     """Missing, unexpected or mis-shaped tensors; the message names the tensors and files."""
+
+
+def read_json_object(file, error: type[Exception] = HFConfigError) -> dict:
+    """The JSON object in ``file`` (a ``config.json``, an ``adapter_config.json``): ``error`` naming the file
+    when it is not valid JSON or not an object (a missing file is the caller's to name)."""
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise error(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise error(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 @dataclasses.dataclass(frozen=True)

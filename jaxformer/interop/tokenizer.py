@@ -24,18 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxformer.interop.byte_level import byte_unicode_table
+
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte -> printable-character table, inverted (byte-level BPE pieces -> bytes)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[chr(b)] = b
-        else:
-            table[chr(256 + extra)] = b
-            extra += 1
-    return table
+    return {c: b for b, c in byte_unicode_table().items()}
 
 
 def _read_json(file: Path) -> dict:

@@ -127,4 +127,4 @@ def lora_delta(a: ArrayLike, b: ArrayLike, scale: float, kernel_shape: Sequence[
     L, R = a.shape[:lead], a.shape[-1]
     a2 = jnp.reshape(a.astype(jnp.float32), (*L, -1, R))
     b2 = jnp.reshape(b.astype(jnp.float32), (*L, R, -1))
-    return (jnp.einsum("...ir,...ro->...io", a2, b2) * scale).reshape(kernel_shape)
+    return (jnp.matmul(a2, b2) * scale).reshape(kernel_shape)  # [*L, in, R] @ [*L, R, out]

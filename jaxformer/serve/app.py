@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import secrets
 import time
 import uuid
@@ -24,9 +25,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from jaxformer.decode.prompts import encode_prompt
 from jaxformer.decode.sampling import SamplingParams
 from jaxformer.serve import protocol as P
-from jaxformer.serve.text import TextStream
+from jaxformer.serve.text import TextStream, prefix_lengths
 from jaxformer.serve.worker import Choice, EngineWorker, Job, QueueFull, ShuttingDown
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
@@ -89,12 +91,7 @@ class Service:
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """As ``jaxformer generate`` encodes a prompt: the checkpoint's specials (``encode_prompt``), else BOS."""
-        if isinstance(prompt, list):
-            return prompt
-        if hasattr(self.tok, "encode_prompt"):
-            return [int(t) for t in self.tok.encode_prompt(prompt)]
-        bos = getattr(self.tok, "bos_id", None)
-        return ([] if bos is None else [int(bos)]) + [int(t) for t in self.tok.encode(prompt)]
+        return prompt if isinstance(prompt, list) else encode_prompt(self.tok, prompt)
 
     def render_chat(self, messages: list[dict]) -> list[int]:
         """``messages`` through the checkpoint's chat template, encoded as transformers' ``apply_chat_template``
@@ -127,9 +124,7 @@ class Service:
                              f"asks for {n + m} ({n} in the prompt, {m} in the completion): lower max_tokens",
                              param="max_tokens", code="context_length_exceeded")
         if m > 0:
-            need = -(-(n + m - 1) // L)
-            if self.window is not None:
-                need = min(need, max(-(-n // L), -(-self.window // L) + 1))
+            need = self.worker.engine.pages_needed(n, m)
             if need > self.num_pages:
                 raise P.APIError(400, f"the request needs {need} KV-cache pages of {L} tokens ({n} prompt + {m} new "
                                  f"tokens) and the pool has num_pages={self.num_pages} (jaxformer serve --num-pages); "
@@ -165,7 +160,7 @@ class Service:
     def offsets(self, tokens: list[int], base: int, limit: int) -> list[int]:
         """Character offset of each token in the returned text: ``base`` plus the length its predecessors
         decode to (at most ``limit``)."""
-        return [base + min(len(self.tok.decode(tokens[:k])), limit) for k in range(len(tokens))]
+        return [base + min(n, limit) for n in prefix_lengths(self.tok.decode, tokens)]
 
     def update(self, st: _State, tokens, result, scores) -> str:
         """Feed one update to a choice; the text it makes certain."""
@@ -197,7 +192,7 @@ class Service:
             return P.chat_logprobs(s, self.piece, width)
         offsets = self.offsets(st.prompt, 0, len(st.prompt_text)) if with_prompt else []
         base = len(st.prompt_text) if sampling.echo else 0
-        offsets += [base + min(len(self.tok.decode(st.tokens[:k])), len(st.stream.text)) for k in range(a, b)]
+        offsets += self.offsets(st.tokens[:b], base, len(st.stream.text))[a:]
         return P.completion_logprobs(s, self.piece, offsets, width)
 
 
@@ -246,7 +241,7 @@ def create_app(service: Service) -> FastAPI:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         if not service.worker.accepting:
             return JSONResponse({"status": "shutting down"}, status_code=503)
-        return {"status": "ok"}
+        return {"status": "ok", "pid": os.getpid()}  # the pid: which process answers on this port
 
     @app.get("/v1/models")
     async def models():

@@ -1,7 +1,8 @@
 """Tokens in, text out, a step at a time: the deltas a stream sends and where a stop string ends it.
 
 :class:`TextStream` turns a request's generated tokens into text as they arrive. Every delta is a piece of
-one text, ``decode(tokens so far)``, so the deltas of a stream concatenate to exactly what the whole
+one text, ``decode(tokens so far)`` (computed incrementally: each token decodes the few tokens since the
+last complete character), so the deltas of a stream concatenate to exactly what the whole
 answer decodes to; two things are held back until the next tokens decide them:
 
 - an incomplete UTF-8 character: a byte-level tokenizer (GPT-2's BPE, raw bytes) may spend several tokens
@@ -22,6 +23,42 @@ from collections.abc import Iterable, Sequence
 REPLACEMENT = "\ufffd"
 
 
+class IncrementalDecode:
+    """``decode(ids so far)`` after each appended token, decoding only the tokens since the last complete
+    character (and those of the step before): ``ids[:read]`` decode to ``fixed`` (no incomplete character at
+    its end), and a new token's text is ``decode(ids[prefix:])`` past ``decode(ids[prefix:read])``, where
+    ``ids[prefix:read]`` decode to some text (or ``prefix`` is 0). A tokenizer whose two decodes do not nest
+    falls back to decoding everything."""
+
+    def __init__(self, decode):
+        self._decode = decode
+        self.ids: list[int] = []
+        self._prefix, self._read, self._fixed = 0, 0, ""
+
+    def push(self, token: int) -> str:
+        """Append ``token``; the whole text so far."""
+        self.ids.append(int(token))
+        head = self._decode(self.ids[self._prefix:self._read])
+        tail = self._decode(self.ids[self._prefix:])
+        full = self._fixed + tail[len(head):] if tail.startswith(head) else self._decode(self.ids)
+        if not full.endswith(REPLACEMENT):
+            # the next prefix must decode to some text (or be the start): a decoder that strips the text's
+            # first space (SentencePiece) strips the same character from head and tail only then
+            if self._read and self._decode(self.ids[self._read:]):
+                self._prefix = self._read
+            self._read, self._fixed = len(self.ids), full
+        return full
+
+
+def prefix_lengths(decode, tokens: Sequence[int]) -> list[int]:
+    """``[len(decode(tokens[:k])) for k in range(len(tokens))]`` in one incremental pass."""
+    d, out, full = IncrementalDecode(decode), [], ""
+    for t in tokens:
+        out.append(len(full))
+        full = d.push(t)
+    return out
+
+
 class TextStream:
     """Incremental detokenization of one request (see the module docstring).
 
@@ -32,10 +69,10 @@ class TextStream:
     """
 
     def __init__(self, decode, stop: Sequence[str] = (), skip: Iterable[int] = ()):
-        self._decode = decode
         self.stop = tuple(s for s in stop if s)
         self._skip = frozenset(int(t) for t in skip)
-        self._ids: list[int] = []
+        self._text = IncrementalDecode(decode)
+        self._full = ""  # decode(the tokens so far)
         self.text = ""  # what has been emitted so far
         self.num_tokens = 0  # tokens consumed: up to and including the one that completed a stop string
         self.stopped = False  # a stop string matched; later tokens are ignored
@@ -49,7 +86,7 @@ class TextStream:
             self.num_tokens += 1
             if int(t) in self._skip:
                 continue
-            self._ids.append(int(t))
+            self._full = self._text.push(t)
             out.append(self._advance(final=False))
         return "".join(out)
 
@@ -58,7 +95,7 @@ class TextStream:
         return "" if self.stopped else self._advance(final=True)
 
     def _advance(self, *, final: bool) -> str:
-        full = self._decode(self._ids)
+        full = self._full
         start = len(self.text)
         cut = self._stop_at(full, start)
         if cut is not None:

@@ -160,12 +160,16 @@ class EngineWorker:
         finally:
             self._fail_all("cancelled" if self.error is None else f"engine failure: {self.error!r}")
 
-    def _take_jobs(self) -> None:
+    def _drain_inbox(self):
+        """The jobs queued so far, taken off the inbox one by one."""
         while True:
             try:
-                job = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _take_jobs(self) -> None:
+        for job in self._drain_inbox():
             for i, c in enumerate(job.choices):
                 if c.params is None:  # score only
                     self._finish(job, i, c, Result(c.rid, c.prompt, [], "length", stopped_by="max_new_tokens"))
@@ -213,7 +217,7 @@ class EngineWorker:
 
     def _finish(self, job: Job, i: int, c: Choice, result: Result, new: list[int] = ()) -> None:
         scores = None
-        if c.top is not None and result.finish_reason != "error":
+        if c.top is not None and result.finish_reason not in ("error", "cancelled"):  # nobody reads a cancelled one
             try:
                 scores = token_logprobs(self.engine.graphdef, self.engine.state, c.prompt + result.tokens,
                                         top=c.top, max_len=self.engine.config.max_seq_len)
@@ -227,17 +231,13 @@ class EngineWorker:
     def _fail_all(self, why: str) -> None:
         """The thread is ending: every choice still active gets a result now (cancelled or failed)."""
         for rid, (job, i, c) in list(self._active.items()):
-            tokens = self.engine.in_progress().get(rid, [])
-            self.engine.cancel(rid)
-            self.engine.results.pop(rid, None)
-            reason = "cancelled" if why == "cancelled" else "error"
-            job.send(i, Update(tokens[c.sent:], Result(rid, c.prompt, tokens, reason, error=None
-                                                       if reason == "cancelled" else why, stopped_by=reason)))
+            self.engine.cancel(rid)  # its Result: the tokens so far, "cancelled"
+            result = self.engine.results.pop(rid, None) or Result(rid, c.prompt, [], "cancelled",
+                                                                  stopped_by="cancelled")
+            if why != "cancelled":
+                result = dataclasses.replace(result, finish_reason="error", error=why, stopped_by="error")
+            self._finish(job, i, c, result, result.tokens[c.sent:])
         self._active.clear()
-        while True:
-            try:
-                job = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+        for job in self._drain_inbox():
             for i, c in enumerate(job.choices):
                 job.send(i, Update([], Result(c.rid, c.prompt, [], "cancelled", stopped_by="cancelled")))

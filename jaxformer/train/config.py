@@ -245,11 +245,11 @@ class HFModelConfig(_Section):
     @field_validator("hf", mode="after")
     @classmethod
     def _check_dir(cls, v: str, info: ValidationInfo) -> str:
-        from jaxformer.interop.hf import config_from_hf, read_config
+        from jaxformer.interop.hf import config_from_hf, config_where, read_config
 
         path = _resolve_path(v, info)
         try:
-            config_from_hf(read_config(path), str(Path(path) / "config.json"))
+            config_from_hf(read_config(path), config_where(path))
         except (FileNotFoundError, ValueError) as e:  # ValueError: HFConfigError
             raise ValueError(str(e)) from None
         return path
@@ -406,7 +406,9 @@ def known_keys(loc: tuple, schema: type[BaseModel] | None = None) -> list[str]:
         if section is None:
             return []
     names = list(section.model_fields)
-    return names + ["preset", "hf", "adapter"] if section is ModelConfig else names
+    if section is ModelConfig:  # the model section may also be a preset, or a checkpoint with its few fields
+        names += ["preset"] + [k for k in HFModelConfig.model_fields if k not in names]
+    return names
 
 
 def _unknown_key(loc: tuple, schema: type[BaseModel] | None) -> str:

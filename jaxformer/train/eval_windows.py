@@ -63,17 +63,28 @@ def eval_windows(stream: np.ndarray, *, seq_len: int, tokenizer, max_tokens: int
     stride = T if stride is None else stride
     if not 1 <= stride <= T:
         raise ValueError(f"eval.stride={stride} must be in [1, seq_len={T}]")
-    n_total = 1 + math.ceil(max(len(stream) - 1 - T, 0) / stride)
-    n = n_total if max_tokens is None else max(1, min(n_total, max_tokens // stride))
-    starts = (np.arange(n, dtype=np.int64) * n_total // n) * stride
-    rows = np.full((n, T + 1), tokenizer.pad_id, np.int32)
-    seg = np.zeros((n, T + 1), np.int32)
-    for r, s in enumerate(starts):
-        piece = stream[s:s + T + 1]
-        rows[r, :len(piece)] = piece
-        seg[r, :len(piece)] = 1
+    starts = _starts(len(stream), T, stride, max_tokens)
+    rows, seg = _pack([stream[s:s + T + 1] for s in starts], T, tokenizer.pad_id)
     score_from = None if stride == T else np.where(starts == 0, 0, T - stride).astype(np.int32)
     return EvalSet(rows, split_segments(seg, rows, tokenizer.eos_id), tokenizer.pad_id, score_from)
+
+
+def _starts(n_stream: int, T: int, stride: int, max_tokens: int | None) -> np.ndarray:
+    """Start offsets of windows of ``T`` targets ``stride`` apart over a stream of ``n_stream`` tokens: all of
+    them, or (``max_tokens``) evenly spaced ones scoring about that many."""
+    n_total = 1 + math.ceil(max(n_stream - 1 - T, 0) / stride)
+    n = n_total if max_tokens is None else max(1, min(n_total, max_tokens // stride))
+    return (np.arange(n, dtype=np.int64) * n_total // n) * stride
+
+
+def _pack(pieces, T: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``[W, T+1]`` (padded with ``pad_id``) and their segment ids (1 on the tokens, 0 on padding)."""
+    rows = np.full((len(pieces), T + 1), pad_id, np.int32)
+    seg = np.zeros((len(pieces), T + 1), np.int32)
+    for r, piece in enumerate(pieces):
+        rows[r, :len(piece)] = piece
+        seg[r, :len(piece)] = 1
+    return rows, seg
 
 
 def nested_windows(stream: np.ndarray, *, seq_len: int, span: int, tokenizer,
@@ -92,17 +103,10 @@ def nested_windows(stream: np.ndarray, *, seq_len: int, span: int, tokenizer,
         raise ValueError(f"the validation split has {len(stream)} tokens; raise data.val_fraction")
     if not 1 <= seq_len <= span:
         raise ValueError(f"seq_len={seq_len} must be in [1, span={span}]")
-    n_total = 1 + math.ceil(max(len(stream) - 1 - span, 0) / span)
-    n = n_total if max_tokens is None else max(1, min(n_total, max_tokens // span))
-    span_starts = (np.arange(n, dtype=np.int64) * n_total // n) * span
     pieces = []
-    for s in span_starts:
+    for s in _starts(len(stream), span, span, max_tokens):
         end = min(s + span + 1, len(stream))  # the span's last target + 1
         for j in range(s, end - 1, seq_len):
             pieces.append(stream[j:min(j + seq_len + 1, end)])
-    rows = np.full((len(pieces), seq_len + 1), tokenizer.pad_id, np.int32)
-    seg = np.zeros((len(pieces), seq_len + 1), np.int32)
-    for r, piece in enumerate(pieces):
-        rows[r, :len(piece)] = piece
-        seg[r, :len(piece)] = 1
+    rows, seg = _pack(pieces, seq_len, tokenizer.pad_id)
     return EvalSet(rows, split_segments(seg, rows, tokenizer.eos_id), tokenizer.pad_id)

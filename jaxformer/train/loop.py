@@ -234,6 +234,9 @@ def train(cfg: C.ExperimentConfig, run_dir: str | Path, *, on_step: Callable[[in
                 if cfg.model.lora is not None:  # the frozen base, checked against the run's record of it
                     from jaxformer.train.lora import attach_base
                     attach_base(cfg, trainer, run_dir)
+            elif cfg.model.lora is not None:  # step 0 of a LoRA run: the base frozen beside a fresh adapter
+                from jaxformer.train.lora import initial_state
+                state = initial_state(cfg, trainer)
             elif cfg.hf_source is not None:  # step 0 of a fine-tune: the checkpoint's parameters
                 from jaxformer.train.pretrained import initial_state
                 state = initial_state(cfg, trainer)
@@ -457,11 +460,9 @@ def sample_text(trainer: Trainer, params, tokenizer, *, prompt: str, max_new_tok
                 temperature: float, top_k: int | None, top_p: float | None, seed: int) -> str:
     """Prompt + a continuation generated with the contiguous KV cache (``jaxformer.decode``)."""
     from jaxformer.decode.generate import generate
+    from jaxformer.decode.prompts import encode_prompt
 
-    if hasattr(tokenizer, "encode_prompt"):  # a checkpoint's tokenizer adds its own specials
-        ids = [int(t) for t in tokenizer.encode_prompt(prompt)]
-    else:
-        ids = [tokenizer.bos_id] + [int(t) for t in tokenizer.encode(prompt)]
+    ids = encode_prompt(tokenizer, prompt)
     out = generate(trainer.graphdef, params, trainer.cfg.model, [ids], max_new_tokens=max_new_tokens,
                    temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0, seed=seed,
                    stop_tokens=[] if tokenizer.eos_id is None else [tokenizer.eos_id])[0]

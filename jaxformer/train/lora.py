@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxformer.model import ModelConfig, abstract_init
+from jaxformer.model import ModelConfig
 from jaxformer.train import config as C
 from jaxformer.train.step import Trainer, is_dropout_key
 
@@ -38,22 +38,27 @@ BASE_RECORD = "base.json"
 # -- the base's identity
 
 def weight_files(path: str | os.PathLike) -> list[Path]:
-    """The files holding a checkpoint's weights: a GGUF file, or the directory's safetensors (one file or the
-    shards its index lists)."""
+    """The files holding a checkpoint's weights: a GGUF file, or the directory's safetensors (with the index
+    of a sharded one)."""
     from jaxformer.interop.gguf import is_gguf
-    from jaxformer.interop.hf import INDEX, SINGLE
+    from jaxformer.interop.hf import INDEX, safetensors_files
 
     path = Path(path)
     if is_gguf(path):
         return [path]
-    if (path / INDEX).is_file():
-        shards = sorted(set(json.loads((path / INDEX).read_text())["weight_map"].values()))
-        return [path / INDEX, *(path / s for s in shards)]
-    return [path / SINGLE]
+    index = [path / INDEX] if (path / INDEX).is_file() else []
+    return index + [path / f for f in safetensors_files(path)]
+
+
+def file_stats(path: str | os.PathLike) -> list[list[int]]:
+    """``[size, mtime_ns]`` of each weight file of the checkpoint at ``path``: what says, without reading a
+    byte, that the files are the ones hashed before."""
+    return [[(st := f.stat()).st_size, st.st_mtime_ns] for f in weight_files(path)]
 
 
 def base_digest(path: str | os.PathLike) -> dict:
-    """``{"path", "files", "bytes", "sha256"}`` of the base checkpoint at ``path`` (its weight files' bytes)."""
+    """``{"path", "files", "bytes", "sha256", "stats"}`` of the base checkpoint at ``path`` (its weight files'
+    bytes, and their :func:`file_stats`)."""
     h, total, names = hashlib.sha256(), 0, []
     for f in weight_files(path):
         names.append(f.name)
@@ -61,7 +66,7 @@ def base_digest(path: str | os.PathLike) -> dict:
             for chunk in iter(functools.partial(fh.read, 1 << 24), b""):
                 h.update(chunk)
                 total += len(chunk)
-    return {"path": str(path), "files": names, "bytes": total, "sha256": h.hexdigest()}
+    return {"path": str(path), "files": names, "bytes": total, "sha256": h.hexdigest(), "stats": file_stats(path)}
 
 
 def record_base(cfg: C.ExperimentConfig, run_dir: str | Path) -> None:
@@ -76,7 +81,9 @@ def record_base(cfg: C.ExperimentConfig, run_dir: str | Path) -> None:
 
 def check_base(cfg: C.ExperimentConfig, run_dir: str | Path) -> None:
     """Refuse (ValueError naming the path) a base that is not the one ``RUN/base.json`` recorded: another
-    path in the config, a path that is gone (moved), weights that changed."""
+    path in the config, a path that is gone (moved), weights that changed. Files whose sizes and modification
+    times are those recorded are taken as unchanged (a GB-sized base is not re-hashed on every command); any
+    other difference re-hashes them."""
     run_dir = Path(run_dir)
     file = run_dir / BASE_RECORD
     if not file.is_file():
@@ -96,6 +103,8 @@ def check_base(cfg: C.ExperimentConfig, run_dir: str | Path) -> None:
         raise ValueError(f"{run_dir}: the base checkpoint {path} this LoRA run adapts is gone (moved or deleted?; "
                          f"missing: {missing or [path]}); the run's checkpoints hold the adapter only. Put the "
                          f"checkpoint back at {path}")
+    if rec.get("stats") == file_stats(path):
+        return  # the same files (sizes and modification times) as when hashed: not read again
     now = base_digest(path)
     if now["sha256"] != rec["sha256"]:
         raise ValueError(f"{run_dir}: the base checkpoint {path} changed since this LoRA run started (SHA-256 of "
@@ -110,22 +119,14 @@ def attach_base(cfg: C.ExperimentConfig, trainer: Trainer, run_dir: str | Path |
     """Read the frozen base from ``cfg.hf_source`` onto the trainer's shardings (``trainer.frozen``; the
     dropout keys zeros). With ``run_dir``, first refuse a base that is not the one the run recorded
     (:func:`check_base`). Returns the trainer."""
-    from jaxformer.interop.hf import load_pretrained
+    from jaxformer.train.pretrained import load_checkpoint
 
     if run_dir is not None:
         check_base(cfg, run_dir)
-    base = cfg.model.base
-    _, shardings = abstract_init(base)
     flat_sh = dict(nnx.traversals.flatten_mapping(trainer.frozen_shardings))
     keys = {p: s for p, s in flat_sh.items() if is_dropout_key(p)}
-    nnx.replace_by_pure_dict(shardings, nnx.traversals.unflatten_mapping(
+    state = load_checkpoint(cfg, cfg.model.base, nnx.traversals.unflatten_mapping(
         {p: s for p, s in flat_sh.items() if p not in keys}))
-    overrides = {k: getattr(base, k) for k in C.HF_MODEL_OVERRIDES if k != "param_dtype"}
-    loaded, _, state = load_pretrained(cfg.hf_source, dtype=base.param_dtype, shardings=shardings, **overrides)
-    if loaded != base:
-        ours, theirs = base.model_dump(), loaded.model_dump()
-        diff = ", ".join(f"{k} (config {ours[k]!r}, checkpoint {theirs[k]!r})" for k in ours if ours[k] != theirs[k])
-        raise ValueError(f"{cfg.hf_source}: describes another model than this LoRA run's base: {diff}")
     flat = dict(nnx.traversals.flatten_mapping(nnx.to_pure_dict(state)))
     abstract = dict(nnx.traversals.flatten_mapping(trainer.train_step.frozen_abstract))
     for p, s in keys.items():

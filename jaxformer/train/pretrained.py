@@ -1,4 +1,4 @@
-"""Runs that start from a Hugging Face checkpoint, and runs written back as one.
+"""Runs that start from a Hugging Face checkpoint (runs written back as one: :mod:`jaxformer.train.export`).
 
 ``model: {hf: DIR}`` in an experiment (:class:`jaxformer.train.config.HFModelConfig`) makes the
 checkpoint's parameters those of step 0 (:func:`initial_state`; the directory is read for
@@ -6,131 +6,38 @@ weights only then) and its tokenizer the data's. The run directory keeps ``hf_so
 of the checkpoint's ``config.json`` and tokenizer files (:func:`jaxformer.train.run_dir.copy_source`), so the run is
 resumed, evaluated, sampled and exported without the original directory; the resolved
 ``config.yaml`` records where it came from (``hf_source``).
-
-:func:`export_run` (``jaxformer export RUN --hf OUT``) writes a run's newest parameters (a LoRA run's
-adapter merged into its base: :func:`jaxformer.interop.peft.merge_lora`) as a Hugging Face checkpoint,
-keeping the original ``config.json``'s other keys (token ids, ``architectures``...) and its tokenizer; a run
-trained from scratch is exported too when a supported family can express its model (else
-:class:`~jaxformer.interop.HFConfigError`). :func:`export_peft` (``--peft OUT``) writes a LoRA run's
-adapter as peft does.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
-import sys
-from pathlib import Path
-
 from jaxformer.train import config as C
-from jaxformer.train import sharding as shd
-from jaxformer.train.run_dir import TOKENIZER_FILES, config_path, copy_files, load_run, run_tokenizer, source_dir
+
+def load_checkpoint(cfg: C.ExperimentConfig, model, shardings: dict):
+    """The parameters of ``cfg.hf_source`` as the model ``model`` (a ``ModelConfig``: the run's, or a LoRA
+    run's base) holds them, each tensor placed straight onto ``shardings`` (a pure dict shaped like the model's
+    state; stacked first with ``model.scan_layers``: :func:`jaxformer.model.stack_layers`): an ``nnx.State``.
+    ValueError naming the checkpoint's config when it describes another model than ``model``."""
+    from flax import nnx
+
+    from jaxformer.interop.hf import config_where, load_pretrained
+    from jaxformer.model import abstract_init
+
+    _, placed = abstract_init(model)
+    nnx.replace_by_pure_dict(placed, shardings)
+    overrides = {k: getattr(model, k) for k in C.HF_MODEL_OVERRIDES if k != "param_dtype"}
+    loaded, _, state = load_pretrained(cfg.hf_source, dtype=model.param_dtype, shardings=placed, **overrides)
+    if loaded != model:
+        ours, theirs = model.model_dump(), loaded.model_dump()
+        diff = ", ".join(f"{k} (config {ours[k]!r}, checkpoint {theirs[k]!r})" for k in ours if ours[k] != theirs[k])
+        raise ValueError(f"{config_where(cfg.hf_source)} describes another model than this run's config: {diff}")
+    return state
+
 
 def initial_state(cfg: C.ExperimentConfig, trainer):
-    """The train state at step 0 of a run from ``cfg.hf_source``: the checkpoint's parameters, placed
-    straight onto the trainer's shardings (stacked first with ``model.scan_layers``:
-    :func:`jaxformer.model.stack_layers`), and a fresh optimiser state."""
+    """The train state at step 0 of a run from ``cfg.hf_source``: the checkpoint's parameters
+    (:func:`load_checkpoint`) on the trainer's shardings and a fresh optimiser state (a LoRA run:
+    :func:`jaxformer.train.lora.initial_state`)."""
     from flax import nnx
 
-    from jaxformer.interop.hf import load_pretrained
-    from jaxformer.model import abstract_init
-
-    if cfg.model.lora is not None:  # the base frozen beside the state, the adapter trained
-        from jaxformer.train.lora import initial_state as lora_initial_state
-
-        return lora_initial_state(cfg, trainer)
-    _, shardings = abstract_init(cfg.model)
-    nnx.replace_by_pure_dict(shardings, trainer.state_shardings["params"])
-    overrides = {k: getattr(cfg.model, k) for k in C.HF_MODEL_OVERRIDES if k != "param_dtype"}
-    loaded, _, state = load_pretrained(cfg.hf_source, dtype=cfg.model.param_dtype, shardings=shardings,
-                                       **overrides)
-    if loaded != cfg.model:
-        ours, theirs = cfg.model.model_dump(), loaded.model_dump()
-        diff = ", ".join(f"{k} (config {ours[k]!r}, checkpoint {theirs[k]!r})" for k in ours if ours[k] != theirs[k])
-        raise ValueError(f"{Path(cfg.hf_source) / 'config.json'} describes another model than this run's "
-                         f"config: {diff}")
+    state = load_checkpoint(cfg, cfg.model, trainer.state_shardings["params"])
     return trainer.init_state_from(nnx.to_pure_dict(state), cfg.seed)
-
-
-def _bpe_specials(tok) -> tuple[dict, dict]:
-    """``(tokenizer_config.json, config.json token ids)`` for a run's own byte-level BPE."""
-    names = dict(zip(("bos", "eos", "pad"), tok.SPECIALS))
-    return ({"tokenizer_class": "PreTrainedTokenizerFast", **{f"{k}_token": v for k, v in names.items()}},
-            {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id})
-
-
-def export_run(run_dir: str | Path, out: str | Path, *, dtype: str | None = None) -> dict:
-    """Write the newest checkpoint of ``run_dir`` as a Hugging Face checkpoint in ``out``.
-
-    A run from ``model.hf`` keeps its original config.json's other keys and its tokenizer files;
-    a run with a trained BPE gets its ``tokenizer.json`` and a ``tokenizer_config.json`` naming
-    its special tokens; a byte-level run gets no tokenizer (a note says so). Returns what was
-    written: ``{"step", "model_type", "path", "tokenizer_files"}``.
-    """
-    from flax import nnx
-
-    from jaxformer.interop.hf import CONFIG, families, guess_model_type, save_pretrained
-    from jaxformer.interop.rules import HFConfigError
-    from jaxformer.model import abstract_init
-
-    run_dir, out = Path(run_dir), Path(out)
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    cfg = C.load(run_dir / "config.yaml")
-    hf_config, tokenizer_files = None, []
-    source = source_dir(run_dir)
-    if cfg.hf_source is not None and (source / CONFIG).is_file():
-        hf_config = json.loads((source / CONFIG).read_text())
-    elif cfg.data.tokenizer == "bpe":
-        hf_config = _bpe_specials(run_tokenizer(cfg, run_dir))[1]
-    model_type = (hf_config or {}).get("model_type") or guess_model_type(cfg.model)
-    family = families().get(model_type)
-    if family is None:
-        raise HFConfigError(f"model_type={model_type!r} is not supported (supported: {sorted(families())})")
-    family.config_to_hf(cfg.model)  # a model the family cannot express fails here, before any weight is read
-    cfg, _, params, tok, meta = load_run(run_dir)
-    model = cfg.model
-    if model.lora is not None:  # a LoRA run: the adapter merged into its base, a checkpoint that stands alone
-        from jaxformer.interop.peft import merge_lora
-
-        model, params = merge_lora(model, params)
-    _, state = abstract_init(model)
-    nnx.replace_by_pure_dict(state, params)
-    # a scanned run (model.scan_layers) is written per layer by save_pretrained (unstack_layers)
-    save_pretrained(out, model, state, model_type=model_type, hf_config=hf_config, dtype=dtype)
-    if cfg.hf_source is not None:
-        tokenizer_files = copy_files(source if source.is_dir() else cfg.hf_source, out,
-                                     ("generation_config.json", *TOKENIZER_FILES))
-    elif cfg.data.tokenizer == "bpe":
-        shutil.copyfile(run_dir / "tokenizer.json", out / "tokenizer.json")
-        (out / "tokenizer_config.json").write_text(json.dumps(_bpe_specials(tok)[0], indent=2) + "\n")
-        tokenizer_files = ["tokenizer.json", "tokenizer_config.json"]
-    else:
-        print(f"note: {run_dir} was trained on {cfg.data.tokenizer!r} tokens ({cfg.data.source} data): "
-              f"no Hugging Face tokenizer is written", file=sys.stderr)
-    return {"step": int(meta["step"]), "model_type": model_type, "path": str(out),
-            "tokenizer_files": tokenizer_files}
-
-
-def export_peft(run_dir: str | Path, out: str | Path) -> dict:
-    """Write the newest checkpoint's adapter of the LoRA run ``run_dir`` as a peft adapter in ``out``
-    (:func:`jaxformer.interop.peft.save_adapter`; ``base_model_name_or_path``: the run's base). The base
-    is not read. Returns ``{"step", "path", "base", "tensors"}``."""
-    from jaxformer.interop.peft import save_adapter
-    from jaxformer.train.checkpoint import Checkpointer
-    from jaxformer.train.step import make_trainer
-
-    run_dir = Path(run_dir)
-    cfg = C.load(config_path(run_dir))
-    if cfg.model.lora is None:
-        raise ValueError(f"export --peft: {run_dir} is not a LoRA run (its config has no model.lora); "
-                         f"export a full fine-tune with --hf OUT")
-    trainer = make_trainer(cfg, shd.make_mesh(cfg.mesh))
-    restored = Checkpointer(run_dir / "checkpoints", read_only=True).restore_latest(
-        trainer.abstract_state, trainer.state_shardings)
-    if restored is None:
-        raise FileNotFoundError(f"no readable checkpoint in {run_dir / 'checkpoints'}")
-    state, meta = restored
-    save_adapter(out, cfg.model, state["params"], base_model_name_or_path=cfg.hf_source)
-    n = 2 * len(cfg.model.lora_targets) * cfg.model.n_layers
-    return {"step": int(meta["step"]), "path": str(out), "base": cfg.hf_source, "tensors": n}

@@ -239,6 +239,7 @@ def test_every_tensor_type_loads_as_gguf_quants_dequantizes_it(tmp_path, kind):
     assert {t.tensor_type for t in gguf.GGUFReader(str(file)).tensors} == set(cycle) | {Q.F32}
     oracle = hf_dir(tmp_path / "oracle", json.loads((d / "config.json").read_text()), seen)
     ours, theirs = flat(load_pretrained(file)[2]), flat(load_pretrained(oracle)[2])
+    assert set(ours) == set(theirs)
     for p in theirs:
         np.testing.assert_array_equal(ours[p], theirs[p], err_msg=str(p))
 

@@ -85,7 +85,7 @@ def test_attention_projections_add_the_scaled_low_rank_update(rslora):
     np.testing.assert_allclose(run(attn, jnp.asarray(x)), run(merged, jnp.asarray(x)), rtol=RTOL, atol=ATOL)
 
 
-def test_gated_mlp_adapters_and_gradients_reach_only_a_and_b():
+def test_gated_mlp_adapters_and_their_gradients_follow_the_chain_rule_through_the_merged_kernel():
     spec = LoRASpec(frozenset({"w_gate", "w_up", "w_down"}), R, 8.0)
     mlp = randomised(GatedMLP(D, F, "swiglu", lora=spec, rngs=nnx.Rngs(0)), seed=4)
     p = np_params(mlp)
@@ -99,9 +99,24 @@ def test_gated_mlp_adapters_and_gradients_reach_only_a_and_b():
     ref = lin(g / (1 + np.exp(-g)) * u, "w_down")
     np.testing.assert_allclose(run(mlp, jnp.asarray(x, jnp.float32)), ref, rtol=RTOL, atol=ATOL)
     graphdef, adapter, base = nnx.split(mlp, nnx.LoRAParam, nnx.Param)
-    grads = jax.grad(lambda a: jnp.sum(nnx.merge(graphdef, a, base)(jnp.asarray(x, jnp.float32)) ** 2))(adapter)
-    names = sorted(".".join(map(str, k)) for k, _ in nnx.to_flat_state(grads))
-    assert names == [f"{w}_lora.{ab}" for w in ("w_down", "w_gate", "w_up") for ab in ("a", "b")]
+    xj = jnp.asarray(x, jnp.float32)
+    grads = jax.grad(lambda a: jnp.sum(nnx.merge(graphdef, a, base)(xj) ** 2))(adapter)
+    got = {".".join(map(str, k)): np.asarray(v[...], np.float64) for k, v in nnx.to_flat_state(grads)}
+    assert sorted(got) == [f"{w}_lora.{ab}" for w in ("w_down", "w_gate", "w_up") for ab in ("a", "b")]
+    # the chain rule through the merged kernel W' = W + s A B (a plain GatedMLP, no adapter code):
+    # dL/dA = s G B^T and dL/dB = s A^T G, with G = dL/dW' of the merged module
+    merged = GatedMLP(D, F, "swiglu", rngs=nnx.Rngs(0))
+    for w in ("w_gate", "w_up", "w_down"):
+        getattr(merged, w)[...] = jnp.asarray(p[w] + s * p[w + "_lora.a"] @ p[w + "_lora.b"], jnp.float32)
+    mg, mstate = nnx.split(merged)
+    G = jax.grad(lambda st: jnp.sum(nnx.merge(mg, st)(xj) ** 2))(mstate)
+    for w in ("w_gate", "w_up", "w_down"):
+        g = np.asarray(getattr(G, w)[...], np.float64)
+        a, b = p[w + "_lora.a"], p[w + "_lora.b"]
+        scale = np.abs(s * g @ b.T).max()
+        assert scale > 1e-3  # a gradient to check, not zeros
+        np.testing.assert_allclose(got[w + "_lora.a"], s * g @ b.T, rtol=1e-4, atol=1e-5 * scale)
+        np.testing.assert_allclose(got[w + "_lora.b"], s * a.T @ g, rtol=1e-4, atol=1e-5 * np.abs(s * a.T @ g).max())
 
 
 def test_a_zero_b_leaves_the_projection_exactly_as_it_was():

@@ -51,24 +51,36 @@ def peaked_llama3(out: Path, *, chat_template: str | None = CHAT_TEMPLATE) -> Pa
 class Server:
     """One ``jaxformer serve`` process; ``args`` name the model and the limits."""
 
-    def __init__(self, args: list[str], log: Path, *, ready_timeout: float = 180.0):
+    def __init__(self, args: list[str], log: Path, *, ready_timeout: float = 180.0, tries: int = 3):
+        self.log_path = log
+        self._openai = None
+        for attempt in range(tries):  # a port picked free may be taken before the server binds it
+            if self._start(args, ready_timeout):
+                return
+            if attempt == tries - 1 or "address already in use" not in self.log().lower():
+                raise RuntimeError(f"jaxformer serve exited {self.proc.returncode}:\n{self.log()}")
+
+    def _start(self, args: list[str], ready_timeout: float) -> bool:
+        """Start the process on a free port; True once it answers /health itself (its own pid), False if it
+        exited first."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-        self._log = open(log, "w")
+        self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "jaxformer.cli", "serve", *args, "--host", "127.0.0.1",
                                       "--port", str(self.port), "--log-level", "warning"],
                                      cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.url, timeout=120)
-        self._openai = None
         deadline = time.monotonic() + ready_timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"jaxformer serve exited {self.proc.returncode}:\n{self.log()}")
+                self.http.close()
+                self._log.close()
+                return False
             try:
-                if self.http.get("/health").status_code == 200:
-                    break
+                r = self.http.get("/health")
+                if r.status_code == 200 and r.json().get("pid") == self.proc.pid:  # not another test's server
+                    return True
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
@@ -77,7 +89,8 @@ class Server:
             time.sleep(0.2)
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text()[-4000:]
 
     def client(self):

@@ -69,7 +69,7 @@ def greedy(peaked_dir, tmp_path_factory):
 
 
 def test_models_health_and_metrics(server):
-    assert server.http.get("/health").json() == {"status": "ok"}
+    assert server.http.get("/health").json() == {"status": "ok", "pid": server.proc.pid}
     [card] = server.client().models.list().data
     assert card.id == "tiny-llama3" and card.owned_by == "jaxformer"
     m = server.metrics()

@@ -1,13 +1,15 @@
 """TextStream: deltas that concatenate to the decoded text, never half a UTF-8 character, stop strings cut
-before they start (no server, no model: a byte tokenizer's decode)."""
+before they start (no server, no model: a byte tokenizer's decode); the incremental decoding under them equals
+decoding everything on the committed fixtures' real tokenizers."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
-from jaxformer.serve.text import TextStream
+from jaxformer.serve.text import IncrementalDecode, TextStream, prefix_lengths
 
 EOS = 300
 
@@ -76,3 +78,25 @@ def test_a_stop_string_inside_one_token():
     s = TextStream(lambda ids: "".join({1: "one", 2: " two three", 3: " four"}[i] for i in ids), stop=["o t"])
     assert s.add([1]) == "one"
     assert s.add([2, 3]) == " tw" and s.stopped and s.num_tokens == 2
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "interop" / "fixtures"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "spm_gguf"])
+def test_incremental_decode_equals_decoding_everything_on_real_tokenizers(name):
+    """Byte-level BPE (gpt2), SentencePiece-style BPE with a leading-space strip (llama, mistral) and a GGUF
+    SentencePiece vocabulary: after every token, the incremental text is ``decode(all tokens so far)``
+    exactly, random ids (specials and half characters included) and the tokens of a multilingual text."""
+    from jaxformer.interop.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(FIXTURES / "gguf" / "spm_scores.gguf" if name == "spm_gguf" else FIXTURES / name)
+    rng = random.Random(0)
+    texts = ["héllo wörld — 東京 🙂 def f(x):\n    return x", " leading space", "a\n\n b"]
+    sequences = [tok.encode(t) for t in texts] + [[rng.randrange(tok.vocab_size) for _ in range(40)]
+                                                 for _ in range(20)]
+    for ids in sequences:
+        d = IncrementalDecode(tok.decode)
+        for k, t in enumerate(ids, 1):
+            assert d.push(t) == tok.decode(ids[:k]), (name, ids[:k])
+        assert prefix_lengths(tok.decode, ids) == [len(tok.decode(ids[:k])) for k in range(len(ids))]

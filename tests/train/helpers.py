@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -48,3 +52,73 @@ def tiny_config(corpus: Path, **top) -> C.ExperimentConfig:
 def write_config(path: Path, raw: dict) -> Path:
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
+
+
+def finished_run(tmp: Path) -> tuple[Path, Path]:
+    """A tiny run trained to the end through the CLI, with its final evaluation: (config path, run dir)."""
+    from jaxformer.cli import main
+
+    cfg = write_config(tmp / "cfg.yaml", tiny_raw(make_corpus(tmp / "corpus"), eval={"at_end": True}))
+    run = tmp / "run"
+    assert main(["train", str(cfg), "--run-dir", str(run)]) == 0
+    return cfg, run
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+KILLER = """
+import os, signal, sys, time
+from pathlib import Path
+from jaxformer.train import config as C
+from jaxformer.train.loop import train
+
+cfg, run, kill_at = C.load(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+
+def hook(step, row):
+    if step == kill_at:  # step kill_at-1 has a checkpoint being written: wait until it is committed
+        done = run / "checkpoints" / str(kill_at - 1) / "commit_success.txt"
+        deadline = time.time() + 120
+        while not done.exists() and time.time() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+train(cfg, run, on_step=hook)
+"""
+
+
+def subprocess_env(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def killed_and_resumed(cfg: Path, tmp_path: Path, steps: int, kill_at: int = 5) -> tuple[list, list]:
+    """Train ``cfg`` to the end in ``tmp_path/ref``; train it again in ``tmp_path/run``, SIGKILL the process at
+    step ``kill_at`` (the checkpoint of step ``kill_at - 1`` committed), resume it with the same command.
+    Returns ``(uninterrupted, resumed)`` per-step ``(step, loss, grad_norm)`` rows."""
+    env = subprocess_env(tmp_path)
+    cli = [sys.executable, "-m", "jaxformer.cli", "train", str(cfg), "--run-dir"]
+    ref = subprocess.run(cli + [str(tmp_path / "ref")], env=env, capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    run = tmp_path / "run"
+    killed = subprocess.run([sys.executable, "-c", KILLER, str(cfg), str(run), str(kill_at)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    saved = kill_at - 1
+    assert (run / "checkpoints" / str(saved)).is_dir() and not (run / "checkpoints" / str(steps)).exists()
+
+    resumed = subprocess.run(cli + [str(run)], env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming at step {saved}" in resumed.stdout
+
+    from jaxformer.train.metrics import read_metrics
+
+    def rows(d):
+        return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(d) if "loss" in r]
+
+    want = rows(tmp_path / "ref")
+    assert [s for s, *_ in want] == list(range(1, steps + 1))
+    return want, rows(run)

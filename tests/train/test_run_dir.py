@@ -16,7 +16,7 @@ import pytest
 from jaxformer.cli import main
 from jaxformer.train import config as C
 from jaxformer.train.metrics import read_metrics
-from tests.train.helpers import make_corpus, tiny_raw, write_config
+from tests.train.helpers import finished_run, make_corpus, tiny_raw, write_config
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
@@ -27,11 +27,7 @@ def snapshot(root: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A 4-step run with a final evaluation: (config path, run dir)."""
-    tmp = tmp_path_factory.mktemp("rundir")
-    cfg = write_config(tmp / "cfg.yaml", tiny_raw(make_corpus(tmp / "corpus"), eval={"at_end": True}))
-    run = tmp / "run"
-    assert main(["train", str(cfg), "--run-dir", str(run)]) == 0
-    return cfg, run
+    return finished_run(tmp_path_factory.mktemp("rundir"))
 
 
 def test_refused_resume_leaves_the_run_dir_byte_identical(finished, tmp_path, capsys):

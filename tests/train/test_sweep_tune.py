@@ -88,7 +88,7 @@ def test_each_arm_runs_at_its_own_best_value(tmp_path, fake_training):
     # a second run skips everything, and the finished final points are checked against the tuned config
     said = []
     S.run_sweep(sweep, out, say=said.append)
-    assert len(fake_training) == 12 and all("finished, skipped" in s for s in said)
+    assert len(fake_training) == 12 and len(said) == 12 and all("finished, skipped" in s for s in said)
 
 
 def test_shards_wait_for_tuning_run_elsewhere_then_finish(tmp_path, fake_training):
