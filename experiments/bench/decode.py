@@ -381,7 +381,7 @@ def bench_vs_transformers(new: int = 128, repeats: int = 3, short: int = 8):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jaxformer.decode.prompts import run_prompts
+    from jaxformer.decode.prompts import GenerateOptions, run_prompts
     from jaxformer.interop.hf import load_pretrained
 
     torch.set_num_threads(2)
@@ -397,8 +397,8 @@ def bench_vs_transformers(new: int = 128, repeats: int = 3, short: int = 8):
     tok = IdTokenizer()
 
     def ours(prompts, n, max_batch=8):  # as `jaxformer generate --hf` runs them (run_prompts sizes the pool)
-        recs = run_prompts(graphdef, state, cfg, tok, [" ".join(map(str, p)) for p in prompts], max_new_tokens=n,
-                           temperature=0.0, page_size=16, max_batch=max_batch)
+        recs = run_prompts(graphdef, state, cfg, tok, [" ".join(map(str, p)) for p in prompts],
+                           GenerateOptions(max_new_tokens=n, temperature=0.0, page_size=16, max_batch=max_batch))
         return [r["tokens"] for r in recs]
 
     def theirs(prompts, n, threads=2):

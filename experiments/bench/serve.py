@@ -206,7 +206,7 @@ def in_process(model: Path, requests, max_batch: int, max_context: int, chunk_si
     as the server's ``--precompile``): one after another (each run to its end before the next is submitted:
     what ``jaxformer generate`` does for one prompt, minus its process start and compilation), and all
     submitted at once (the engine's own ceiling). Output tokens/s and seconds of each."""
-    from jaxformer.cli import load_hf_decoder
+    from jaxformer.train.run_dir import load_hf_decoder
     from jaxformer.decode.sampling import SamplingParams
     from jaxformer.serve.server import build_engine
 

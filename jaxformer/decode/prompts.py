@@ -66,13 +66,46 @@ def _request(item: str | dict, defaults: dict, index: int) -> tuple[str, Samplin
     return prompt, dataclasses.replace(SamplingParams(), **{**defaults, **{k: item[k] for k in OVERRIDES if k in item}})
 
 
-def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict], *, max_new_tokens: int = 200,
-                temperature: float = 0.8, top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-                num_pages: int | None = None, page_size: int = 16, max_batch: int = 8, chunk_size: int = 128,
-                window: int | None = None) -> list[dict[str, Any]]:
+@dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    """``jaxformer generate``'s sampling defaults (a prompts-file line may set its own) and engine sizing."""
+
+    max_new_tokens: int = 200
+    temperature: float = 0.8
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0  # request i samples with seed + i
+    num_pages: int | None = None  # default: max_batch sequences of the longest request
+    page_size: int = 16
+    max_batch: int = 8
+    chunk_size: int = 128
+    window: int | None = None
+
+    @classmethod
+    def from_args(cls, args, **given) -> GenerateOptions:
+        """The options of a parsed command line (its attributes of the same names), ``given`` over them."""
+        fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        return cls(**{**fields, **given})
+
+
+def add_generate_options(a) -> None:
+    """The :class:`GenerateOptions` of a parser's ``add_argument`` ``a`` but ``window`` and ``chunk_size``."""
+    a("--max-new-tokens", type=int, default=200)
+    a("--temperature", type=float, default=0.8)
+    a("--top-k", type=int)
+    a("--top-p", type=float)
+    a("--seed", type=int, default=0)
+    a("--num-pages", type=int, help="KV pages per layer (default: max-batch full-length sequences)")
+    a("--page-size", type=int, default=16)
+    a("--max-batch", type=int, default=8)
+
+
+def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict],
+                options: GenerateOptions = GenerateOptions()) -> list[dict[str, Any]]:
     """Generate for every prompt on one continuous-batching :class:`Engine`; one record per prompt.
 
-    Request ``i`` samples with ``seed + i`` unless it sets its own. The engine's ``max_context`` is what
+    Sampling and sizes from ``options`` (:class:`GenerateOptions`). Request ``i`` samples with ``seed + i``
+    unless it sets its own. The engine's ``max_context`` is what
     the requests can reach (the longest prompt plus its new tokens, at most the model's context), and
     ``num_pages`` defaults to enough for ``max_batch`` sequences each holding that many. Prompts are computed
     ``chunk_size`` tokens per step (128: a 512-token prompt on a 135M model in 0.66 s against 0.81 s in chunks of
@@ -82,13 +115,14 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
     finish_reason ("stop" | "length" | "error"), stopped_by ("stop_token" |
     "max_new_tokens" | "context" | "error"), error, num_prompt_tokens, num_preemptions``.
     """
+    o = options
     eos = getattr(tokenizer, "eos_id", None)
     stop = () if eos is None else (int(eos),)
     records: list[dict[str, Any]] = []
     requests: list[tuple[list[int], SamplingParams] | None] = []
     for i, item in enumerate(prompts):
-        defaults = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k or 0,
-                        top_p=1.0 if top_p is None else top_p, seed=seed + i, stop_tokens=stop)
+        defaults = dict(max_new_tokens=o.max_new_tokens, temperature=o.temperature, top_k=o.top_k or 0,
+                        top_p=1.0 if o.top_p is None else o.top_p, seed=o.seed + i, stop_tokens=stop)
         text = item.get("prompt") if isinstance(item, dict) else item
         records.append(dict(index=i, prompt=text if isinstance(text, str) else None, completion="",
                             tokens=[], finish_reason="error", stopped_by="error", error=None, num_prompt_tokens=0,
@@ -103,11 +137,11 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
         records[-1]["num_prompt_tokens"] = len(token_ids)
         requests.append((token_ids, params))
     context = requests_context([r for r in requests if r is not None], config.max_seq_len)
-    L = page_size
+    num_pages = o.num_pages
     if num_pages is None:
-        num_pages = max_batch * pages_per_sequence(context, L, window)
-    engine = Engine(graphdef, state, config, num_pages=num_pages, page_size=L, max_batch=max_batch,
-                    chunk_size=chunk_size, max_context=context, window=window)
+        num_pages = o.max_batch * pages_per_sequence(context, o.page_size, o.window)
+    engine = Engine(graphdef, state, config, num_pages=num_pages, page_size=o.page_size, max_batch=o.max_batch,
+                    chunk_size=o.chunk_size, max_context=context, window=o.window)
     ids = [None if r is None else engine.submit(*r, request_id=i) for i, r in enumerate(requests)]
     results = engine.run()
     for rec, rid in zip(records, ids):
@@ -144,3 +178,43 @@ def write_jsonl(records: Sequence[dict], out: str | Path | IO[str] = sys.stdout)
         Path(out).write_text(lines, encoding="utf-8")
     else:
         out.write(lines)
+
+
+def report_records(records: Sequence[dict], config, *, window: int | None = None, jsonl: bool = False,
+                   output: str | Path | None = None) -> int:
+    """Print what :func:`run_prompts` answered as ``jaxformer generate`` does; return its exit code.
+
+    ``jsonl`` (a prompts file): one JSON line per request to ``output`` (default stdout), exit 1 if any
+    failed (the others were answered). Else each prompt + completion (``----- completion i of n -----``
+    lines between several), an error as a usage error (exit 2). Notes on stderr: a completion the
+    model's context cut (with the way on, ``--window``, where the positions allow it), and generation
+    past the context with a sliding ``window``.
+    """
+    from jaxformer.decode.engine import RELATIVE_POSITIONS
+
+    ctx = config.max_seq_len
+    if window is not None and any(r["num_prompt_tokens"] + len(r["tokens"]) - 1 > ctx
+                                  for r in records if r["error"] is None):  # a position past the context was fed
+        print(f"note: generated past the model's {ctx}-token context with a sliding {window}-token window "
+              f"(each new token sees the last {window} positions)", file=sys.stderr)
+    if jsonl:
+        write_jsonl(records, output or sys.stdout)
+    for r in records:
+        name = f"request index={r['index']}" if jsonl else f"prompt {r['index'] + 1}"
+        if not jsonl:
+            if len(records) > 1:
+                print(f"----- completion {r['index'] + 1} of {len(records)} -----", flush=True)
+            if r["error"] is None:
+                print(r["prompt"] + r["completion"], flush=True)
+            else:  # a usage error, as argparse's and main's are
+                which = f"prompt {r['index'] + 1}: " if len(records) > 1 else ""
+                print(f"jaxformer generate: error: {which}{r['error']}", file=sys.stderr)
+        if r["stopped_by"] == "context":
+            hint = (f"pass --window N (N <= {ctx}) to continue with a sliding window"
+                    if config.position in RELATIVE_POSITIONS else
+                    f"this model's position={config.position!r} cannot go past it")
+            print(f"note: {name} stopped at the model's {ctx}-token context after {len(r['tokens'])} new tokens; "
+                  f"{hint}", file=sys.stderr)
+    if any(r["error"] for r in records):
+        return 1 if jsonl else 2
+    return 0

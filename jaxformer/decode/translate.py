@@ -235,3 +235,20 @@ def beam_translate(model, src_tokens, src_lengths=None, *, start_id: int, eos_id
 def _topk(x: np.ndarray, k: int) -> np.ndarray:
     """Indices of the ``k`` largest values of each row, largest first (ties: lower index first)."""
     return np.argsort(-x, axis=-1, kind="stable")[:, :k]
+
+
+def pad_sources(rows, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token rows of any lengths as ``(src int32 [B, S] right-padded with pad_id, lengths int32 [B])``."""
+    rows = [np.asarray(r, np.int32) for r in rows]
+    lengths = np.asarray([len(r) for r in rows], np.int32)
+    src = np.full((len(rows), int(lengths.max(initial=1))), pad_id, np.int32)
+    for i, r in enumerate(rows):
+        src[i, :len(r)] = r
+    return src, lengths
+
+
+def translate(model, src_tokens, src_lengths=None, *, num_beams: int = 1, **kw) -> np.ndarray:
+    """:func:`beam_translate` with ``num_beams`` > 1, else :func:`greedy_translate` (same keywords)."""
+    if num_beams > 1:
+        return beam_translate(model, src_tokens, src_lengths, num_beams=num_beams, **kw)
+    return greedy_translate(model, src_tokens, src_lengths, **kw)

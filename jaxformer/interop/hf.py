@@ -84,6 +84,27 @@ def config_where(path: str | os.PathLike) -> str:
     return str(path) if is_gguf(path) else str(Path(path) / CONFIG)
 
 
+# model_type -> kind, for families jaxformer may not read: a clear refusal either way
+OTHER_KINDS = {"bert": "encoder", "roberta": "encoder", "distilbert": "encoder", "electra": "encoder",
+               "marian": "encoder-decoder", "t5": "encoder-decoder", "bart": "encoder-decoder",
+               "mbart": "encoder-decoder", "pegasus": "encoder-decoder"}
+
+
+def check_kind(path: str | os.PathLike, want: str, command: str) -> dict[str, Any]:
+    """``path``'s config (:func:`read_config`) when its model is a ``want`` (``"decoder"`` or
+    ``"encoder-decoder"``), else ValueError naming the model type, its kind and the command that runs it."""
+    hf = read_config(path)
+    model_type = hf.get("model_type")
+    kind = OTHER_KINDS.get(model_type) or config_from_hf(hf, config_where(path)).kind.replace("_", "-")
+    if kind != want:
+        what = {"decoder": "a decoder-only (causal LM)", "encoder-decoder": "a Marian encoder-decoder"}[want]
+        hint = {"encoder-decoder": " (translation: jaxformer translate --hf DIR --text ...)",
+                "decoder": " (a decoder: jaxformer generate --hf DIR)"}.get(kind, "")
+        raise ValueError(f"{command} --hf: {path} is a {model_type} checkpoint, an {kind} model; {command} needs "
+                         f"{what} checkpoint{hint}")
+    return hf
+
+
 def family_for(hf: Mapping[str, Any], where: str) -> Family:
     model_type = hf.get("model_type")
     table = families()

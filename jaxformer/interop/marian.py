@@ -322,4 +322,23 @@ def translation_kwargs(path: str | os.PathLike, *, beam: bool = False) -> dict[s
     return out
 
 
+
+def translation_settings(path: str | os.PathLike, max_seq_len: int, *, beams: int | None = None,
+                         max_new_tokens: int | None = None) -> dict[str, Any]:
+    """Keyword arguments of :func:`jaxformer.decode.translate.translate` for ``jaxformer translate``: the
+    checkpoint's :func:`translation_kwargs` with ``num_beams`` (``beams``, else the checkpoint's, else 1: greedy,
+    which takes no length penalty) and ``max_new_tokens`` (given, else the checkpoint's, at most
+    ``max_seq_len - 1``) resolved."""
+    if beams is not None and beams < 1:
+        raise ValueError(f"translate: --beams {beams} must be >= 1")
+    kw = translation_kwargs(path, beam=True)
+    num_beams = kw.pop("num_beams", 1) if beams is None else beams
+    kw.pop("num_beams", None)
+    limit = max_seq_len - 1
+    wanted = kw.pop("max_new_tokens", limit)
+    kw["max_new_tokens"] = min(wanted if max_new_tokens is None else max_new_tokens, limit)
+    if num_beams == 1:
+        kw = {k: v for k, v in kw.items() if k not in ("length_penalty", "early_stopping")}
+    return {**kw, "num_beams": num_beams}
+
 FAMILIES = (MarianFamily(),)

@@ -267,7 +267,10 @@ def dot_product_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec 
       scale: logits scale, default ``1/sqrt(H)``.
       alibi_slopes: ``[N]`` or ``[B, N]``; adds ``-slope * |q_pos - k_pos|``.
       softcap: logit soft-capping value.
-      impl: "xla" | "blockwise" | "pallas" | "sparse" | "auto".
+      impl: "xla" | "blockwise" | "pallas" | "sparse" | "auto". ``"xla"`` runs :func:`dense_attention` (the
+        dense math with a hand-written derivative and causal query chunks) when there is no bias, ALiBi,
+        soft cap or returned weights, ``K == N`` and a static scale; else :func:`xla_attention` (plain
+        autodiff, the reference). ``"auto"``: :func:`default_impl`.
       return_weights: also return the attention weights ``[B, N, T, S]`` (xla only).
     """
     B, T, S, N, K, H = check_qkv(q, k, v)

@@ -240,17 +240,6 @@ class MaskSpec:
         return None
 
     @property
-    def is_empty(self) -> bool:
-        """True when the spec masks nothing (every query sees every key)."""
-        return (
-            not self.causal
-            and (self.window is None or self.window == (None, None))
-            and self.q_segment_ids is None
-            and self.kv_segment_ids is None
-            and self.kv_lengths is None
-        )
-
-    @property
     def has_pattern(self) -> bool:
         """True when global tokens or random blocks are set (paths that ignore them must refuse the spec)."""
         return self.global_tokens is not None or self.random_blocks is not None

@@ -16,6 +16,7 @@ import time
 
 from jaxformer.decode.engine import Engine, pages_per_sequence
 from jaxformer.decode.sampling import SamplingParams
+from jaxformer.serve.options import ServeOptions
 
 DEFAULT_MAX_CONTEXT = 2048  # a model's own context (SmolLM2: 8192) makes a default page pool of gigabytes
 
@@ -47,10 +48,7 @@ def warm_up(engine: Engine, *, precompile: bool = False) -> str:
     return f"compiled the batch-1 steps in {time.perf_counter() - t0:.0f} s (others on first use; --precompile)"
 
 
-def serve(graphdef, state, config, tokenizer, *, name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_batch: int = 8, max_queue: int = 64, num_pages: int | None = None, page_size: int = 16,
-          max_context: int | None = None, chunk_size: int = 16, shutdown_timeout: float = 30.0,
-          precompile: bool = False, log_level: str = "info") -> int:
+def serve(graphdef, state, config, tokenizer, options: ServeOptions = ServeOptions()) -> int:
     """Serve the model over HTTP until a signal stops it (see the module docstring); the exit code."""
     import uvicorn
 
@@ -58,15 +56,16 @@ def serve(graphdef, state, config, tokenizer, *, name: str, host: str = "127.0.0
     from jaxformer.serve.metrics import Metrics
     from jaxformer.serve.worker import EngineWorker
 
-    engine = build_engine(graphdef, state, config, max_batch=max_batch, num_pages=num_pages, page_size=page_size,
-                          max_context=max_context, chunk_size=chunk_size)
-    compiled = warm_up(engine, precompile=precompile)
+    o = options
+    engine = build_engine(graphdef, state, config, max_batch=o.max_batch, num_pages=o.num_pages,
+                          page_size=o.page_size, max_context=o.max_context, chunk_size=o.chunk_size)
+    compiled = warm_up(engine, precompile=o.precompile)
     metrics = Metrics()
-    worker = EngineWorker(engine, max_queue=max_queue, metrics=metrics)
-    service = Service(worker, tokenizer, name=name, metrics=metrics)
+    worker = EngineWorker(engine, max_queue=o.max_queue, metrics=metrics)
+    service = Service(worker, tokenizer, name=o.name, metrics=metrics)
     m = engine.manager
-    print(f"jaxformer serve: {name!r} on http://{host}:{port} (max_context {engine.max_context}, max_batch "
-          f"{max_batch}, max_queue {max_queue}, {m.num_pages} KV pages of {m.page_size} tokens"
+    print(f"jaxformer serve: {o.name!r} on http://{o.host}:{o.port} (max_context {engine.max_context}, max_batch "
+          f"{o.max_batch}, max_queue {o.max_queue}, {m.num_pages} KV pages of {m.page_size} tokens"
           + (", chat template" if service.chat is not None else ", no chat template") + f"); {compiled}",
           file=sys.stderr, flush=True)
 
@@ -74,14 +73,14 @@ def serve(graphdef, state, config, tokenizer, *, name: str, host: str = "127.0.0
         def handle_exit(self, sig, frame):
             if worker.accepting:
                 worker.accepting = False  # a request already on a connection is answered 503 from now on
-                timer = threading.Timer(shutdown_timeout, worker.cancel_all)
+                timer = threading.Timer(o.shutdown_timeout, worker.cancel_all)
                 timer.daemon = True
                 timer.start()
             super().handle_exit(sig, frame)
 
     # uvicorn's own deadline is a backstop: by then every request was cancelled and has answered
-    server = Server(uvicorn.Config(create_app(service), host=host, port=port, log_level=log_level,
-                                   timeout_graceful_shutdown=shutdown_timeout + 10, lifespan="on", access_log=False))
+    server = Server(uvicorn.Config(create_app(service), host=o.host, port=o.port, log_level=o.log_level,
+                                   timeout_graceful_shutdown=o.shutdown_timeout + 10, lifespan="on", access_log=False))
     # uvicorn re-raises the signal it shut down on once it has; with this handler that ends in a clean exit 0
     previous = signal.signal(signal.SIGTERM, lambda *_: logging.getLogger("jaxformer.serve").info("stopped"))
     try:

@@ -4,6 +4,7 @@ with the loss per position bucket (``jaxformer eval --seq-len``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gzip
 import lzma
@@ -249,3 +250,95 @@ def evaluate_hf_text(path: str | Path, text_file: str | Path, *, seq_len: int | 
     if compressors:
         out.update(compressor_bpb(data))
     return out
+
+
+def format_eval(ev: dict) -> str:
+    """``jaxformer eval``'s results in a few lines (``--json``: the dict itself): loss and bits per byte,
+    the compressors beside them, and with ``--seq-len`` a table of the loss per position bucket."""
+    if "model" in ev:  # --hf DIR --text FILE
+        head = [f"loss {ev['loss']:.4f} nats/token over {ev['tokens']:,} tokens",
+                f"{ev['bpb']:.4f} bits/byte over {ev['bytes']:,} bytes"]
+        model = ev["model"] + (f" + adapter {ev['adapter']}" if ev.get("adapter") else "")
+        where = (f"  {model} on {ev['text']} ({ev['text_bytes']:,} bytes), windows of {ev['seq_len']} "
+                 f"tokens, stride {ev['stride']}")
+    else:
+        head = [f"step {ev['step']:,}", f"val loss {ev['val_loss']:.4f} over {ev['val_tokens']:,} tokens"]
+        if "val_bpb" in ev:
+            head.append(f"val {ev['val_bpb']:.4f} bits/byte over {ev['val_bytes']:,} bytes")
+        where = (f"  windows of {ev['seq_len']} tokens (trained at {ev['trained_seq_len']})"
+                 if "seq_len" in ev else None)
+    if "gzip9_bpb" in ev:
+        head.append(f"gzip -9 {ev['gzip9_bpb']:.4f}, xz -9e {ev['xz9e_bpb']:.4f} bits/byte")
+    lines = ["eval: " + " · ".join(head)] + ([where] if where else [])
+    if ev.get("buckets"):
+        lines.append("  positions       tokens      loss   bits/byte")
+        lines += [f"  {b['from']:>5}-{b['to']:<7} {b['tokens']:>8,}  {b['loss']:8.4f}  "
+                  + (f"{b['bpb']:10.4f}" if "bpb" in b else f"{'n/a':>10}") for b in ev["buckets"]]
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    """What ``jaxformer eval`` scores, beside its model source (a run directory or ``--hf DIR``)."""
+
+    text: str | None = None  # with --hf: the UTF-8 text file to score
+    adapter: str | None = None  # with --hf: a peft adapter merged in
+    dtype: str = "float32"  # with --hf
+    batch_size: int = 8  # with --hf: windows per batch
+    max_tokens: int | None = -1  # -1: the config's final eval (--hf: the whole text; --seq-len: 65536); None: all
+    compressors: bool = False
+    seq_len: int | None = None
+    stride: int | None = None
+    bucket: int | None = None
+
+    @classmethod
+    def from_args(cls, args) -> EvalOptions:
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        return cls(**{**given, "max_tokens": None if args.all else args.max_tokens})
+
+
+def add_eval_options(a) -> None:
+    """The :class:`EvalOptions` of a parser's ``add_argument`` ``a`` but ``adapter`` and ``dtype``."""
+    a("--text", metavar="FILE", help="with --hf: the UTF-8 text file to score")
+    a("--batch-size", type=int, default=8, help="with --hf: windows per batch")
+    a("--max-tokens", type=int, default=-1, help="validation tokens (default: the config's final eval; with --hf: "
+      "the whole text)")
+    a("--all", action="store_true", help="the whole validation split")
+    a("--compressors", action="store_true", help="also gzip -9 / xz -9e bits per byte")
+    a("--seq-len", type=int, help="evaluate on windows of this many tokens (another context length than the "
+      "run's; adds the loss per position bucket); --max-tokens defaults to 65536 then; with --hf: the window "
+      "length (default: the model's context, at most 1024)")
+    a("--stride", type=int, help="with --seq-len: sliding windows this far apart (as eval.stride)")
+    a("--bucket", type=int, help="with --seq-len: positions per bucket (default: half the trained length)")
+
+
+def evaluate_source(run_dir: str | Path | None, hf: str | Path | None = None,
+                    options: EvalOptions = EvalOptions()) -> dict:
+    """``jaxformer eval``: :func:`evaluate_hf_text` for ``hf``, else :func:`evaluate_run` or, with
+    ``options.seq_len``, :func:`evaluate_run_at_length` of the run; ValueError naming an option that does not go
+    with the source."""
+    from jaxformer.train.run_dir import check_source
+
+    o = options
+    check_source(run_dir, hf=hf, adapter=o.adapter, command="eval")
+    limit = o.max_tokens
+    if hf is not None:
+        _refuse(o.text is None and "eval --hf DIR needs --text FILE (the text to score)",
+                o.bucket is not None and "eval: --bucket goes with a run directory, not --hf")
+        return evaluate_hf_text(hf, o.text, seq_len=o.seq_len, max_tokens=None if limit == -1 else limit,
+                                stride=o.stride, batch_size=o.batch_size, dtype=o.dtype, compressors=o.compressors,
+                                adapter=o.adapter)
+    _refuse(o.text is not None and "eval: --text FILE goes with --hf DIR (a run is evaluated on its validation split)")
+    if o.seq_len is None:
+        _refuse((o.stride, o.bucket) != (None, None) and "eval: --stride and --bucket go with --seq-len N")
+        return evaluate_run(run_dir, max_tokens=limit, compressors=o.compressors)
+    _refuse(o.compressors and "eval: --compressors goes without --seq-len")
+    return evaluate_run_at_length(run_dir, o.seq_len, max_tokens=65536 if limit == -1 else limit, stride=o.stride,
+                                  bucket=o.bucket)
+
+
+def _refuse(*why) -> None:
+    """ValueError with the first truthy message of ``why`` (each ``condition and "message"``)."""
+    for message in why:
+        if message:
+            raise ValueError(message)

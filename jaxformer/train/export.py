@@ -102,3 +102,25 @@ def export_peft(run_dir: str | Path, out: str | Path) -> dict:
     save_adapter(out, cfg.model, state["params"], base_model_name_or_path=cfg.hf_source)
     n = 2 * len(cfg.model.lora_targets) * cfg.model.n_layers
     return {"step": int(meta["step"]), "path": str(out), "base": cfg.hf_source, "tensors": n}
+
+
+def export_command(run_dir: str | Path, *, hf: str | Path | None = None, peft: str | Path | None = None,
+                   dtype: str | None = None) -> str:
+    """``jaxformer export RUN (--hf OUT | --peft OUT)``: export, and say what was written and how to load it."""
+    if (hf is None) == (peft is None):
+        raise ValueError("export: give --hf OUT (a Hugging Face checkpoint) or --peft OUT (a LoRA run's adapter), "
+                         + ("not both" if hf is not None else "one of them"))
+    config_path(run_dir)  # "no such run directory" before anything is read
+    if peft is not None:
+        if dtype is not None:
+            raise ValueError("export --peft: the adapter is written in float32, as peft saves it; drop --dtype")
+        out = export_peft(run_dir, peft)
+        return (f"exported the adapter of step {out['step']} of {run_dir} as a peft adapter: {out['path']} "
+                f"(adapter_config.json, adapter_model.safetensors: {out['tensors']} tensors; base {out['base']})\n"
+                f"  next  jaxformer generate --hf {out['base']} --adapter {out['path']} --prompt '...'  ·  peft: "
+                f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({out['base']!r}), {out['path']!r})")
+    out = export_run(run_dir, hf, dtype=dtype)
+    files = ", ".join(["config.json", "*.safetensors", *out["tokenizer_files"]])
+    return (f"exported step {out['step']} of {run_dir} as a {out['model_type']} checkpoint: {out['path']} ({files})\n"
+            f"  next  jaxformer generate --hf {out['path']} --prompt '...'  ·  "
+            f"transformers: AutoModelForCausalLM.from_pretrained({out['path']!r})")

@@ -39,6 +39,7 @@ stands alone.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -262,3 +263,22 @@ def format_info(name: str, d: dict) -> str:
             f"    peak            {_gib(x['peak'])}",
         ]
     return "\n".join(lines)
+
+
+def target_config(target: str, overrides=(), n_devices: int | None = None) -> ExperimentConfig:
+    """The experiment ``jaxformer info TARGET`` plans: a preset's (:func:`preset_config`), a run directory's
+    ``config.yaml`` or an experiment file's, with ``overrides``; FileNotFoundError naming the closest presets."""
+    import difflib
+
+    from jaxformer.model import presets
+    from jaxformer.train.run_dir import config_path
+
+    if target in presets.names():
+        return preset_config(target, overrides, n_devices)
+    if Path(target).is_dir():  # a run directory: the config it keeps
+        return C.load(config_path(target), overrides, planning=True)
+    if Path(target).exists():
+        return C.load(target, overrides, planning=True)
+    close = difflib.get_close_matches(target, presets.names(), n=5)
+    which = f"closest presets: {', '.join(close)}" if close else f"presets: {', '.join(presets.names())}"
+    raise FileNotFoundError(f"no such file or preset: {target!r}; {which}")

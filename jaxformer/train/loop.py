@@ -463,7 +463,7 @@ def sample_text(trainer: Trainer, params, tokenizer, *, prompt: str, max_new_tok
     from jaxformer.decode.prompts import encode_prompt
 
     ids = encode_prompt(tokenizer, prompt)
-    out = generate(trainer.graphdef, params, trainer.cfg.model, [ids], max_new_tokens=max_new_tokens,
+    out = generate(trainer.graphdef, params, trainer.spec.model, [ids], max_new_tokens=max_new_tokens,
                    temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0, seed=seed,
                    stop_tokens=[] if tokenizer.eos_id is None else [tokenizer.eos_id])[0]
     return prompt + tokenizer.decode(out)

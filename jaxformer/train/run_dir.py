@@ -216,3 +216,71 @@ def run_tokenizer(cfg: C.ExperimentConfig, run_dir: Path):
     if cfg.data.tokenizer == "bpe":
         return BPETokenizer.load(run_dir / "tokenizer.json")
     return ByteTokenizer()
+
+
+def load_hf_decoder(path: str | Path, *, dtype: str, command: str):
+    """``(model config, graphdef, state, tokenizer)`` of a decoder-only Hugging Face checkpoint (or GGUF file);
+    another kind of model is refused naming its type (:func:`jaxformer.interop.hf.check_kind`)."""
+    from jaxformer.interop.hf import check_kind, load_pretrained
+
+    check_kind(path, "decoder", command)
+    config, graphdef, state = load_pretrained(path, dtype=dtype)
+    return config, graphdef, state, HFTextTokenizer.load(path)
+
+
+def check_source(run_dir, *, hf=None, adapter=None, command: str) -> None:
+    """A command's model source: exactly one of a run directory and ``--hf DIR``; ``--adapter`` only with
+    ``--hf`` (a LoRA run's own adapter is in its checkpoints). ValueError saying which rule was broken."""
+    if (run_dir is None) == (hf is None):
+        raise ValueError(f"{command}: give a run directory or --hf DIR (a Hugging Face checkpoint), not "
+                         + ("both" if hf is not None else "neither"))
+    if adapter is not None and hf is None:
+        raise ValueError(f"{command}: --adapter PEFT_DIR goes with --hf DIR (the base it adapts); a LoRA run "
+                         f"directory applies its own adapter")
+
+
+def load_decoder(run_dir: str | Path | None, *, hf: str | Path | None = None, adapter: str | Path | None = None,
+                 dtype: str = "float32", command: str = "generate"):
+    """``(model config, graphdef, params, tokenizer, name)`` of the decoder ``generate`` and ``serve`` run: a
+    run directory's newest checkpoint, or the checkpoint ``hf`` (with the peft adapter ``adapter`` merged in)."""
+    check_source(run_dir, hf=hf, adapter=adapter, command=command)
+    if hf is None:
+        cfg, trainer, params, tok, _ = load_run(run_dir)
+        if tok is None:
+            raise ValueError(f"{run_dir}: source='bin' has no text tokenizer to encode prompts")
+        return cfg.model, trainer.graphdef, params, tok, Path(run_dir).resolve().name
+    model, graphdef, params, tok = load_hf_decoder(hf, dtype=dtype, command=command)
+    name = Path(hf).stem if Path(hf).is_file() else Path(hf).resolve().name
+    if adapter is not None:  # merged into the kernels: the base model's graphdef computes the adapted model
+        from jaxformer.interop.peft import load_adapter
+
+        params = load_adapter(adapter, model, params)
+        name = f"{name}+{Path(adapter).resolve().name}"
+    return model, graphdef, params, tok, name
+
+
+def format_summary(summary: dict, run_dir: Path) -> str:
+    """The end of a training run in a few lines: the results, then where everything was written."""
+    head = [f"step {summary['step']:,}"]
+    if summary.get("loss") is not None:
+        head.append(f"train loss {summary['loss']:.4f}")
+    if "val_loss" in summary:
+        head.append(f"val loss {summary['val_loss']:.4f}")
+    if "val_bpb" in summary:
+        bpb = f"val {summary['val_bpb']:.4f} bits/byte"
+        if "gzip9_bpb" in summary:
+            bpb += f" (gzip -9 {summary['gzip9_bpb']:.4f}, xz -9e {summary['xz9e_bpb']:.4f})"
+        head.append(bpb)
+    if "wall_s" in summary:
+        m, s = divmod(round(summary["wall_s"]), 60)
+        head.append(f"{m} min {s:02d} s")
+    ckpts = sorted((p for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()), key=lambda p: int(p.name))
+    lines = ["done: " + " · ".join(head),
+             f"  run directory  {run_dir}",
+             f"  config         {run_dir / 'config.yaml'}",
+             f"  metrics        {run_dir / 'metrics.jsonl'}" + (
+                 f"  (TensorBoard: tensorboard --logdir {run_dir / 'tb'})" if (run_dir / "tb").exists() else ""),
+             f"  checkpoints    {run_dir / 'checkpoints'}" + (
+                 f"  (steps {', '.join(p.name for p in ckpts)})" if ckpts else ""),
+             f"  next           jaxformer eval {run_dir}  ·  jaxformer generate {run_dir} --prompt 'def '"]
+    return "\n".join(lines)

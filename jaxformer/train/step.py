@@ -1,5 +1,10 @@
 """The train state, its sharded initialisation, and the jitted train and eval steps.
 
+The compiled program depends on a :class:`StepSpec` alone (the model, the optimiser, the schedule and its
+horizon, the batch size, what the step logs): :func:`train_step` and :func:`eval_step` are module-level
+functions of ``(state or params, batch, spec)``, and :func:`make_trainer` jits them, with the mesh's
+shardings, once per ``(spec, mesh)``.
+
 The state is a plain dict pytree ``{"params", "opt_state", "step", "rng"}``;
 ``params`` is ``nnx.to_pure_dict`` of the model state (fp32 master weights;
 the model computes in ``compute_dtype``). The step sums gradients over
@@ -29,18 +34,69 @@ from jaxformer.model import ModelConfig, Transformer, abstract_init, apply, init
 from jaxformer.nn.lora import LORA_SUFFIX
 from jaxformer.ops.losses import cross_entropy
 from jaxformer.train import sharding as shd
-from jaxformer.train.config import (CheckpointConfig, DataConfig, EvalConfig, ExperimentConfig, LoggingConfig,
-                                     MeshConfig)
+from jaxformer.train.config import ExperimentConfig, OptimizerConfig, ScheduleConfig
 from jaxformer.train.optim import make_optimizer
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "mask")
 
 
+@dataclass(frozen=True)
+class StepSpec:
+    """What the compiled train and eval steps depend on; two experiments with equal specs share them.
+
+    ``horizon`` is the steps the schedule decays over (``schedule.decay_steps``, else the run's ``steps``), so
+    a resumed run given more steps under a fixed ``decay_steps`` reuses the compiled step.
+    """
+
+    model: ModelConfig
+    optimizer: OptimizerConfig
+    schedule: ScheduleConfig
+    horizon: int
+    batch_size: int
+    layer_grad_norms: bool = False
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig) -> StepSpec:
+        return cls(model=cfg.model, optimizer=cfg.optimizer, schedule=cfg.schedule,
+                   horizon=cfg.schedule.decay_steps or cfg.steps, batch_size=cfg.batch_size,
+                   layer_grad_norms=cfg.logging.layer_grad_norms)
+
+
+@functools.lru_cache(maxsize=32)
+def step_parts(spec: StepSpec, params_of: str = "model"):
+    """``(graphdef, optimizer, schedule)`` of ``spec``: the model's graph and the optax transformation over the
+    parameters it trains (``params_of="model"``: all of them; ``"adapter"``: a LoRA model's adapter)."""
+    if params_of == "adapter":
+        graphdef, trained, *_ = split_abstract(spec.model)
+    else:
+        graphdef, abstract = abstract_init(spec.model)
+        trained = nnx.to_pure_dict(abstract)
+    optimizer, schedule = make_optimizer(spec.optimizer, spec.schedule, spec.horizon, trained)
+    return graphdef, optimizer, schedule
+
+
+def train_step(state, batch, spec: StepSpec):
+    """One optimiser step of the whole model: ``(new state, metrics)``. Gradients summed over
+    ``spec.optimizer.grad_accum`` micro-batches, normalised by the scored tokens of the whole batch."""
+    graphdef, optimizer, schedule = step_parts(spec)
+    z_loss = spec.optimizer.z_loss
+    grad_fn = jax.grad(lambda p, b, i: model_loss(graphdef, p, b, z_loss), has_aux=True)
+    grads, ce_sum, n = accumulate(grad_fn, state["params"], batch, spec.optimizer.grad_accum)
+    return apply_step(spec, optimizer, schedule, state, grads, ce_sum, n)
+
+
+def eval_step(params, batch, spec: StepSpec):
+    """Summed nats and scored-token count of one batch (no z-loss); ``params`` the whole model's."""
+    graphdef, _, _ = step_parts(spec)
+    _, (ce_sum, n) = model_loss(graphdef, params, batch, 0.0)
+    return ce_sum, n
+
+
 @dataclass
 class Trainer:
-    """Everything compiled for one experiment on one mesh."""
+    """Everything compiled for one experiment on one mesh (:func:`make_trainer`)."""
 
-    cfg: ExperimentConfig
+    spec: StepSpec
     mesh: jax.sharding.Mesh
     graphdef: Any
     optimizer: optax.GradientTransformation
@@ -116,23 +172,13 @@ def opt_state_shardings(abstract_opt, abstract_params, param_shardings, default)
 
 
 def make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
-    """Build the optimiser, shardings and jitted functions for ``cfg`` on ``mesh``.
-
-    Cached per process on what the compiled steps depend on (model, optimiser,
-    schedule, batch and sequence sizes, mesh), so e.g. a resumed run with more
-    steps and a fixed ``schedule.decay_steps`` reuses the compiled step. A LoRA
-    run (``model.lora``) gets its own copy (its frozen base is per run).
-    """
-    decay = cfg.schedule.decay_steps or cfg.steps
-    key = cfg.model_copy(update={"steps": decay, "seed": 0, "hf_source": None, "adapter_source": None,
-                                 "data": DataConfig(),
-                                 "mesh": MeshConfig(),
-                                 "checkpoint": CheckpointConfig(),
-                                 "logging": LoggingConfig(layer_grad_norms=cfg.logging.layer_grad_norms),
-                                 "eval": EvalConfig()})
+    """The optimiser, shardings and jitted steps of ``cfg`` on ``mesh``, compiled once per process for each
+    ``(StepSpec.of(cfg), mesh)``. A LoRA run (``model.lora``) gets its own trainer (its frozen base is per run)
+    over the cached compiled functions."""
+    spec = StepSpec.of(cfg)
     if cfg.model.lora is not None:
-        return make_lora_trainer(key, mesh)
-    return _make_trainer(key, mesh)
+        return make_lora_trainer(spec, mesh)
+    return _make_trainer(spec, mesh)
 
 
 def accumulate(grad_fn, params, batch, accum: int):
@@ -154,7 +200,7 @@ def accumulate(grad_fn, params, batch, accum: int):
     return grads, ce_sum, n
 
 
-def apply_step(cfg: ExperimentConfig, optimizer, schedule, state, grads, ce_sum, n):
+def apply_step(spec: StepSpec, optimizer, schedule, state, grads, ce_sum, n):
     """``(new_state, metrics)``: the summed ``grads`` normalised by the scored tokens ``n``, the optimiser
     applied once to ``state["params"]``."""
     params = state["params"]
@@ -165,22 +211,19 @@ def apply_step(cfg: ExperimentConfig, optimizer, schedule, state, grads, ce_sum,
     new_params = optax.apply_updates(params, updates)
     metrics = {"loss": ce_sum / denom, "grad_norm": grad_norm, "lr": schedule(state["step"]),
                "param_norm": optax.tree.norm(new_params), "n_tokens": n}
-    if cfg.logging.layer_grad_norms:
+    if spec.layer_grad_norms:
         metrics["grad_norm_layers"] = block_grad_norms(grads)
     new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}
     return new_state, metrics
 
 
 @functools.lru_cache(maxsize=16)
-def _make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
-    total_steps = cfg.steps
-    mcfg: ModelConfig = cfg.model
-    accum = cfg.optimizer.grad_accum
-    shd.check_batch(cfg.batch_size, accum, mesh.shape)
-
-    graphdef, abstract_model = abstract_init(mcfg)
+def _make_trainer(spec: StepSpec, mesh: jax.sharding.Mesh) -> Trainer:
+    mcfg: ModelConfig = spec.model
+    shd.check_batch(spec.batch_size, spec.optimizer.grad_accum, mesh.shape)
+    graphdef, optimizer, schedule = step_parts(spec)
+    abstract_model = abstract_init(mcfg)[1]
     abstract_params = nnx.to_pure_dict(abstract_model)
-    optimizer, schedule = make_optimizer(cfg.optimizer, cfg.schedule, total_steps, abstract_params)
 
     p_sh = shd.param_shardings(abstract_params, shd.logical_axes(abstract_model), mesh)
     repl = shd.replicated(mesh)
@@ -204,25 +247,12 @@ def _make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
                 "rng": jax.random.key_data(key)}
 
     from_params_fn = jax.jit(build_from, out_shardings=state_sh, donate_argnums=0)
-    z_loss = cfg.optimizer.z_loss
-
-    def step(state, batch):
-        grad_fn = jax.grad(lambda p, b, i: model_loss(graphdef, p, b, z_loss), has_aux=True)
-        grads, ce_sum, n = accumulate(grad_fn, state["params"], batch, accum)
-        return apply_step(cfg, optimizer, schedule, state, grads, ce_sum, n)
-
     b_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
-    train_step = jax.jit(step, in_shardings=(state_sh, b_sh), out_shardings=(state_sh, repl),
-                         donate_argnums=0)
-
-    def evaluate(params, batch):
-        """Summed nats and scored-token count of one batch (no z-loss)."""
-        _, (ce_sum, n) = model_loss(graphdef, params, batch, 0.0)
-        return ce_sum, n
-
-    eval_step = jax.jit(evaluate, in_shardings=(p_sh, b_sh), out_shardings=repl)
-    return Trainer(cfg, mesh, graphdef, optimizer, schedule, state_sh, abstract_state, init_fn,
-                   train_step, eval_step, from_params_fn)
+    step = jax.jit(functools.partial(train_step, spec=spec), in_shardings=(state_sh, b_sh),
+                   out_shardings=(state_sh, repl), donate_argnums=0)
+    evaluate = jax.jit(functools.partial(eval_step, spec=spec), in_shardings=(p_sh, b_sh), out_shardings=repl)
+    return Trainer(spec, mesh, graphdef, optimizer, schedule, state_sh, abstract_state, init_fn, step, evaluate,
+                   from_params_fn)
 
 
 # -- LoRA runs: the adapter trained, the base frozen beside the state (jaxformer.train.lora reads it)
@@ -295,22 +325,40 @@ def split_abstract(config: ModelConfig):
             shd.logical_axes(frozen))
 
 
-def make_lora_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
+def lora_train_step(frozen, state, batch, spec: StepSpec):
+    """:func:`train_step` of a LoRA model: the gradient of the adapter (``state["params"]``) alone, the ``frozen``
+    base joined in (its dropout keys drawn per step and micro-batch: :func:`dropout_keys`)."""
+    graphdef, optimizer, schedule = step_parts(spec, "adapter")
+    paths = dropout_key_paths(split_abstract(spec.model)[2])
+    if paths:  # dropout acts only in the step's graphdef (an attribute: jaxformer.nn.lora)
+        model = nnx.eval_shape(lambda: Transformer(spec.model, rngs=nnx.Rngs(0)))
+        model.set_attributes(deterministic=False, raise_if_not_found=False)
+        graphdef = nnx.graphdef(model)
+    z_loss = spec.optimizer.z_loss
+
+    def loss(adapter, b, i):
+        f = dropout_keys(frozen, paths, state["rng"], state["step"], i)
+        return model_loss(graphdef, join(f, adapter), b, z_loss)
+
+    grads, ce_sum, n = accumulate(jax.grad(loss, has_aux=True), state["params"], batch, spec.optimizer.grad_accum)
+    return apply_step(spec, optimizer, schedule, state, grads, ce_sum, n)
+
+
+def make_lora_trainer(spec: StepSpec, mesh: jax.sharding.Mesh) -> Trainer:
     """:func:`make_trainer` for ``model.lora``: the compiled functions cached, the
     trainer (its :attr:`~Trainer.frozen` base) one per call."""
-    cached, frozen_abstract = _make_lora_trainer(cfg, mesh)
+    cached, frozen_abstract = _make_lora_trainer(spec, mesh)
     trainer = dataclasses.replace(cached)
     trainer.train_step = _WithFrozen(cached.train_step, trainer, frozen_abstract)
     return trainer
 
 
 @functools.lru_cache(maxsize=8)
-def _make_lora_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[Trainer, dict]:
-    mcfg = cfg.model
-    accum = cfg.optimizer.grad_accum
-    shd.check_batch(cfg.batch_size, accum, mesh.shape)
+def _make_lora_trainer(spec: StepSpec, mesh: jax.sharding.Mesh) -> tuple[Trainer, dict]:
+    mcfg = spec.model
+    shd.check_batch(spec.batch_size, spec.optimizer.grad_accum, mesh.shape)
     graphdef, adapter_abs, frozen_abs, adapter_axes, frozen_axes = split_abstract(mcfg)
-    optimizer, schedule = make_optimizer(cfg.optimizer, cfg.schedule, cfg.steps, adapter_abs)
+    _, optimizer, schedule = step_parts(spec, "adapter")
     a_sh = shd.param_shardings(adapter_abs, adapter_axes, mesh)
     f_sh = shd.param_shardings(frozen_abs, frozen_axes, mesh)
     repl = shd.replicated(mesh)
@@ -336,31 +384,11 @@ def _make_lora_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[
                 "rng": jax.random.key_data(key)}
 
     from_params_fn = jax.jit(build_from, out_shardings=state_sh, donate_argnums=0)
-    paths = dropout_key_paths(frozen_abs)
-    train_graphdef = graphdef
-    if paths:  # dropout acts only in the step's graphdef (an attribute: jaxformer.nn.lora)
-        model = nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0)))
-        model.set_attributes(deterministic=False, raise_if_not_found=False)
-        train_graphdef = nnx.graphdef(model)
-    z_loss = cfg.optimizer.z_loss
-
-    def step(frozen, state, batch):
-        def loss(adapter, b, i):
-            f = dropout_keys(frozen, paths, state["rng"], state["step"], i)
-            return model_loss(train_graphdef, join(f, adapter), b, z_loss)
-
-        grads, ce_sum, n = accumulate(jax.grad(loss, has_aux=True), state["params"], batch, accum)
-        return apply_step(cfg, optimizer, schedule, state, grads, ce_sum, n)
-
     b_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
-    train_step = jax.jit(step, in_shardings=(f_sh, state_sh, b_sh), out_shardings=(state_sh, repl),
-                         donate_argnums=1)
-
-    def evaluate(params, batch):
-        _, (ce_sum, n) = model_loss(graphdef, params, batch, 0.0)
-        return ce_sum, n
-
-    eval_step = jax.jit(evaluate, in_shardings=(join(f_sh, a_sh), b_sh), out_shardings=repl)
-    trainer = Trainer(cfg, mesh, graphdef, optimizer, schedule, state_sh, abstract_state, init_fn, train_step,
-                      eval_step, from_params_fn, frozen=None, frozen_shardings=f_sh)
+    step = jax.jit(functools.partial(lora_train_step, spec=spec), in_shardings=(f_sh, state_sh, b_sh),
+                   out_shardings=(state_sh, repl), donate_argnums=1)
+    evaluate = jax.jit(functools.partial(eval_step, spec=spec), in_shardings=(join(f_sh, a_sh), b_sh),
+                       out_shardings=repl)
+    trainer = Trainer(spec, mesh, graphdef, optimizer, schedule, state_sh, abstract_state, init_fn, step,
+                      evaluate, from_params_fn, frozen=None, frozen_shardings=f_sh)
     return trainer, frozen_abs

@@ -4,7 +4,7 @@ import io
 import json
 
 from jaxformer.decode.generate import generate
-from jaxformer.decode.prompts import read_prompts_file, run_prompts, write_jsonl
+from jaxformer.decode.prompts import GenerateOptions, read_prompts_file, run_prompts, write_jsonl
 
 GEOMETRY = dict(num_pages=10, page_size=4, max_batch=4, chunk_size=8)  # as test_engine: no new compile
 
@@ -25,7 +25,7 @@ def test_run_prompts_records(llama):
     cfg, graphdef, state = llama
     prompts = ["hello", "", {"prompt": "abc", "temperature": -1}, {"prompt": "xy", "max_new_tokens": 3},
                "a" * 50, {"prompt": "q", "colour": 1}, {"error": "f:7: invalid JSON"}]
-    recs = run_prompts(graphdef, state, cfg, Bytes(), prompts, max_new_tokens=5, temperature=0.0, **GEOMETRY)
+    recs = run_prompts(graphdef, state, cfg, Bytes(), prompts, GenerateOptions(max_new_tokens=5, temperature=0.0, **GEOMETRY))
     assert [r["index"] for r in recs] == list(range(7))
     errors = {i: r["error"] for i, r in enumerate(recs) if r["finish_reason"] == "error"}
     assert set(errors) == {1, 2, 4, 5, 6}

@@ -105,7 +105,7 @@ def test_bucketed_steps_equal_each_request_alone(llama, data):
 
 @settings(deadline=None, max_examples=4)  # each draw a new shape (a compile); three models
 @given(data=st.data())
-@pytest.mark.parametrize("name", ["llama_tiny", "gpt2_tiny", "vaswani_tiny"])
+@pytest.mark.parametrize("name", ["llama_tiny", pytest.param("gpt2_tiny", marks=pytest.mark.slow), "vaswani_tiny"])
 def test_head_at_one_position_equals_that_position_of_the_full_head(name, data):
     """``logits_at [B]``: logits ``[B, 1, V]`` equal to the full logits at those positions (decoders and the
     encoder-decoder's target; a soft cap and a head bias included)."""

@@ -37,8 +37,9 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jaxformer.cli import load_hf_decoder, main
-from jaxformer.decode.prompts import run_prompts
+from jaxformer.cli import main
+from jaxformer.train.run_dir import load_hf_decoder
+from jaxformer.decode.prompts import GenerateOptions, run_prompts
 from jaxformer.interop import HFConfigError, HFWeightsError, load_pretrained, load_tokenizer
 from jaxformer.interop.hf import config_from_hf, read_config
 from jaxformer.model.functional import apply
@@ -400,7 +401,8 @@ def test_real_logits_and_greedy_continuations_match_transformers(smollm2):
                     float((np.abs(ref.summarize(ours) - summary) / scale).max()))
     assert worst < REAL_RTOL, worst
     records = run_prompts(graphdef, state, config, tok, [p["text"] for p in meta["prompts"]],
-                          max_new_tokens=ref.NEW_TOKENS, temperature=0.0, page_size=8, max_batch=4, chunk_size=16)
+                          GenerateOptions(max_new_tokens=ref.NEW_TOKENS, temperature=0.0, page_size=8, max_batch=4,
+                                          chunk_size=16))
     for p, r in enumerate(records):
         assert r["error"] is None and r["num_prompt_tokens"] == len(rows[p])
         assert r["tokens"] == expected[f"p{p}_generated"].tolist(), (p, r["completion"], meta["prompts"][p])

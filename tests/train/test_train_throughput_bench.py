@@ -13,6 +13,7 @@ def _bench():
     return load_bench("train_throughput")
 
 
+@pytest.mark.slow  # 20 s: the benchmark script end to end at a toy size
 def test_train_throughput_bench_toy(capsys):
     import jax
 

@@ -1,23 +1,5 @@
-"""A sweep's report: ``summary.jsonl`` (one row per finished point), ``report.md`` (mean ± spread over
-seeds per setting) and PNG plots (matplotlib, imported only here, from the ``experiments`` extra).
-
-Plots (``report.plots`` of the sweep file):
-
-* ``loss_curves``: train loss vs step, one line per setting (mean over seeds, smoothed: an exponential
-  moving average over about 10 logged rows, so one batch's bump does not read as a difference);
-* ``val_curves``: ``report.metric`` of the periodic evaluations (``eval.every``) vs step, one line per
-  setting (mean over seeds), the final evaluation (on its own, larger token set) as a separate marker;
-* ``final_metric``: ``report.metric`` per value of ``report.x`` with the seeds' spread as error bars;
-* ``metric_vs_eval_length``: ``report.metric`` at each of ``eval_lengths`` (log-log);
-* ``loss_by_position``: bits per byte (else loss) by position bucket at the longest evaluation length;
-* ``probes``: the attention probe (logit variance, entropy ratio, gradient norm at W_q/W_k) vs ``report.x``,
-  at initialisation and after training;
-* ``sinusoidal_table``, ``rope_decay``, ``alibi_bias``: the encodings themselves, from ``jaxformer.ops``
-  at the first point's sizes (the table, RoFormer's relative upper bound vs distance, ALiBi's biases).
-
-A sweep run with ``--quick`` (every point a few steps: a smoke test) says so in the report's title and
-across every plot (and in each PNG's ``Title`` metadata), so it is never read as a result.
-"""
+"""The plots of a sweep's report (``report.plots`` of the sweep file; see :mod:`jaxformer.study.report`),
+one function per name in :data:`PLOT_FUNCTIONS`, each ``(plt, sweep, out, rows) -> figure or None``."""
 
 from __future__ import annotations
 
@@ -28,244 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxformer.study.rows import arms, label, mean_spread, probe, probe_keys, quick_warning, setting_color, settings
+from jaxformer.study.sweep import Sweep, chosen_values, format_value, tune_grid, tune_metric, tuning_results
 from jaxformer.train.metrics import read_metrics
-from jaxformer.train.sweep import (QUICK_STEPS, Sweep, chosen_values, format_value, read_point, tune_grid,
-                                   tune_metric, tuning_results)
-from jaxformer.train.sweep_stats import PairedDifference, paired_difference
 
-PROBE_KEYS = ("logit_var", "entropy_ratio", "max_weight", "qk_grad_norm", "grad_norm_first_block", "dead_fraction")
-
-
-def probe_keys(rows: list[dict]) -> list[str]:
-    """The probe columns the rows have (attention statistics and/or dead FFN units)."""
-    have = {k for r in rows for when in r.get("probes", {}).values() for k in when}
-    return [k for k in PROBE_KEYS if k in have]
-
-
-def gather(sweep: Sweep, out: Path, *, tuning: bool = False) -> list[dict]:
-    """The rows of every finished point (any shard), in the sweep's point order (``params`` filled in
-    from the point's config for rows written before it was recorded); ``tuning``: of the tuning points."""
-    from jaxformer.model import count_params
-
-    rows = []
-    for p in sweep.tune_points if tuning else sweep.points:
-        r = read_point(out, p)
-        if r is not None:
-            r.setdefault("params", count_params(p.config.model))
-            rows.append(r)
-    return rows
-
-
-def baseline_of(sweep: Sweep, values: dict) -> dict | None:
-    """The baseline arm an arm is compared with: its values with ``report.baseline``'s keys set to the
-    baseline's; None without a baseline, or for a baseline arm itself."""
-    base = sweep.spec.report.baseline
-    if base is None:
-        return None
-    ref = {**values, **base}
-    return None if setting_key({"values": ref}, sweep.spec.varied) == setting_key({"values": values},
-                                                                                  sweep.spec.varied) else ref
-
-
-def differences(sweep: Sweep, rows: list[dict], metric: str) -> list[tuple[dict, dict, PairedDifference | None]]:
-    """``(arm values, baseline values, paired difference of metric)`` for every arm with a baseline
-    (seeds that diverged in either arm are left out of the pairs)."""
-    keys = sweep.spec.varied
-    by = {setting_key({"values": v}, keys): rs for v, rs in _settings(sweep, rows)}
-    out = []
-    for values, rs in _settings(sweep, rows):
-        ref = baseline_of(sweep, values)
-        if ref is None:
-            continue
-        base_rows = by.get(setting_key({"values": ref}, keys), [])
-
-        def per_seed(rows_):
-            return {r["seed"]: r.get(metric) for r in rows_ if not r["diverged"]}
-
-        out.append((values, ref, paired_difference(per_seed(rs), per_seed(base_rows),
-                                                   confidence=sweep.spec.report.confidence)))
-    return out
-
-
-def tuning_lines(sweep: Sweep, out: Path) -> list[str]:
-    """The report's tuning section: per arm the tuning metric at each tried value, the chosen one bold."""
-    tune = sweep.spec.tune
-    metric = tune_metric(sweep)
-    combos = tune_grid(tune)
-    tkeys = list(tune.keys)
-    lines = ["", f"Tuning (per arm, before the final runs): mean {metric} over the first {tune.seeds} seed(s) at "
-             f"each value of {', '.join(f'`{k}`' for k in tkeys)}; the final runs use the "
-             f"{'lowest' if tune.mode == 'min' else 'highest'} (**bold**; n/a: diverged or unfinished)", ""]
-    head = [k.split(".")[-1] for k in sweep.spec.varied] + [format_value(list(c.values())) if len(c) > 1 else
-                                                             format_value(next(iter(c.values()))) for c in combos]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for values in _arms(sweep):
-        results = {json.dumps(t, sort_keys=True): m for t, m, _ in tuning_results(sweep, out, values)}
-        try:
-            best = chosen_values(sweep, out, values)
-        except ValueError:
-            best = None
-        cells = [format_value(values.get(k)) for k in sweep.spec.varied]
-        for c in combos:
-            m = results.get(json.dumps(c, sort_keys=True))
-            cell = "n/a" if m is None else f"{m:.4f}"
-            cells.append(f"**{cell}**" if best == c else cell)
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def _arms(sweep: Sweep) -> list[dict]:
-    """Every setting of the varied keys, in the sweep's order."""
-    keys = sweep.spec.varied
-    return list({setting_key({"values": p.values}, keys): p.values for p in sweep.points}.values())
-
-
-def setting_key(row: dict, keys: list[str]) -> tuple:
-    return tuple(json.dumps(row["values"].get(k)) for k in keys)
-
-
-def label(values: dict, keys: list[str]) -> str:
-    return ", ".join(f"{k.split('.')[-1]}={format_value(values.get(k))}" for k in keys) or "all"
-
-
-def mean_spread(xs: list[float]) -> tuple[float | None, float | None]:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    if not xs:
-        return None, None
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None)
-
-
-def fmt(m: float | None, s: float | None, digits: int = 4) -> str:
-    if m is None:
-        return "n/a"
-    return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if s is not None else "")
-
-
-def _settings(sweep: Sweep, rows: list[dict]) -> list[tuple[dict, list[dict]]]:
-    """``(values, rows over seeds)`` per setting, in the sweep's order."""
-    keys = sweep.spec.varied
-    groups: dict[tuple, tuple[dict, list[dict]]] = {}
-    for p in sweep.points:
-        groups.setdefault(setting_key({"values": p.values}, keys), (p.values, []))
-    for r in rows:
-        groups[setting_key(r, keys)][1].append(r)
-    return [g for g in groups.values() if g[1]]
-
-
-def probe(row: dict, when: str, key: str) -> float | None:
-    """A probe value of a row (None where the row lacks it: diverged, or another set of probes)."""
-    return row.get("probes", {}).get(when, {}).get(key)
-
-
-def _color(sweep: Sweep, values: dict) -> str:
-    """One colour per setting, the same in every plot (a setting missing from one plot shifts nothing)."""
-    keys = sweep.spec.varied
-    order = list(dict.fromkeys(setting_key({"values": p.values}, keys) for p in sweep.points))
-    i = order.index(setting_key({"values": values}, keys))
-    if len(order) <= 10:
-        return f"C{i}"
-    import matplotlib
-
-    return matplotlib.colors.to_hex(matplotlib.colormaps["tab20"](i % 20))  # 11-20 settings: still one each
-
-
-def quick_warning(rows: list[dict]) -> str | None:
-    """``QUICK SMOKE RUN (2 steps per point): not a result`` when any point ran with ``--quick``, else None."""
-    quick = [r for r in rows if r.get("quick")]
-    if not quick:
-        return None
-    steps = sorted({r.get("config", {}).get("steps", QUICK_STEPS) for r in quick})
-    n = " or ".join(str(s) for s in steps)
-    return f"QUICK SMOKE RUN ({n} step{'s' if steps != [1] else ''} per point): not a result"
-
-
-def write_report(sweep: Sweep, out: str | Path) -> Path:
-    """Write ``summary.jsonl``, ``report.md`` and the plots into ``out``; returns the report's path."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = gather(sweep, out)
-    with (out / "summary.jsonl").open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    if sweep.spec.tune is not None:
-        with (out / "tuning.jsonl").open("w") as f:
-            for r in gather(sweep, out, tuning=True):
-                f.write(json.dumps(r) + "\n")
-    plots = draw_plots(sweep, out, rows) if rows else []
-    path = out / "report.md"
-    path.write_text(report_markdown(sweep, rows, plots, out=out))
-    return path
-
-
-def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str], *, out: Path | None = None) -> str:
-    """The report's text (``out``: the sweep's directory, where the tuning rows are read from)."""
-    spec, keys = sweep.spec, sweep.spec.varied
-    metric = spec.report.metric
-    n_seeds = len(spec.seeds)
-    quick = quick_warning(rows)
-    lines = [f"# Sweep `{sweep.name}`" + (f" — {quick}" if quick else ""), "",
-             f"`jaxformer sweep {sweep.path}{' --quick' if quick else ''}` · {len(rows)} of {len(sweep.points)} "
-             f"points finished · seeds {spec.seeds} · mean ± standard deviation over seeds", ""]
-    tuned = spec.tune is not None
-    head = [k.split(".")[-1] for k in keys] + (["tuned"] if tuned else []) + [
-        "params", f"{metric}", "train loss", "tokens/s", "wall s", "diverged"]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for values, rs in _settings(sweep, rows):
-        ok = [r for r in rs if not r["diverged"]]
-        cells = [format_value(values.get(k)) for k in keys]
-        if tuned:
-            cells.append(", ".join(f"{k.split('.')[-1]}={format_value(v)}" for k, v in (rs[0].get("tuned") or {}
-                                                                                      ).items()) or "n/a")
-        cells += [f"{rs[0]['params']:,}" if "params" in rs[0] else "n/a",
-                  fmt(*mean_spread([r.get(metric) for r in ok])), fmt(*mean_spread([r.get("loss") for r in ok])),
-                  fmt(*mean_spread([r.get("tokens_per_s") for r in ok]), digits=0),
-                  fmt(*mean_spread([r.get("wall_s") for r in rs]), digits=0),
-                  f"{len(rs) - len(ok)} of {len(rs)}" + ("" if len(rs) == n_seeds else f" (of {n_seeds} seeds)")]
-        lines.append("| " + " | ".join(cells) + " |")
-    if spec.eval_lengths:
-        lines += ["", f"{metric} at each evaluation length (trained at seq_len "
-                  f"{sweep.points[0].config.seq_len}; n/a: the model cannot run that length)", ""]
-        head = [k.split(".")[-1] for k in keys] + [str(n) for n in spec.eval_lengths]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for values, rs in _settings(sweep, rows):
-            cells = [format_value(values.get(k)) for k in keys]
-            for n in spec.eval_lengths:
-                evs = [r.get("eval_lengths", {}).get(str(n), {}) for r in rs if not r["diverged"]]
-                cells.append(fmt(*mean_spread([e.get(metric) for e in evs])))
-            lines.append("| " + " | ".join(cells) + " |")
-    if spec.probes:
-        lines += ["", "Probes (attention: mean over layers, one validation batch; dead_fraction: FFN units never "
-                  "positive on the validation windows): at initialisation → after training", ""]
-        pkeys = probe_keys(rows)
-        head = [k.split(".")[-1] for k in keys] + pkeys
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for values, rs in _settings(sweep, rows):
-            cells = [format_value(values.get(k)) for k in keys]
-            for key in pkeys:
-                a, b = (mean_spread([probe(r, when, key) for r in rs])[0] for when in ("init", "final"))
-                cells.append(" → ".join("n/a" if v is None else f"{v:.3g}" for v in (a, b)))
-            lines.append("| " + " | ".join(cells) + " |")
-    diffs = differences(sweep, rows, metric)
-    if diffs:
-        conf = spec.report.confidence
-        base = label(spec.report.baseline, list(spec.report.baseline))
-        lines += ["", f"{metric}: each arm minus its baseline ({base}), paired by seed (same initialisation and "
-                  f"data order), mean and {conf:.0%} interval (Student's t on the per-seed differences); *within noise*: the interval contains 0", ""]
-        head = [k.split(".")[-1] for k in keys] + ["vs", "seeds paired", f"difference [{conf:.0%} interval]"]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for values, ref, d in diffs:
-            cells = [format_value(values.get(k)) for k in keys]
-            cells += [label(ref, list(spec.report.baseline)), "0" if d is None else str(d.n),
-                      "n/a" if d is None else d.format()]
-            lines.append("| " + " | ".join(cells) + " |")
-    if spec.tune is not None and out is not None:
-        lines += tuning_lines(sweep, out)
-    if plots:
-        lines += [""] + [f"![{p}]({p})" for p in plots]
-    return "\n".join(lines) + "\n"
-
-
-# -- plots -------------------------------------------------------------------------------------
 
 def _pyplot():
     import matplotlib
@@ -285,7 +33,7 @@ def _series(sweep: Sweep, rows: list[dict]):
     x = _x_axis(sweep)
     others = [k for k in sweep.spec.varied if k != x]
     series: dict[str, list] = {}
-    for values, rs in _settings(sweep, rows):
+    for values, rs in settings(sweep, rows):
         series.setdefault(label(values, others), []).append((values.get(x), rs))
     return x, series
 
@@ -309,7 +57,7 @@ def draw_plots(sweep: Sweep, out: Path, rows: list[dict]) -> list[str]:
     quick = quick_warning(rows)
     names = list(sweep.spec.report.plots) + (["tuning_curves"] if sweep.spec.tune is not None else [])
     for name in names:
-        fig = globals()[f"_plot_{name}"](plt, sweep, out, rows)
+        fig = PLOT_FUNCTIONS[name](plt, sweep, out, rows)
         if fig is None:
             continue
         if quick:  # across the middle of the figure, over the axes: not to be cropped away or missed
@@ -323,15 +71,15 @@ def draw_plots(sweep: Sweep, out: Path, rows: list[dict]) -> list[str]:
 
 def _plot_loss_curves(plt, sweep, out, rows):
     """Mean over the seeds that did not diverge (solid); diverged seeds each dashed, in the same colour."""
-    many = len(_settings(sweep, rows)) > 8
+    many = len(settings(sweep, rows)) > 8
     fig, ax = plt.subplots(figsize=(11 if many else 7, 4.5), layout="constrained")
 
     def curve(r):
         return dict((m["step"], m["loss"]) for m in read_metrics(out / r["name"])
                     if "loss" in m and isinstance(m["loss"], float))
 
-    for values, rs in _settings(sweep, rows):
-        color, name = _color(sweep, values), label(values, sweep.spec.varied)
+    for values, rs in settings(sweep, rows):
+        color, name = setting_color(sweep, values), label(values, sweep.spec.varied)
         curves = [c for c in (curve(r) for r in rs if not r["diverged"]) if c]
         if curves:
             steps = sorted(set.intersection(*(set(c) for c in curves)))
@@ -367,13 +115,13 @@ def _plot_tuning_curves(plt, sweep, out, rows):
     else:
         xs = list(range(len(combos)))
         ax.set_xticks(xs, [format_value(list(c.values())) for c in combos])
-    for values in _arms(sweep):
+    for values in arms(sweep):
         res = {json.dumps(t, sort_keys=True): m for t, m, _ in tuning_results(sweep, out, values)}
         ys = [res.get(json.dumps(c, sort_keys=True)) for c in combos]
         keep = [(x, y) for x, y in zip(xs, ys) if y is not None]
         if not keep:
             continue
-        color = _color(sweep, values)
+        color = setting_color(sweep, values)
         ax.plot([x for x, _ in keep], [y for _, y in keep], marker="o", color=color,
                 ls="-" if numeric else "none", label=label(values, sweep.spec.varied))
         try:
@@ -411,8 +159,8 @@ def _plot_val_curves(plt, sweep, out, rows):
     metric = sweep.spec.report.metric
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     drew = False
-    for values, rs in _settings(sweep, rows):
-        color, name = _color(sweep, values), label(values, sweep.spec.varied)
+    for values, rs in settings(sweep, rows):
+        color, name = setting_color(sweep, values), label(values, sweep.spec.varied)
         curves, finals = [], []
         for r in rs:
             if r["diverged"]:
@@ -467,12 +215,12 @@ def _plot_metric_vs_eval_length(plt, sweep, out, rows):
     if not lengths:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
-    for values, rs in _settings(sweep, rows):
+    for values, rs in settings(sweep, rows):
         ms = [mean_spread([r.get("eval_lengths", {}).get(str(n), {}).get(metric) for r in rs]) for n in lengths]
         keep = [(n, m, s) for n, (m, s) in zip(lengths, ms) if m is not None]
         if keep:
             ax.errorbar([n for n, _, _ in keep], [m for _, m, _ in keep], yerr=[s or 0 for _, _, s in keep],
-                        marker="o", capsize=3, label=label(values, sweep.spec.varied), color=_color(sweep, values))
+                        marker="o", capsize=3, label=label(values, sweep.spec.varied), color=setting_color(sweep, values))
     ax.set_xscale("log", base=2)
     return _finish_vs_length(fig, ax, sweep, "evaluation context length (tokens)", f"{metric} (mean over seeds)",
                              f"{sweep.name}: {metric} vs evaluation length")
@@ -496,7 +244,7 @@ def _plot_loss_by_position(plt, sweep, out, rows):
     n = max(lengths)
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     key = "bpb"
-    for values, rs in _settings(sweep, rows):
+    for values, rs in settings(sweep, rows):
         per = [r.get("eval_lengths", {}).get(str(n), {}).get("buckets") for r in rs]
         per = [b for b in per if b]
         if not per:
@@ -510,7 +258,7 @@ def _plot_loss_by_position(plt, sweep, out, rows):
         xs = sorted(by_from)
         ax.plot([centre[x] for x in xs], [statistics.fmean(by_from[x]) for x in xs], marker=".",
                 label=label(values, sweep.spec.varied),
-                color=_color(sweep, values))
+                color=setting_color(sweep, values))
     return _finish_vs_length(
         fig, ax, sweep, "position in the document (tokens before the prediction)",
         f"{'bits per byte' if key == 'bpb' else 'loss (nats/token)'} in the bucket (mean over seeds)",
@@ -611,3 +359,17 @@ def _plot_alibi_bias(plt, sweep, out, rows):
                  fontsize=9)
     return fig
 
+
+# report.plots names (study.sweep.PLOTS) and the tuning section's curves -> the function that draws each
+PLOT_FUNCTIONS = {
+    "loss_curves": _plot_loss_curves,
+    "val_curves": _plot_val_curves,
+    "final_metric": _plot_final_metric,
+    "metric_vs_eval_length": _plot_metric_vs_eval_length,
+    "loss_by_position": _plot_loss_by_position,
+    "probes": _plot_probes,
+    "sinusoidal_table": _plot_sinusoidal_table,
+    "rope_decay": _plot_rope_decay,
+    "alibi_bias": _plot_alibi_bias,
+    "tuning_curves": _plot_tuning_curves,
+}

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from jaxformer.train import config as C
-from jaxformer.train import sweep as S
-from jaxformer.train.sweep_report import differences, report_markdown, write_report
-from jaxformer.train.sweep_stats import paired_difference
-from tests.train.test_sweep import write_sweep
+from jaxformer.study import sweep as S
+from jaxformer.study.report import differences, report_markdown, write_report
+from jaxformer.study.stats import paired_difference
+from tests.study.test_sweep import write_sweep
 
 BEST = {"rope": 3e-3, "alibi": 1e-2}  # the learning rate each arm does best at, in the stand-in
 
@@ -167,7 +167,7 @@ def test_differences_pair_by_seed_and_leave_out_diverged(tmp_path):
 
 
 def test_smoothing_is_the_adjusted_exponential_moving_average():
-    from jaxformer.train.sweep_report import smooth
+    from jaxformer.study.plots import smooth
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=37)
@@ -179,7 +179,8 @@ def test_smoothing_is_the_adjusted_exponential_moving_average():
 
 
 def test_validation_curves_are_drawn_from_the_periodic_evaluations(tmp_path, monkeypatch):
-    from jaxformer.train import sweep_report as R
+    from jaxformer.study import plots as P
+    from jaxformer.study.rows import gather
 
     sweep = S.load_sweep(write_sweep(tmp_path, {"axes": {"model.position": ["rope", "alibi"]}, "seeds": [0, 1],
                                                 "report": {"plots": ["loss_curves", "val_curves"]}}))
@@ -194,14 +195,14 @@ def test_validation_curves_are_drawn_from_the_periodic_evaluations(tmp_path, mon
         (d / S.POINT_FILE).write_text(json.dumps({"name": p.name, "values": p.values, "seed": p.seed, "params": 1,
                                                   "diverged": False, "val_bpb": 2.4, "quick": False}))
     drawn = []
-    real = R._plot_val_curves
+    real = P.PLOT_FUNCTIONS["val_curves"]
 
     def spy(plt, sweep_, out_, rows_):
         fig = real(plt, sweep_, out_, rows_)
         drawn.append([(line.get_label(), list(line.get_ydata())) for line in fig.axes[0].get_lines()])
         return fig
 
-    monkeypatch.setattr(R, "_plot_val_curves", spy)
+    monkeypatch.setitem(P.PLOT_FUNCTIONS, "val_curves", spy)
     report = write_report(sweep, out).read_text()
     assert "val_curves.png" in report and (out / "val_curves.png").stat().st_size > 1000
     lines = dict((label, ys) for label, ys in drawn[0] if not label.startswith("_"))
@@ -210,4 +211,4 @@ def test_validation_curves_are_drawn_from_the_periodic_evaluations(tmp_path, mon
     for p in sweep.points:  # without periodic or final evaluations there is nothing to draw
         (out / p.name / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
     import matplotlib.pyplot as plt
-    assert real(plt, sweep, out, R.gather(sweep, out)) is None
+    assert real(plt, sweep, out, gather(sweep, out)) is None

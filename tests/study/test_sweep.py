@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from jaxformer.cli import main
 from jaxformer.train import config as C
-from jaxformer.train.sweep import POINT_FILE, load_sweep, parse_shard, point_name, run_sweep, shard_points
+from jaxformer.study.sweep import POINT_FILE, load_sweep, parse_shard, point_name, run_sweep, shard_points
 from tests.train.helpers import make_corpus, tiny_raw, write_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -179,7 +179,7 @@ def test_a_quick_sweeps_report_says_so_in_its_title_and_on_every_plot(ran, tmp_p
     (its pixels and its Title metadata) say it is a smoke run; the real sweep's report says nothing of it."""
     from PIL import Image
 
-    from jaxformer.train.sweep_report import write_report
+    from jaxformer.study.report import write_report
 
     path, out = ran
     quick = tmp_path / "quick"
@@ -238,7 +238,7 @@ def test_a_sweep_where_every_point_diverged_still_reports(tmp_path):
     ([5.5, float("nan")], True),
 ])
 def test_divergence_rule(losses, diverged):
-    from jaxformer.train.sweep import blew_up
+    from jaxformer.study.sweep import blew_up
 
     assert (blew_up(losses) is not None) == diverged
 
@@ -247,7 +247,7 @@ KILLER = """
 import os, signal, sys, time
 from pathlib import Path
 import jaxformer.train.loop as L
-from jaxformer.train.sweep import load_sweep, run_sweep
+from jaxformer.study.sweep import load_sweep, run_sweep
 
 sweep, out = load_sweep(sys.argv[1]), Path(sys.argv[2])
 victim = out / sweep.points[1].name
@@ -268,6 +268,7 @@ run_sweep(sweep, out, say=print)
 """
 
 
+@pytest.mark.slow  # 40 s; a finished point skipped and a point's own resume are default-run tests
 def test_killed_sweep_resumes_to_the_same_results(tmp_path):
     """SIGKILL mid-way through the second point; the same command again skips the first and resumes the
     second from its checkpoint: every final metric equals an uninterrupted sweep's."""
@@ -418,9 +419,12 @@ def _fine_tunes_a_checkpoint(study: Path) -> bool:
     return "gguf" in (study.parent / yaml.safe_load(study.read_text())["base"]).read_text()
 
 
-# a study that fine-tunes SmolLM2-135M costs a minute even for 2 steps: its quick point is slow-marked (its
-# file still parses and expands in the default run; the LoRA mechanics are tests/train/test_lora.py's)
-QUICK_STUDIES = [pytest.param(s, marks=pytest.mark.slow) if _fine_tunes_a_checkpoint(s) else s for s in STUDIES]
+# The default run trains a quick point of three studies that between them reach every kind of report (attention
+# probes, MLP probes and dead units, norm placements); the others' quick points are slow-marked (each file still
+# parses and expands in the default run, and the LoRA study fine-tunes SmolLM2-135M: a minute even for 2 steps).
+DEFAULT_QUICK = {"sqrt_dk", "activations", "norm_placement"}
+QUICK_STUDIES = [s if s.stem in DEFAULT_QUICK and not _fine_tunes_a_checkpoint(s) else
+                 pytest.param(s, marks=pytest.mark.slow) for s in STUDIES]
 
 
 @pytest.mark.parametrize("study", QUICK_STUDIES, ids=lambda p: p.stem)
@@ -440,7 +444,7 @@ def test_every_point_of_every_study_runs_quick(study, tmp_path):
 def test_rope_relative_bound_is_roformers_curve():
     """At distance 0 every partial sum is j, so the bound is the mean of 1..d/2; it then decays
     (RoFormer §3.4.3): checked here against a direct double loop at a few distances."""
-    from jaxformer.train.sweep_report import rope_relative_bound
+    from jaxformer.study.plots import rope_relative_bound
 
     d, m = 16, np.array([0, 1, 7, 300])
     got = rope_relative_bound(d, m)
@@ -456,7 +460,9 @@ def test_rope_relative_bound_is_roformers_curve():
 STUDY_SCRIPTS = sorted((REPO / "experiments" / "studies").glob("*.py"))
 
 
-@pytest.mark.parametrize("script", STUDY_SCRIPTS, ids=lambda p: p.stem)
+# kv_cache (20 s) is slow-marked; long_context runs the same measurement-study driver in the default run
+@pytest.mark.parametrize("script", [s if s.stem != "kv_cache" else pytest.param(s, marks=pytest.mark.slow)
+                                    for s in STUDY_SCRIPTS], ids=lambda p: p.stem)
 def test_benchmark_studies_dry_run_and_quick(script, tmp_path):
     """The two studies that are measurements rather than sweeps (long context, KV cache): they list their
     cases, and run at toy sizes end to end, writing their table and plots."""

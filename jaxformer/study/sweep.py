@@ -28,7 +28,7 @@ is refused, naming the keys. With ``tune:`` every arm (a setting of the varied k
 tuning grid (points ``tune-<arm>_<tuned values>_seed-<s>``, each an ordinary point); its final points
 then run at the value with the best tuning metric, recorded in their rows as ``tuned``.
 ``shard=(i, n)`` runs points ``i, i+n, i+2n, ...`` of the tuning points followed by the final ones (a job array);
-:func:`jaxformer.train.sweep_report.write_report` gathers what every shard wrote. A run that diverges
+:func:`jaxformer.study.report.write_report` gathers what every shard wrote. A run that diverges
 (non-finite loss, or its last train losses above its first: :func:`blew_up`) is recorded as
 diverged, and the sweep goes on.
 """
@@ -545,13 +545,13 @@ def eval_lengths(run_dir: Path, cfg: C.ExperimentConfig, lengths: list[int], *, 
 def probe_run(run_dir: Path, probes=("attention",), *, cfg: C.ExperimentConfig | None = None,
               final: bool = True) -> dict:
     """The ``probes`` at initialisation (the run's seed) and, when ``final``, at the run's end:
-    ``attention`` (:func:`jaxformer.train.probes.attention_probe` on the first batch of validation
-    windows) and ``mlp`` (:func:`jaxformer.train.probes.mlp_probe` over the validation windows of
+    ``attention`` (:func:`jaxformer.study.probes.attention_probe` on the first batch of validation
+    windows) and ``mlp`` (:func:`jaxformer.study.probes.mlp_probe` over the validation windows of
     ``eval.max_tokens``). Without ``final`` only ``cfg`` is needed (no checkpoint is read)."""
     from jaxformer.train import sharding as shd
     from jaxformer.train.corpus import build_corpus
     from jaxformer.train.evaluation import eval_batch_size, eval_set
-    from jaxformer.train.probes import attention_probe, mlp_probe
+    from jaxformer.study.probes import attention_probe, mlp_probe
     from jaxformer.train.run_dir import load_run, tokenizer_path
     from jaxformer.train.step import make_trainer
 
@@ -576,6 +576,25 @@ def probe_run(run_dir: Path, probes=("attention",), *, cfg: C.ExperimentConfig |
     return out
 
 
-__all__ = ["PLOTS", "Point", "Sweep", "SweepConfig", "TuneConfig", "chosen_values", "default_out", "load_sweep",
-           "parse_shard", "point_name", "quick_config", "read_point", "run_sweep", "shard_points", "tune_grid",
+
+def dry_run_text(sweep: Sweep, out: Path, *, shard: str | None = None, quick: bool = False) -> str:
+    """``jaxformer sweep --dry-run``: the points (of ``shard`` ``I/N``, if given) with what each changes from the
+    first point, then the first point's resolved config."""
+    every = sweep.tune_points + sweep.points  # tuning points run first (their arms' final points need them)
+    mine = shard_points(every, parse_shard(shard) if shard else (0, 1))
+    first = quick_config(sweep.points[0].config) if quick else sweep.points[0].config
+    tuning = f" ({len(sweep.tune_points)} tuning, {len(sweep.points)} final)" if sweep.tune_points else ""
+    lines = [f"{sweep.path}: {len(every)} points{tuning}" + (f", {len(mine)} in shard {shard}" if shard else "")
+             + f" -> {out}"]
+    for p in mine:
+        cfg = quick_config(p.config) if quick else p.config
+        changed = [f"{k}={b!r}" for k, a, b in C.diff(first, cfg)]
+        at = " (at its arm's tuned values)" if sweep.tune_points and not p.tuning else ""
+        lines.append(f"  {p.name}: {cfg.steps} steps, {cfg.model.n_layers} layers, d_model {cfg.model.d_model}"
+                     + (f"; vs the first point: {', '.join(changed)}" if changed else "") + at)
+    return ("\n".join(lines) + "\nthe first point, resolved (the others differ only where listed):\n"
+            + yaml.safe_dump(C.to_dict(first), sort_keys=False))
+
+__all__ = ["PLOTS", "Point", "Sweep", "SweepConfig", "TuneConfig", "chosen_values", "default_out", "dry_run_text",
+           "load_sweep", "parse_shard", "point_name", "quick_config", "read_point", "run_sweep", "shard_points", "tune_grid",
            "tuned_point", "tuning_results"]

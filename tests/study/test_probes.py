@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxformer.model import ModelConfig, Transformer, init
-from jaxformer.train.probes import attention_probe
+from jaxformer.study.probes import attention_probe
 from jaxformer.train.step import model_loss
 from tests.ops.test_attention import numpy_logit_stats
 
@@ -99,7 +99,7 @@ def test_dead_units_match_numpy(activation):
     """One pre-LN layer: the FFN input is LN(x + attention(LN(x))); recomputed here from the module's own
     attention output is circular, so the check uses position='none' attention with W_o = 0: the FFN then
     sees LN(embedding) exactly, and a unit is dead iff (LN(e) W_in + b)[unit] <= 0 on every real token."""
-    from jaxformer.train.probes import mlp_probe
+    from jaxformer.study.probes import mlp_probe
 
     cfg = ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, position="none", norm="layernorm",
                       activation=activation, max_seq_len=T, use_bias=True, init_std=0.3)
@@ -132,7 +132,7 @@ def test_scanned_models_are_probed_per_layer():
     """A scanned model's probes are those of the per-layer model with the same weights (stacked here with
     np.stack, block i at index i). Layer i's first (i + 1) * F / 8 FFN units are pushed dead, so the per-layer
     lists see the order of the layers."""
-    from jaxformer.train.probes import mlp_probe
+    from jaxformer.study.probes import mlp_probe
 
     cfg = ModelConfig(vocab_size=V, d_model=16, n_layers=3, n_heads=2, max_seq_len=T, activation="relu",
                       use_bias=True)

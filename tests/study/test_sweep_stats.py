@@ -1,4 +1,4 @@
-"""Paired differences with t intervals (jaxformer.train.sweep_stats) against textbook values, scipy's
+"""Paired differences with t intervals (jaxformer.study.stats) against textbook values, scipy's
 paired t-test and a coverage simulation in numpy."""
 
 import math
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxformer.train.sweep_stats import paired_difference, t_quantile
+from jaxformer.study.stats import paired_difference, t_quantile
 
 
 @pytest.mark.parametrize("df, value", [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (29, 2.045)])

@@ -1,0 +1,1 @@
+"""The parts of ``experiments/bench/gpu_suite.py``, one module per measurement."""

@@ -1,0 +1,176 @@
+"""A sweep's report: ``summary.jsonl`` (one row per finished point), ``report.md`` (mean ± spread over
+seeds per setting, paired differences with intervals, the tuning table) and the PNG plots of
+:mod:`jaxformer.study.plots` (matplotlib, from the ``experiments`` extra).
+
+Plots (``report.plots`` of the sweep file):
+
+* ``loss_curves``: train loss vs step, one line per setting (mean over seeds, smoothed: an exponential
+  moving average over about 10 logged rows, so one batch's bump does not read as a difference);
+* ``val_curves``: ``report.metric`` of the periodic evaluations (``eval.every``) vs step, one line per
+  setting (mean over seeds), the final evaluation (on its own, larger token set) as a separate marker;
+* ``final_metric``: ``report.metric`` per value of ``report.x`` with the seeds' spread as error bars;
+* ``metric_vs_eval_length``: ``report.metric`` at each of ``eval_lengths`` (log-log);
+* ``loss_by_position``: bits per byte (else loss) by position bucket at the longest evaluation length;
+* ``probes``: the attention probe (logit variance, entropy ratio, gradient norm at W_q/W_k) vs ``report.x``,
+  at initialisation and after training;
+* ``sinusoidal_table``, ``rope_decay``, ``alibi_bias``: the encodings themselves, from ``jaxformer.ops``
+  at the first point's sizes (the table, RoFormer's relative upper bound vs distance, ALiBi's biases).
+
+A sweep run with ``--quick`` (every point a few steps: a smoke test) says so in the report's title and
+across every plot (and in each PNG's ``Title`` metadata), so it is never read as a result.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jaxformer.study.plots import draw_plots
+from jaxformer.study.rows import arms, fmt, gather, label, mean_spread, probe, probe_keys, quick_warning, setting_key, settings
+from jaxformer.study.stats import PairedDifference, paired_difference
+from jaxformer.study.sweep import Sweep, chosen_values, format_value, tune_grid, tune_metric, tuning_results
+
+
+def baseline_of(sweep: Sweep, values: dict) -> dict | None:
+    """The baseline arm an arm is compared with: its values with ``report.baseline``'s keys set to the
+    baseline's; None without a baseline, or for a baseline arm itself."""
+    base = sweep.spec.report.baseline
+    if base is None:
+        return None
+    ref = {**values, **base}
+    return None if setting_key({"values": ref}, sweep.spec.varied) == setting_key({"values": values},
+                                                                                  sweep.spec.varied) else ref
+
+
+def differences(sweep: Sweep, rows: list[dict], metric: str) -> list[tuple[dict, dict, PairedDifference | None]]:
+    """``(arm values, baseline values, paired difference of metric)`` for every arm with a baseline
+    (seeds that diverged in either arm are left out of the pairs)."""
+    keys = sweep.spec.varied
+    by = {setting_key({"values": v}, keys): rs for v, rs in settings(sweep, rows)}
+    out = []
+    for values, rs in settings(sweep, rows):
+        ref = baseline_of(sweep, values)
+        if ref is None:
+            continue
+        base_rows = by.get(setting_key({"values": ref}, keys), [])
+
+        def per_seed(rows_):
+            return {r["seed"]: r.get(metric) for r in rows_ if not r["diverged"]}
+
+        out.append((values, ref, paired_difference(per_seed(rs), per_seed(base_rows),
+                                                   confidence=sweep.spec.report.confidence)))
+    return out
+
+
+def tuning_lines(sweep: Sweep, out: Path) -> list[str]:
+    """The report's tuning section: per arm the tuning metric at each tried value, the chosen one bold."""
+    tune = sweep.spec.tune
+    metric = tune_metric(sweep)
+    combos = tune_grid(tune)
+    tkeys = list(tune.keys)
+    lines = ["", f"Tuning (per arm, before the final runs): mean {metric} over the first {tune.seeds} seed(s) at "
+             f"each value of {', '.join(f'`{k}`' for k in tkeys)}; the final runs use the "
+             f"{'lowest' if tune.mode == 'min' else 'highest'} (**bold**; n/a: diverged or unfinished)", ""]
+    head = [k.split(".")[-1] for k in sweep.spec.varied] + [format_value(list(c.values())) if len(c) > 1 else
+                                                             format_value(next(iter(c.values()))) for c in combos]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for values in arms(sweep):
+        results = {json.dumps(t, sort_keys=True): m for t, m, _ in tuning_results(sweep, out, values)}
+        try:
+            best = chosen_values(sweep, out, values)
+        except ValueError:
+            best = None
+        cells = [format_value(values.get(k)) for k in sweep.spec.varied]
+        for c in combos:
+            m = results.get(json.dumps(c, sort_keys=True))
+            cell = "n/a" if m is None else f"{m:.4f}"
+            cells.append(f"**{cell}**" if best == c else cell)
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_report(sweep: Sweep, out: str | Path) -> Path:
+    """Write ``summary.jsonl``, ``report.md`` and the plots into ``out``; returns the report's path."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = gather(sweep, out)
+    with (out / "summary.jsonl").open("w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    if sweep.spec.tune is not None:
+        with (out / "tuning.jsonl").open("w") as f:
+            for r in gather(sweep, out, tuning=True):
+                f.write(json.dumps(r) + "\n")
+    plots = draw_plots(sweep, out, rows) if rows else []
+    path = out / "report.md"
+    path.write_text(report_markdown(sweep, rows, plots, out=out))
+    return path
+
+
+def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str], *, out: Path | None = None) -> str:
+    """The report's text (``out``: the sweep's directory, where the tuning rows are read from)."""
+    spec, keys = sweep.spec, sweep.spec.varied
+    metric = spec.report.metric
+    n_seeds = len(spec.seeds)
+    quick = quick_warning(rows)
+    lines = [f"# Sweep `{sweep.name}`" + (f" — {quick}" if quick else ""), "",
+             f"`jaxformer sweep {sweep.path}{' --quick' if quick else ''}` · {len(rows)} of {len(sweep.points)} "
+             f"points finished · seeds {spec.seeds} · mean ± standard deviation over seeds", ""]
+    tuned = spec.tune is not None
+    head = [k.split(".")[-1] for k in keys] + (["tuned"] if tuned else []) + [
+        "params", f"{metric}", "train loss", "tokens/s", "wall s", "diverged"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for values, rs in settings(sweep, rows):
+        ok = [r for r in rs if not r["diverged"]]
+        cells = [format_value(values.get(k)) for k in keys]
+        if tuned:
+            cells.append(", ".join(f"{k.split('.')[-1]}={format_value(v)}" for k, v in (rs[0].get("tuned") or {}
+                                                                                      ).items()) or "n/a")
+        cells += [f"{rs[0]['params']:,}" if "params" in rs[0] else "n/a",
+                  fmt(*mean_spread([r.get(metric) for r in ok])), fmt(*mean_spread([r.get("loss") for r in ok])),
+                  fmt(*mean_spread([r.get("tokens_per_s") for r in ok]), digits=0),
+                  fmt(*mean_spread([r.get("wall_s") for r in rs]), digits=0),
+                  f"{len(rs) - len(ok)} of {len(rs)}" + ("" if len(rs) == n_seeds else f" (of {n_seeds} seeds)")]
+        lines.append("| " + " | ".join(cells) + " |")
+    if spec.eval_lengths:
+        lines += ["", f"{metric} at each evaluation length (trained at seq_len "
+                  f"{sweep.points[0].config.seq_len}; n/a: the model cannot run that length)", ""]
+        head = [k.split(".")[-1] for k in keys] + [str(n) for n in spec.eval_lengths]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for values, rs in settings(sweep, rows):
+            cells = [format_value(values.get(k)) for k in keys]
+            for n in spec.eval_lengths:
+                evs = [r.get("eval_lengths", {}).get(str(n), {}) for r in rs if not r["diverged"]]
+                cells.append(fmt(*mean_spread([e.get(metric) for e in evs])))
+            lines.append("| " + " | ".join(cells) + " |")
+    if spec.probes:
+        lines += ["", "Probes (attention: mean over layers, one validation batch; dead_fraction: FFN units never "
+                  "positive on the validation windows): at initialisation → after training", ""]
+        pkeys = probe_keys(rows)
+        head = [k.split(".")[-1] for k in keys] + pkeys
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for values, rs in settings(sweep, rows):
+            cells = [format_value(values.get(k)) for k in keys]
+            for key in pkeys:
+                a, b = (mean_spread([probe(r, when, key) for r in rs])[0] for when in ("init", "final"))
+                cells.append(" → ".join("n/a" if v is None else f"{v:.3g}" for v in (a, b)))
+            lines.append("| " + " | ".join(cells) + " |")
+    diffs = differences(sweep, rows, metric)
+    if diffs:
+        conf = spec.report.confidence
+        base = label(spec.report.baseline, list(spec.report.baseline))
+        lines += ["", f"{metric}: each arm minus its baseline ({base}), paired by seed (same initialisation and "
+                  f"data order), mean and {conf:.0%} interval (Student's t on the per-seed differences); *within noise*: the interval contains 0", ""]
+        head = [k.split(".")[-1] for k in keys] + ["vs", "seeds paired", f"difference [{conf:.0%} interval]"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for values, ref, d in diffs:
+            cells = [format_value(values.get(k)) for k in keys]
+            cells += [label(ref, list(spec.report.baseline)), "0" if d is None else str(d.n),
+                      "n/a" if d is None else d.format()]
+            lines.append("| " + " | ".join(cells) + " |")
+    if spec.tune is not None and out is not None:
+        lines += tuning_lines(sweep, out)
+    if plots:
+        lines += [""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
