@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "experiments" / "bench" / "gpu_suite.py"
 
@@ -25,6 +27,8 @@ def _suite(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           env=env, cwd=ROOT)
 
 
+# slow (25 s): run it before a device session and after any change to the suite (README, "GPU suite")
+@pytest.mark.slow
 def test_dry_run_every_part_reports(tmp_path):
     proc = _suite("--dry-run", "--out", str(tmp_path), timeout=600)
     log = proc.stdout + proc.stderr

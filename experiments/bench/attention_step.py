@@ -19,6 +19,7 @@ from timing import timed
 
 from jaxformer.train import config as C
 from jaxformer.train import sharding as S
+from jaxformer.train.packing import Batch
 from jaxformer.train.step import make_trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,8 +31,8 @@ def _batch(B: int, T: int) -> dict:
     seg = np.ones((B, T), np.int32)
     seg[:, T // 2:] = 2  # two packed documents per row
     pos = np.concatenate([np.arange(T // 2), np.arange(T - T // 2)])[None].repeat(B, 0).astype(np.int32)
-    return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "positions": pos,
-            "mask": np.ones((B, T), bool)}
+    return Batch(tokens=toks[:, :-1], targets=toks[:, 1:], loss_mask=np.ones((B, T), bool), segment_ids=seg,
+                 positions=pos)
 
 
 def main() -> None:

@@ -74,7 +74,7 @@ def _ln(x, p, eps):
 def hand_loss(params, batch, *, eps: float, dtype):
     """Plain-jnp GPT forward + masked mean cross entropy, on the library's parameter tree."""
     cast = lambda a: a.astype(dtype)  # noqa: E731
-    tok, pos, seg = batch["inputs"], batch["positions"], batch["segment_ids"]
+    tok, pos, seg = batch.tokens, batch.positions, batch.segment_ids
     T = tok.shape[1]
     wte = params["embed"]["embedding"]
     x = cast(wte[tok] + params["pos_embed"]["embedding"][pos])
@@ -100,8 +100,8 @@ def hand_loss(params, batch, *, eps: float, dtype):
     x = _ln(x, params["decoder"]["final_norm"], eps)
     logits = jnp.einsum("BTD,VD->BTV", x, cast(wte), preferred_element_type=jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    tgt = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
-    mk = batch["mask"]
+    tgt = jnp.take_along_axis(logits, batch.targets[..., None], axis=-1)[..., 0]
+    mk = batch.loss_mask
     return jnp.sum(jnp.where(mk, logz - tgt, 0.0)) / jnp.maximum(mk.sum(), 1)
 
 
@@ -208,9 +208,9 @@ def torch_twin(cfg: C.ExperimentConfig, params, batches):
     schedule = make_schedule(o, cfg.schedule, cfg.schedule.decay_steps or cfg.steps)
     tb = []
     for b in batches:
-        tgt = np.where(b["mask"], b["targets"], -100)
+        tgt = np.where(b.loss_mask, b.targets, -100)
         tb.append(tuple(torch.from_numpy(np.asarray(x, np.int64)) for x in
-                        (b["inputs"], b["positions"], b["segment_ids"], tgt)))
+                        (b.tokens, b.positions, b.segment_ids, tgt)))
     state = {"i": 0}
 
     def step(_=None):

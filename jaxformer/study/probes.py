@@ -53,8 +53,8 @@ def _layer_stats(captured, name: str = "attention_stats") -> list:
 @functools.partial(jax.jit, static_argnums=0)
 def _probe(graphdef, params, batch):
     model = _recording(graphdef, params)
-    _, captured = nnx.capture(model, nnx.Intermediate)(batch["inputs"], positions=batch["positions"],
-                                                          segment_ids=batch["segment_ids"])
+    _, captured = nnx.capture(model, nnx.Intermediate)(batch.tokens, positions=batch.positions,
+                                                          segment_ids=batch.segment_ids)
     layers = _layer_stats(captured)
 
     def mean_loss(p):
@@ -105,9 +105,9 @@ def attention_probe(graphdef, params, batch) -> dict:
 def _fired(graphdef, params, batch):
     """Per FFN (in module order), whether each unit's activation input was positive on any real token."""
     model = _recording(graphdef, params, (MLP, GatedMLP))
-    _, captured = nnx.capture(model, nnx.Intermediate)(batch["inputs"], positions=batch["positions"],
-                                                          segment_ids=batch["segment_ids"])
-    real = batch["segment_ids"] > 0  # padding rows and tails are not data
+    _, captured = nnx.capture(model, nnx.Intermediate)(batch.tokens, positions=batch.positions,
+                                                          segment_ids=batch.segment_ids)
+    real = batch.segment_ids > 0  # padding rows and tails are not data
     return jnp.stack([jnp.any(f & real[..., None], axis=(0, 1)) for f in _layer_stats(captured, "fired")])
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxformer.train.packing import model_batch, split_segments
+from jaxformer.train.packing import Batch, model_batch, split_segments
 
 
 @dataclass
@@ -23,10 +23,10 @@ class EvalSet:
     pad_id: int
     score_from: np.ndarray | None = None
 
-    def _batch(self, rows, seg, score_from) -> dict[str, np.ndarray]:
+    def _batch(self, rows, seg, score_from) -> Batch:
         b = model_batch(rows, seg, self.pad_id)
         if score_from is not None:
-            b["mask"] &= np.arange(rows.shape[1] - 1)[None, :] >= score_from[:, None]
+            b = b._replace(loss_mask=b.loss_mask & (np.arange(rows.shape[1] - 1)[None, :] >= score_from[:, None]))
         return b
 
     def batches(self, batch_size: int):
@@ -44,7 +44,7 @@ class EvalSet:
     def target_ids(self) -> np.ndarray:
         """The ids that are scored, in order (for byte counts and compressor baselines)."""
         b = self._batch(self.rows, self.segment_ids, self.score_from)
-        return b["targets"][b["mask"]]
+        return b.targets[b.loss_mask]
 
 
 def eval_windows(stream: np.ndarray, *, seq_len: int, tokenizer, max_tokens: int | None = None,

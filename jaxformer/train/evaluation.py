@@ -111,11 +111,11 @@ def evaluate_run(run_dir: str | Path, *, max_tokens: int | None = -1, compressor
 @functools.partial(jax.jit, static_argnums=0)
 def _token_nll(graphdef, params, batch):
     """Next-token negative log-likelihood (nats) of every position, fp32 ``[B, T]`` (0 where masked)."""
-    logits = apply(graphdef, params, batch["inputs"], positions=batch["positions"],
-                   segment_ids=batch["segment_ids"])
+    logits = apply(graphdef, params, batch.tokens, positions=batch.positions,
+                   segment_ids=batch.segment_ids)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
-    return jnp.where(batch["mask"], logz - picked, 0.0)
+    picked = jnp.take_along_axis(logits, batch.targets[..., None], axis=-1)[..., 0]
+    return jnp.where(batch.loss_mask, logz - picked, 0.0)
 
 
 def learned_table_refusal(model_cfg, seq_len: int) -> str | None:
@@ -175,12 +175,12 @@ def evaluate_run_at_length(run_dir: str | Path, seq_len: int, *, max_tokens: int
     token_bytes = corpus.tokenizer.token_bytes
     for b in evalset.batches(eval_batch_size(cfg, trainer.mesh)):
         nll = np.asarray(_token_nll(trainer.graphdef, params, b), np.float64)
-        where = b["mask"]
-        idx = b["positions"][where] // width
+        where = b.loss_mask
+        idx = b.positions[where] // width
         nats += np.bincount(idx, nll[where], n_buckets)
         count += np.bincount(idx, None, n_buckets)
         if token_bytes is not None:
-            nbytes += np.bincount(idx, token_bytes[b["targets"][where]], n_buckets)
+            nbytes += np.bincount(idx, token_bytes[b.targets[where]], n_buckets)
     out = {"step": int(meta["step"]), "seq_len": seq_len, "trained_seq_len": trained.seq_len,
            "val_loss": nats.sum() / max(count.sum(), 1.0), "val_tokens": int(count.sum())}
     if token_bytes is not None:
@@ -238,10 +238,10 @@ def evaluate_hf_text(path: str | Path, text_file: str | Path, *, seq_len: int | 
     nats, count, nbytes = 0.0, 0, 0
     for b in evalset.batches(batch_size):
         nll = np.asarray(_token_nll(graphdef, state, b), np.float64)
-        where = b["mask"]
+        where = b.loss_mask
         nats += float(nll[where].sum())
         count += int(where.sum())
-        nbytes += int(token_bytes[b["targets"][where]].sum())
+        nbytes += int(token_bytes[b.targets[where]].sum())
     out = {"model": str(path), "text": str(text_file), "seq_len": seq_len, "stride": stride or seq_len,
            "loss": nats / max(count, 1), "tokens": count, "bpb": nats / LN2 / max(nbytes, 1), "bytes": nbytes,
            "text_bytes": len(data)}

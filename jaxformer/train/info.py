@@ -51,7 +51,7 @@ from jaxformer.train import config as C
 from jaxformer.train import sharding as shd
 from jaxformer.train.config import ExperimentConfig, MeshConfig
 from jaxformer.train.optim import muon_dimensions
-from jaxformer.train.step import BATCH_KEYS, make_trainer
+from jaxformer.train.step import make_trainer
 
 
 def _sharded_bytes(abstract_params, axes_tree, mesh_shape: dict, itemsize: int | None = None,
@@ -150,8 +150,7 @@ def compiled_memory(cfg: ExperimentConfig, n_devices: int | None = None) -> dict
                          trainer.abstract_state, trainer.state_shardings)
     rows = np.zeros((cfg.batch_size, cfg.seq_len + 1), np.int32)
     example = model_batch(rows, rows + 1, 0)  # the dtypes the data pipeline feeds the step
-    batch = {k: jax.ShapeDtypeStruct(example[k].shape, example[k].dtype, sharding=shd.batch_sharding(mesh))
-             for k in BATCH_KEYS}
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shd.batch_sharding(mesh)), example)
     m = trainer.train_step.lower(state, batch).compile().memory_analysis()
     out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
            "aliased": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes, "backend": jax.default_backend()}

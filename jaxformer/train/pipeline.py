@@ -15,7 +15,7 @@ import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset
 
 from jaxformer.train.corpus import Corpus
-from jaxformer.train.packing import model_batch, split_segments
+from jaxformer.train.packing import Batch, model_batch, split_segments
 
 
 class _Pieces:
@@ -73,7 +73,7 @@ class TrainIterator:
     def __iter__(self):
         return self
 
-    def __next__(self) -> dict[str, np.ndarray]:
+    def __next__(self) -> Batch:
         b = next(self._it)
         seg = split_segments(b["tokens_segment_ids"], b["tokens"], self.eos_id)
         return model_batch(b["tokens"], seg, self.pad_id)

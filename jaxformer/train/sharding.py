@@ -127,13 +127,14 @@ def check_batch(batch_size: int, grad_accum: int, mesh_shape) -> None:
                          f"not divisible by data*fsdp={shards} on mesh {where}")
 
 
-def put_batch(batch: dict, mesh: Mesh) -> dict:
-    """Host-local numpy ``[B_local, T]`` arrays -> global sharded jax arrays ``[B, T]``."""
+def put_batch(batch, mesh: Mesh):
+    """A batch (any pytree, e.g. :class:`jaxformer.train.packing.Batch`) of host-local numpy ``[B_local, T]``
+    arrays -> the same of global sharded jax arrays ``[B, T]``."""
     sh = batch_sharding(mesh)
-    return {k: jax.make_array_from_process_local_data(sh, v) for k, v in batch.items()}
+    return jax.tree.map(lambda v: jax.make_array_from_process_local_data(sh, v), batch)
 
 
-def put_global_batch(batch: dict, mesh: Mesh) -> dict:
-    """Numpy ``[B, T]`` arrays that every process holds in full -> global sharded jax arrays."""
+def put_global_batch(batch, mesh: Mesh):
+    """A batch of numpy ``[B, T]`` arrays that every process holds in full -> global sharded jax arrays."""
     sh = batch_sharding(mesh)
-    return {k: jax.make_array_from_callback(v.shape, sh, lambda idx, v=v: v[idx]) for k, v in batch.items()}
+    return jax.tree.map(lambda v: jax.make_array_from_callback(v.shape, sh, lambda idx: v[idx]), batch)

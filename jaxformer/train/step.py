@@ -36,8 +36,8 @@ from jaxformer.ops.losses import cross_entropy
 from jaxformer.train import sharding as shd
 from jaxformer.train.config import ExperimentConfig, OptimizerConfig, ScheduleConfig
 from jaxformer.train.optim import make_optimizer
+from jaxformer.train.packing import Batch
 
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "mask")
 
 
 @dataclass(frozen=True)
@@ -129,12 +129,11 @@ class Trainer:
         return join(self.frozen, state["params"])
 
 
-def model_loss(graphdef, params, batch, z_loss: float):
-    """``(loss_sum, (ce_sum, n_tokens))`` of one packed batch: the summed loss (cross-entropy + z-loss,
+def model_loss(graphdef, params, batch: Batch, z_loss: float):
+    """``(loss_sum, (ce_sum, n_tokens))`` of one packed :class:`~jaxformer.train.packing.Batch`: the summed loss (cross-entropy + z-loss,
     its mean times the tokens counted) to differentiate, the summed cross-entropy and the count (probes use it)."""
-    logits = apply(graphdef, params, batch["inputs"], positions=batch["positions"],
-                   segment_ids=batch["segment_ids"])
-    loss, m = cross_entropy(logits, batch["targets"], mask=batch["mask"], z_loss=z_loss)
+    logits = apply(graphdef, params, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids)
+    loss, m = cross_entropy(logits, batch.targets, mask=batch.loss_mask, z_loss=z_loss)
     n = m["n_tokens"].astype(jnp.float32)
     return loss * n, (m["ce"] * n, n)
 
@@ -247,7 +246,7 @@ def _make_trainer(spec: StepSpec, mesh: jax.sharding.Mesh) -> Trainer:
                 "rng": jax.random.key_data(key)}
 
     from_params_fn = jax.jit(build_from, out_shardings=state_sh, donate_argnums=0)
-    b_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
+    b_sh = Batch(*[shd.batch_sharding(mesh)] * len(Batch._fields))
     step = jax.jit(functools.partial(train_step, spec=spec), in_shardings=(state_sh, b_sh),
                    out_shardings=(state_sh, repl), donate_argnums=0)
     evaluate = jax.jit(functools.partial(eval_step, spec=spec), in_shardings=(p_sh, b_sh), out_shardings=repl)
@@ -384,7 +383,7 @@ def _make_lora_trainer(spec: StepSpec, mesh: jax.sharding.Mesh) -> tuple[Trainer
                 "rng": jax.random.key_data(key)}
 
     from_params_fn = jax.jit(build_from, out_shardings=state_sh, donate_argnums=0)
-    b_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
+    b_sh = Batch(*[shd.batch_sharding(mesh)] * len(Batch._fields))
     step = jax.jit(functools.partial(lora_train_step, spec=spec), in_shardings=(f_sh, state_sh, b_sh),
                    out_shardings=(state_sh, repl), donate_argnums=1)
     evaluate = jax.jit(functools.partial(eval_step, spec=spec), in_shardings=(join(f_sh, a_sh), b_sh),

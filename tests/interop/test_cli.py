@@ -175,12 +175,12 @@ def test_finetune_starts_from_the_checkpoint_and_keeps_its_source(finetuned):
     config, graphdef, state = load_pretrained(ckpt)
     assert config == cfg.model.model_copy(update={"remat": False})
     batch = next(_train_iterator(cfg, build_corpus(cfg.data, tokenizer_path=ckpt)))
-    logits = jax.jit(apply, static_argnums=0)(graphdef, state, jnp.asarray(batch["inputs"]),
-                                              positions=jnp.asarray(batch["positions"]),
-                                              segment_ids=jnp.asarray(batch["segment_ids"]))
-    nll = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, jnp.asarray(batch["targets"])[..., None], -1)[
+    logits = jax.jit(apply, static_argnums=0)(graphdef, state, jnp.asarray(batch.tokens),
+                                              positions=jnp.asarray(batch.positions),
+                                              segment_ids=jnp.asarray(batch.segment_ids))
+    nll = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, jnp.asarray(batch.targets)[..., None], -1)[
         ..., 0]
-    mask = batch["mask"]
+    mask = batch.loss_mask
     first = float(jnp.sum(jnp.where(mask, nll, 0.0)) / mask.sum())
     rows = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]

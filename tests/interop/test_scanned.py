@@ -100,12 +100,11 @@ def test_finetune_with_scan_layers_starts_from_the_checkpoint(scanned_run):
     cfg = C.load(run / "config.yaml")
     assert cfg.model.scan_layers and cfg.hf_source == str(ckpt)
     _, graphdef, state = load_pretrained(ckpt)  # per layer
-    batch = {k: jnp.asarray(v) for k, v in next(_train_iterator(cfg, build_corpus(cfg.data,
-                                                                                  tokenizer_path=ckpt))).items()}
-    logits = forward(graphdef, state, batch["inputs"], positions=batch["positions"],
-                     segment_ids=batch["segment_ids"])
-    nll = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
-    first = float(jnp.sum(jnp.where(batch["mask"], nll, 0.0)) / batch["mask"].sum())
+    batch = jax.tree.map(jnp.asarray, next(_train_iterator(cfg, build_corpus(cfg.data, tokenizer_path=ckpt))))
+    logits = forward(graphdef, state, batch.tokens, positions=batch.positions,
+                     segment_ids=batch.segment_ids)
+    nll = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, batch.targets[..., None], -1)[..., 0]
+    first = float(jnp.sum(jnp.where(batch.loss_mask, nll, 0.0)) / batch.loss_mask.sum())
     rows = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["loss"] == pytest.approx(first, rel=1e-5)  # fp32: scan vs loop rounding only

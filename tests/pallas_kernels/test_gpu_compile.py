@@ -86,6 +86,7 @@ def _compile_and_check(archs, hds, dtypes, tmp_path, variants=gc.FLASH_VARIANTS)
     assert not bad, "\n" + gc.HEADER + "\n" + "\n".join(bad)
 
 
+@pytest.mark.slow  # 12 s: with the other kernel compile checks, on every kernel change
 @needs_triton
 def test_compiles_spill_free_hd128_bf16(tmp_path):
     _compile_and_check(gc.ARCHS, (128,), ("bf16",), tmp_path)

@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxformer.model import ModelConfig, Transformer, init
 from jaxformer.study.probes import attention_probe
+from jaxformer.train.packing import Batch
 from jaxformer.train.step import model_loss
 from tests.ops.test_attention import numpy_logit_stats
 
@@ -26,8 +27,8 @@ def batch(seed=0):
     seg = np.ones((B, T), np.int32)
     seg[1, 7:] = 2  # two documents in the second row
     pos = np.where(seg == 2, np.arange(T) - 7, np.arange(T)).astype(np.int32)
-    return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "segment_ids": seg, "positions": pos,
-            "mask": np.ones((B, T), bool)}
+    return Batch(tokens=toks[:, :-1], targets=toks[:, 1:], loss_mask=np.ones((B, T), bool), segment_ids=seg,
+                 positions=pos)
 
 
 def layer_norm64(x, scale):
@@ -48,10 +49,10 @@ def test_first_layer_statistics_match_numpy(attn_scale):
 
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     blk = p["decoder"]["blocks"][0]
-    h = layer_norm64(p["embed"]["embedding"][b["inputs"]], blk["attn_residual"]["norm"]["scale"])
+    h = layer_norm64(p["embed"]["embedding"][b.tokens], blk["attn_residual"]["norm"]["scale"])
     q = np.einsum("btd,dnh->btnh", h, blk["self_attn"]["w_q"])
     k = np.einsum("btd,dnh->btnh", h, blk["self_attn"]["w_k"])
-    seg = b["segment_ids"]
+    seg = b.segment_ids
     allowed = (seg[:, :, None] == seg[:, None, :]) & (np.arange(T)[:, None] >= np.arange(T)[None, :])
     want = numpy_logit_stats(q, k, allowed, scale=1 / math.sqrt(8) if attn_scale is None else attn_scale)
     for key, w in want.items():
@@ -111,18 +112,18 @@ def test_dead_units_match_numpy(activation):
     w_name, b_name = ("w_in", "b_in") if activation == "relu" else ("w_gate", "b_gate")
     blk["mlp"][b_name] = blk["mlp"][b_name] - 3.0 * (jnp.arange(cfg.resolved_d_ff) % 2)  # half pushed down
     b1, b2 = batch(0), batch(1)
-    b2["segment_ids"][0, 5:] = 0  # padding: those tokens must not count
+    b2.segment_ids[0, 5:] = 0  # padding: those tokens must not count
     got = mlp_probe(gd, params, [b1, b2])
 
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     pb = p["decoder"]["blocks"][0]
     fired = np.zeros(cfg.resolved_d_ff, bool)
     for b in (b1, b2):
-        e = p["embed"]["embedding"][b["inputs"]]
+        e = p["embed"]["embedding"][b.tokens]
         n = pb["mlp_residual"]["norm"]
         pre = layer_norm64(e, n["scale"]) + n["bias"]
         pre = pre @ pb["mlp"][w_name] + pb["mlp"][b_name]
-        fired |= np.any((pre > 0) & (b["segment_ids"] > 0)[..., None], axis=(0, 1))
+        fired |= np.any((pre > 0) & (b.segment_ids > 0)[..., None], axis=(0, 1))
     assert 0 < got["dead_fraction"] < 1
     np.testing.assert_allclose(got["dead_fraction"], 1 - fired.mean(), atol=1e-12)
     assert got["dead_fraction_layers"] == [got["dead_fraction"]]

@@ -215,6 +215,7 @@ def test_a_diverging_point_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert json.loads((tmp_path / "out" / rows[0]["name"] / POINT_FILE).read_text())["diverged"]
 
 
+@pytest.mark.slow  # 8 s; a diverging point recorded while the sweep goes on is a default-run test
 def test_a_sweep_where_every_point_diverged_still_reports(tmp_path):
     """The non-finite run keeps its initialisation probe; the report and its plots are written."""
     base = tiny_raw(make_corpus(tmp_path / "corpus"), steps=3, eval={"at_end": True, "max_tokens": 64},

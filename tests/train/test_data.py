@@ -61,7 +61,7 @@ def test_documents_are_wrapped_and_split(corpus):
 
 
 def _check_rows(batch, corpus_docs, pad_id, T):
-    inputs, targets, seg, pos, mask = (batch[k] for k in ("inputs", "targets", "segment_ids", "positions", "mask"))
+    inputs, targets, seg, pos, mask = batch.tokens, batch.targets, batch.segment_ids, batch.positions, batch.loss_mask
     assert inputs.shape == targets.shape == seg.shape == pos.shape == mask.shape and inputs.shape[1] == T
     joined = [bytes(d.astype(np.uint16).tobytes()) for d in corpus_docs]
     for b in range(inputs.shape[0]):
@@ -87,13 +87,13 @@ def test_packing_segments_positions_and_mask(corpus):
     for _ in range(5):
         b = next(it)
         _check_rows(b, corpus.train_docs, corpus.tokenizer.pad_id, T)
-    assert b["mask"].dtype == np.bool_ and b["inputs"].dtype == np.int32
+    assert b.loss_mask.dtype == np.bool_ and b.tokens.dtype == np.int32
 
 
 def test_stream_is_deterministic_and_seed_dependent(corpus):
-    a = [next(it)["inputs"] for it in [TrainIterator(corpus, seq_len=32, batch_size=4, seed=1)] for _ in range(6)]
-    b = [next(it)["inputs"] for it in [TrainIterator(corpus, seq_len=32, batch_size=4, seed=1)] for _ in range(6)]
-    c = [next(it)["inputs"] for it in [TrainIterator(corpus, seq_len=32, batch_size=4, seed=2)] for _ in range(6)]
+    a = [next(it).tokens for it in [TrainIterator(corpus, seq_len=32, batch_size=4, seed=1)] for _ in range(6)]
+    b = [next(it).tokens for it in [TrainIterator(corpus, seq_len=32, batch_size=4, seed=1)] for _ in range(6)]
+    c = [next(it).tokens for it in [TrainIterator(corpus, seq_len=32, batch_size=4, seed=2)] for _ in range(6)]
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
     assert not all(np.array_equal(x, y) for x, y in zip(a, c))
 
@@ -111,15 +111,16 @@ def test_iterator_state_restores_the_exact_stream(corpus):
         again.set_state(json.dumps(states[k]).encode())
         for j in range(k, min(k + 4, n)):
             got = next(again)
-            for key in ref[j]:
-                np.testing.assert_array_equal(got[key], ref[j][key], err_msg=f"restore at {k}, step {j}, {key}")
+            for key in ref[j]._fields:
+                np.testing.assert_array_equal(getattr(got, key), getattr(ref[j], key),
+                                              err_msg=f"restore at {k}, step {j}, {key}")
 
 
 def test_process_shards_are_disjoint_halves(corpus):
     p0 = TrainIterator(corpus, seq_len=32, batch_size=4, seed=0, shuffle=False, process_index=0, process_count=2)
     p1 = TrainIterator(corpus, seq_len=32, batch_size=4, seed=0, shuffle=False, process_index=1, process_count=2)
-    assert next(p0)["inputs"].shape == (2, 32)
-    assert not np.array_equal(next(p0)["inputs"], next(p1)["inputs"])
+    assert next(p0).tokens.shape == (2, 32)
+    assert not np.array_equal(next(p0).tokens, next(p1).tokens)
 
 
 def test_eval_windows_score_every_token_once(corpus):
@@ -135,7 +136,7 @@ def test_eval_windows_score_every_token_once(corpus):
     sub = eval_windows(corpus.val_stream, seq_len=T, tokenizer=tok, max_tokens=64)
     assert sub.rows.shape == (4, T + 1)
     b = next(sub.batches(3))
-    assert b["inputs"].shape == (3, T)
+    assert b.tokens.shape == (3, T)
 
 
 def test_split_segments_and_positions_against_a_loop():
@@ -169,9 +170,9 @@ def test_bin_source_memmap(tmp_path):
     b = next(it)
     for r in range(2):
         # a new segment starts right after each EOS
-        after_eos = np.flatnonzero(b["inputs"][r][:-1] == 999) + 1
+        after_eos = np.flatnonzero(b.tokens[r][:-1] == 999) + 1
         for i in after_eos:
-            assert b["segment_ids"][r][i] != b["segment_ids"][r][i - 1] and not b["mask"][r][i - 1]
+            assert b.segment_ids[r][i] != b.segment_ids[r][i - 1] and not b.loss_mask[r][i - 1]
 
 
 def test_bpe_tokenizer(tmp_path):
@@ -243,16 +244,16 @@ def test_sliding_eval_windows_score_every_token_once_with_context(corpus, stride
     doc_pos = np.arange(len(stream)) - bos[np.searchsorted(bos, np.arange(len(stream)), side="right") - 1]
     scored_at, r0 = [], 0
     for b in ev.batches(7):
-        for r in range(len(b["inputs"])):
+        for r in range(len(b.tokens)):
             if r0 + r >= len(ev.rows):
-                assert not b["mask"][r].any()  # padding rows score nothing
+                assert not b.loss_mask[r].any()  # padding rows score nothing
                 continue
-            for j in np.flatnonzero(b["mask"][r]):
+            for j in np.flatnonzero(b.loss_mask[r]):
                 i = (r0 + r) * stride + j  # stream index of the input token
-                assert b["inputs"][r, j] == stream[i] and b["targets"][r, j] == stream[i + 1]
-                assert b["positions"][r, j] + 1 >= min(doc_pos[i] + 1, T - stride + 1), (r0 + r, j)
+                assert b.tokens[r, j] == stream[i] and b.targets[r, j] == stream[i + 1]
+                assert b.positions[r, j] + 1 >= min(doc_pos[i] + 1, T - stride + 1), (r0 + r, j)
                 scored_at.append(i + 1)
-        r0 += len(b["inputs"])
+        r0 += len(b.tokens)
     want = np.arange(1, len(stream))
     np.testing.assert_array_equal(scored_at, want[stream[1:] != tok.bos_id])
     with pytest.raises(ValueError, match="eval.stride"):
@@ -261,4 +262,4 @@ def test_sliding_eval_windows_score_every_token_once_with_context(corpus, stride
     sub = eval_windows(stream, seq_len=T, tokenizer=tok, stride=stride, max_tokens=8 * stride)
     assert len(sub.rows) == 8 and (sub.score_from is None) == (stride == T)
     ids = sub.target_ids()
-    assert len(ids) == sum(int(b["mask"].sum()) for b in sub.batches(3)) <= T + 7 * stride
+    assert len(ids) == sum(int(b.loss_mask.sum()) for b in sub.batches(3)) <= T + 7 * stride

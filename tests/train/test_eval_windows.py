@@ -17,8 +17,8 @@ def scored(evalset) -> list[tuple[int, int]]:
     the stream each pair names one stream position."""
     pairs = []
     for b in evalset.batches(4):
-        where = b["mask"]
-        pairs += list(zip(b["inputs"][where].tolist(), b["targets"][where].tolist()))
+        where = b.loss_mask
+        pairs += list(zip(b.tokens[where].tolist(), b.targets[where].tolist()))
     return sorted(pairs)
 
 
