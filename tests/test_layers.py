@@ -38,9 +38,13 @@ def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                out.append((node.lineno, ".".join(base + ([node.module] if node.module else []))))
+                module = ".".join(base + ([node.module] if node.module else []))
             else:
-                out.append((node.lineno, node.module))
+                module = node.module
+            if module == "jaxformer":  # `from jaxformer import train`: each name is a package
+                out += [(node.lineno, f"jaxformer.{a.name}") for a in node.names]
+            else:
+                out.append((node.lineno, module))
     return out
 
 
@@ -48,9 +52,10 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     pkg = tmp_path / "jaxformer" / "ops"
     pkg.mkdir(parents=True)
     (pkg / "x.py").write_text("from . import y\nfrom ..nn import z\ndef f():\n    from jaxformer.train import loop\n"
-                              "    import flax\n")
+                              "    import flax\nfrom jaxformer import study\nfrom .. import serve\n")
     assert sorted(imports(pkg / "x.py", tmp_path)) == [(1, "jaxformer.ops"), (2, "jaxformer.nn"),
-                                                       (4, "jaxformer.train"), (5, "flax")]
+                                                       (4, "jaxformer.train"), (5, "flax"), (6, "jaxformer.study"),
+                                                       (7, "jaxformer.serve")]
 
 
 @pytest.mark.parametrize("package", sorted(MAY_IMPORT))

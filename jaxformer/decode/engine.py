@@ -226,7 +226,7 @@ class Engine:
         (None for a model without one).
     """
 
-    def __init__(self, graphdef, state, config, *, num_pages: int, page_size: int = 16, max_batch: int = 8,
+    def __init__(self, graphdef, state, config, *, num_pages: int | None = None, page_size: int = 16, max_batch: int = 8,
                  chunk_size: int = 64, max_context: int | None = None, prefix_sharing: bool = True,
                  backend: str = "auto", interpret: bool = False, window: int | None = None):
         self.graphdef, self.state, self.config = graphdef, state, config
@@ -240,8 +240,10 @@ class Engine:
         self.max_batch, self.chunk_size = max_batch, chunk_size
         self.window = check_window(window, config)
         self.options = StepOptions(backend, interpret, self.window)
-        self.manager = BlockManager(num_pages, page_size, prefix_sharing=prefix_sharing)
         self.max_pages_per_seq = pages_per_sequence(self.max_context, page_size, self.window)
+        if num_pages is None:  # room for max_batch sequences of max_context (of the window, with one)
+            num_pages = max_batch * self.max_pages_per_seq
+        self.manager = BlockManager(num_pages, page_size, prefix_sharing=prefix_sharing)
         self.pools = init_page_pools(config, num_pages, page_size)
         self.waiting: collections.deque[_Req] = collections.deque()
         self.running: list[_Req] = []
@@ -296,9 +298,10 @@ class Engine:
         return False
 
     def in_progress(self) -> dict[Hashable, list[int]]:
-        """The tokens each waiting or running request has generated so far (copies), by request id: what a
-        caller streams between steps. A preempted request keeps its tokens, so each list only grows."""
-        return {r.rid: list(r.generated) for r in itertools.chain(self.running, self.waiting)}
+        """The tokens each waiting or running request has generated so far, by request id: what a caller streams
+        between steps. The engine's own lists, not copies (read them, slice what is new): a preempted request
+        keeps its tokens, so each list only grows."""
+        return {r.rid: r.generated for r in itertools.chain(self.running, self.waiting)}
 
     def step_shapes(self) -> list[tuple[int, int, int]]:
         """Every ``(B, T, M)`` a step of this engine can run: batch rows (powers of two up to ``max_batch``)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from jaxformer.decode.engine import Engine, pages_per_sequence
+from jaxformer.decode.engine import Engine
 from jaxformer.decode.sampling import SamplingParams
 
 OVERRIDES = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
@@ -116,8 +116,7 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
     "max_new_tokens" | "context" | "error"), error, num_prompt_tokens, num_preemptions``.
     """
     o = options
-    eos = getattr(tokenizer, "eos_id", None)
-    stop = () if eos is None else (int(eos),)
+    stop = stop_token_ids(tokenizer)  # the same ends as the server's
     records: list[dict[str, Any]] = []
     requests: list[tuple[list[int], SamplingParams] | None] = []
     for i, item in enumerate(prompts):
@@ -137,10 +136,7 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
         records[-1]["num_prompt_tokens"] = len(token_ids)
         requests.append((token_ids, params))
     context = requests_context([r for r in requests if r is not None], config.max_seq_len)
-    num_pages = o.num_pages
-    if num_pages is None:
-        num_pages = o.max_batch * pages_per_sequence(context, o.page_size, o.window)
-    engine = Engine(graphdef, state, config, num_pages=num_pages, page_size=o.page_size, max_batch=o.max_batch,
+    engine = Engine(graphdef, state, config, num_pages=o.num_pages, page_size=o.page_size, max_batch=o.max_batch,
                     chunk_size=o.chunk_size, max_context=context, window=o.window)
     ids = [None if r is None else engine.submit(*r, request_id=i) for i, r in enumerate(requests)]
     results = engine.run()
@@ -149,7 +145,7 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
             continue
         r = results[rid]
         rec.update(finish_reason=r.finish_reason, stopped_by=r.stopped_by, error=r.error, tokens=r.tokens,
-                   completion=tokenizer.decode([t for t in r.tokens if t != (eos if eos is not None else -1)]),
+                   completion=tokenizer.decode([t for t in r.tokens if t not in stop]),
                    num_preemptions=r.num_preemptions)
     return records
 
@@ -161,6 +157,18 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
         return [int(t) for t in tokenizer.encode_prompt(text)]
     bos = getattr(tokenizer, "bos_id", None)
     return ([] if bos is None else [int(bos)]) + [int(t) for t in tokenizer.encode(text)]
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """The ids that end a choice: the tokenizer's EOS, and a Hugging Face checkpoint's
+    ``generation_config.json`` ``eos_token_id`` (an int or a list: chat models often end a turn on another)."""
+    ids = [] if getattr(tokenizer, "eos_id", None) is None else [int(tokenizer.eos_id)]
+    path = getattr(tokenizer, "path", None)
+    file = Path(path) / "generation_config.json" if path is not None else None
+    if file is not None and file.is_file():
+        eos = json.loads(file.read_text()).get("eos_token_id")
+        ids += [eos] if isinstance(eos, int) else [i for i in eos or [] if isinstance(i, int)]
+    return tuple(dict.fromkeys(ids))
 
 
 def requests_context(requests: Sequence[tuple[Sequence[int], SamplingParams]], max_seq_len: int) -> int:

@@ -18,3 +18,9 @@ def byte_unicode_table() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+@functools.cache
+def byte_decoder() -> dict[str, int]:
+    """:func:`byte_unicode_table` inverted: a byte-level BPE piece's characters -> its bytes."""
+    return {c: b for b, c in byte_unicode_table().items()}

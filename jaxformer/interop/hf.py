@@ -90,9 +90,9 @@ OTHER_KINDS = {"bert": "encoder", "roberta": "encoder", "distilbert": "encoder",
                "mbart": "encoder-decoder", "pegasus": "encoder-decoder"}
 
 
-def check_kind(path: str | os.PathLike, want: str, command: str) -> dict[str, Any]:
-    """``path``'s config (:func:`read_config`) when its model is a ``want`` (``"decoder"`` or
-    ``"encoder-decoder"``), else ValueError naming the model type, its kind and the command that runs it."""
+def check_kind(path: str | os.PathLike, want: str, command: str) -> None:
+    """ValueError naming the model type, its kind and the command that runs it, unless ``path``'s model is a
+    ``want`` (``"decoder"`` or ``"encoder-decoder"``)."""
     hf = read_config(path)
     model_type = hf.get("model_type")
     kind = OTHER_KINDS.get(model_type) or config_from_hf(hf, config_where(path)).kind.replace("_", "-")
@@ -102,7 +102,6 @@ def check_kind(path: str | os.PathLike, want: str, command: str) -> dict[str, An
                 "decoder": " (a decoder: jaxformer generate --hf DIR)"}.get(kind, "")
         raise ValueError(f"{command} --hf: {path} is a {model_type} checkpoint, an {kind} model; {command} needs "
                          f"{what} checkpoint{hint}")
-    return hf
 
 
 def family_for(hf: Mapping[str, Any], where: str) -> Family:

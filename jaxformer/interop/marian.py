@@ -332,8 +332,9 @@ def translation_settings(path: str | os.PathLike, max_seq_len: int, *, beams: in
     if beams is not None and beams < 1:
         raise ValueError(f"translate: --beams {beams} must be >= 1")
     kw = translation_kwargs(path, beam=True)
-    num_beams = kw.pop("num_beams", 1) if beams is None else beams
-    kw.pop("num_beams", None)
+    num_beams = kw.pop("num_beams", 1)
+    if beams is not None:
+        num_beams = beams
     limit = max_seq_len - 1
     wanted = kw.pop("max_new_tokens", limit)
     kw["max_new_tokens"] = min(wanted if max_new_tokens is None else max_new_tokens, limit)

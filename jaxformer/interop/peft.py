@@ -42,7 +42,7 @@ from jaxformer.interop.rules import HFConfigError, Reader, read_json_object
 from jaxformer.model.config import LoRAConfig, ModelConfig
 from jaxformer.model.functional import abstract_init
 from jaxformer.model.layout import per_layer_config, stack_layers, unstack_layers
-from jaxformer.nn.lora import LORA_SUFFIX, lora_delta
+from jaxformer.nn.lora import LORA_SUFFIX, DropoutKey, lora_delta
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -345,7 +345,7 @@ def with_adapter(config: ModelConfig, state, adapter: Mapping) -> tuple[nnx.Grap
         path, want = tuple(path), var.get_value()
         if path in flat:
             value = jnp.asarray(flat[path])
-        elif path[-1] == "key" and str(path[-2]).endswith(LORA_SUFFIX):
+        elif isinstance(var, DropoutKey):
             value = jnp.zeros(want.shape, want.dtype)
         else:
             raise ValueError(f"with_adapter: {'/'.join(map(str, path))} is in neither the base state nor the adapter")

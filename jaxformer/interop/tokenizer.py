@@ -24,12 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxformer.interop.byte_level import byte_unicode_table
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte -> printable-character table, inverted (byte-level BPE pieces -> bytes)."""
-    return {c: b for b, c in byte_unicode_table().items()}
+from jaxformer.interop.byte_level import byte_decoder
 
 
 def _read_json(file: Path) -> dict:
@@ -98,7 +93,7 @@ class HFTokenizer:
     @property
     def token_bytes(self) -> np.ndarray:
         """Bytes of text each id stands for (0 for special tokens), for bits per byte."""
-        decoder = _byte_decoder()
+        decoder = byte_decoder()
         out = np.zeros(self.vocab_size, np.int64)
         for piece, i in self._vocab.items():
             if i not in self._special_ids:

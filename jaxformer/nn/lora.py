@@ -37,6 +37,11 @@ LORA_SUFFIX = "_lora"
 """A projection ``w_q``'s adapter is the module attribute ``w_q_lora`` (state path ``.../w_q_lora/{a,b}``)."""
 
 
+def is_dropout_key(path) -> bool:
+    """Whether a pure-dict path (``.../w_q_lora/key``) names an adapter's dropout key (a :class:`DropoutKey`)."""
+    return path[-1] == "key" and str(path[-2]).endswith(LORA_SUFFIX)
+
+
 class DropoutKey(nnx.Variable):
     """One adapter's dropout key as raw key data (``jax.random.key_data``, uint32 ``[2]``)."""
 

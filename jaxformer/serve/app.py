@@ -18,14 +18,13 @@ import os
 import secrets
 import time
 import uuid
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from jaxformer.decode.prompts import encode_prompt
+from jaxformer.decode.prompts import encode_prompt, stop_token_ids
 from jaxformer.decode.sampling import SamplingParams
 from jaxformer.serve import protocol as P
 from jaxformer.serve.text import TextStream, prefix_lengths
@@ -33,18 +32,6 @@ from jaxformer.serve.worker import Choice, EngineWorker, Job, QueueFull, Shuttin
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 DISCONNECT_POLL_S = 0.5
-
-
-def stop_token_ids(tokenizer) -> tuple[int, ...]:
-    """The ids that end a choice: the tokenizer's EOS, and a Hugging Face checkpoint's
-    ``generation_config.json`` ``eos_token_id`` (an int or a list: chat models often end a turn on another)."""
-    ids = [] if getattr(tokenizer, "eos_id", None) is None else [int(tokenizer.eos_id)]
-    path = getattr(tokenizer, "path", None)
-    file = Path(path) / "generation_config.json" if path is not None else None
-    if file is not None and file.is_file():
-        eos = json.loads(file.read_text()).get("eos_token_id")
-        ids += [eos] if isinstance(eos, int) else [i for i in eos or [] if isinstance(i, int)]
-    return tuple(dict.fromkeys(ids))
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from jaxformer.decode.engine import Engine, pages_per_sequence
+from jaxformer.decode.engine import Engine
 from jaxformer.decode.sampling import SamplingParams
 from jaxformer.serve.options import ServeOptions
 
@@ -28,8 +28,6 @@ def build_engine(graphdef, state, config, *, max_batch: int = 8, num_pages: int 
     chunk runs every row at the chunk's width, so a request joining a decoding batch costs it little:
     experiments/results/serve_cpu.md)."""
     context = min(config.max_seq_len, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
-    if num_pages is None:
-        num_pages = max_batch * pages_per_sequence(context, page_size, config.causal_window)
     return Engine(graphdef, state, config, num_pages=num_pages, page_size=page_size, max_batch=max_batch,
                   max_context=context, chunk_size=chunk_size)
 

@@ -20,7 +20,7 @@ from jaxformer.train import config as C
 from jaxformer.train import sharding as shd
 from jaxformer.train.corpus import Corpus, build_corpus
 from jaxformer.train.eval_windows import EvalSet, eval_windows, nested_windows
-from jaxformer.train.run_dir import config_path, load_run, tokenizer_path
+from jaxformer.train.run_dir import config_path, load_decoder, load_run, tokenizer_path
 from jaxformer.train.step import Trainer
 
 LN2 = math.log(2.0)
@@ -207,19 +207,9 @@ def evaluate_hf_text(path: str | Path, text_file: str | Path, *, seq_len: int | 
     first is scored once. Bits per byte divide the nats by the UTF-8 bytes the scored tokens stand
     for (the tokenizer's ``token_bytes``); ``text_bytes`` is the file's size.
     """
-    from jaxformer.interop.hf import load_pretrained
-    from jaxformer.train.tokenizers import HFTextTokenizer
-
     text_file = Path(text_file)
     data = text_file.read_bytes()  # FileNotFoundError names the file
-    config, graphdef, state = load_pretrained(path, dtype=dtype)
-    if config.kind != "decoder":
-        raise ValueError(f"eval --hf: {path} is an {config.kind} model; loss per token needs a decoder-only "
-                         "(causal LM) checkpoint")
-    if adapter is not None:
-        from jaxformer.interop.peft import load_adapter
-
-        state = load_adapter(adapter, config, state)
+    config, graphdef, state, tok, _ = load_decoder(None, hf=path, adapter=adapter, dtype=dtype, command="eval")
     seq_len = min(config.max_seq_len, 1024) if seq_len is None else seq_len
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} must be >= 2")
@@ -228,7 +218,6 @@ def evaluate_hf_text(path: str | Path, text_file: str | Path, *, seq_len: int | 
         raise ValueError(f"{path}: {refusal}")
     if stride is not None and not 1 <= stride <= seq_len:
         raise ValueError(f"stride={stride} must be in [1, seq_len={seq_len}]")
-    tok = HFTextTokenizer.load(path)
     body = tok.encode(data.decode("utf-8", errors="replace"))
     stream = np.concatenate([[tok.bos_id] if tok.bos_id is not None else [], body]).astype(np.int32)
     if len(stream) < 2:

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxformer.model import ModelConfig
+from jaxformer.nn.lora import is_dropout_key
 from jaxformer.train import config as C
-from jaxformer.train.step import Trainer, is_dropout_key
+from jaxformer.train.step import Trainer
 
 BASE_RECORD = "base.json"
 """``RUN/base.json``: ``{"path", "sha256", "files", "bytes"}`` of the base a LoRA run adapts."""
@@ -151,13 +151,5 @@ def initial_state(cfg: C.ExperimentConfig, trainer: Trainer):
     return trainer.init_state_from(adapter, cfg.seed)
 
 
-def trainable_fraction(config: ModelConfig) -> tuple[int, int]:
-    """``(trainable, total)`` parameters of a model: the adapter's and all (the base's too) with ``lora``."""
-    from jaxformer.model import count_params, lora_params
-
-    total = count_params(config)
-    return (lora_params(config) if config.lora is not None else total), total
-
-
 __all__ = ["BASE_RECORD", "attach_base", "base_digest", "check_base", "initial_state", "record_base",
-           "trainable_fraction", "weight_files"]
+           "weight_files"]

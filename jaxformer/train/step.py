@@ -31,7 +31,7 @@ import optax
 from flax import nnx
 
 from jaxformer.model import ModelConfig, Transformer, abstract_init, apply, init
-from jaxformer.nn.lora import LORA_SUFFIX
+from jaxformer.nn.lora import is_dropout_key
 from jaxformer.ops.losses import cross_entropy
 from jaxformer.train import sharding as shd
 from jaxformer.train.config import ExperimentConfig, OptimizerConfig, ScheduleConfig
@@ -85,10 +85,15 @@ def train_step(state, batch, spec: StepSpec):
     return apply_step(spec, optimizer, schedule, state, grads, ce_sum, n)
 
 
+@functools.lru_cache(maxsize=32)
+def model_graphdef(config: ModelConfig):
+    """The graphdef of ``config``'s model (abstract, cached)."""
+    return abstract_init(config)[0]
+
+
 def eval_step(params, batch, spec: StepSpec):
     """Summed nats and scored-token count of one batch (no z-loss); ``params`` the whole model's."""
-    graphdef, _, _ = step_parts(spec)
-    _, (ce_sum, n) = model_loss(graphdef, params, batch, 0.0)
+    _, (ce_sum, n) = model_loss(model_graphdef(spec.model), params, batch, 0.0)
     return ce_sum, n
 
 
@@ -264,10 +269,6 @@ def join(frozen: dict, adapter: dict) -> dict:
     return out
 
 
-def is_dropout_key(path) -> bool:
-    return path[-1] == "key" and str(path[-2]).endswith(LORA_SUFFIX)
-
-
 def dropout_key_paths(frozen_abstract: dict) -> list[tuple]:
     """Flat paths of the dropout keys (``.../w_q_lora/key``) in the frozen part."""
     return [p for p in nnx.traversals.flatten_mapping(frozen_abstract) if is_dropout_key(p)]
@@ -324,15 +325,25 @@ def split_abstract(config: ModelConfig):
             shd.logical_axes(frozen))
 
 
+@functools.lru_cache(maxsize=8)
+def lora_dropout(config: ModelConfig) -> tuple[Any, tuple]:
+    """``(graphdef, dropout key paths)`` a LoRA model trains with: with dropout, the graphdef whose adapters
+    are not deterministic (an attribute: :mod:`jaxformer.nn.lora`) and the paths of their keys; else the plain
+    graphdef and no paths. Cached: the step reads it on every trace."""
+    graphdef, _, frozen, _, _ = split_abstract(config)
+    paths = tuple(dropout_key_paths(frozen))
+    if paths:
+        model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+        model.set_attributes(deterministic=False, raise_if_not_found=False)
+        graphdef = nnx.graphdef(model)
+    return graphdef, paths
+
+
 def lora_train_step(frozen, state, batch, spec: StepSpec):
     """:func:`train_step` of a LoRA model: the gradient of the adapter (``state["params"]``) alone, the ``frozen``
     base joined in (its dropout keys drawn per step and micro-batch: :func:`dropout_keys`)."""
-    graphdef, optimizer, schedule = step_parts(spec, "adapter")
-    paths = dropout_key_paths(split_abstract(spec.model)[2])
-    if paths:  # dropout acts only in the step's graphdef (an attribute: jaxformer.nn.lora)
-        model = nnx.eval_shape(lambda: Transformer(spec.model, rngs=nnx.Rngs(0)))
-        model.set_attributes(deterministic=False, raise_if_not_found=False)
-        graphdef = nnx.graphdef(model)
+    _, optimizer, schedule = step_parts(spec, "adapter")
+    graphdef, paths = lora_dropout(spec.model)
     z_loss = spec.optimizer.z_loss
 
     def loss(adapter, b, i):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxformer.interop.byte_level import byte_unicode_table
+from jaxformer.interop.byte_level import byte_decoder
 
 
 class ByteTokenizer:
@@ -49,7 +49,7 @@ class BPETokenizer:
         self._tok = tok
         self.bos_id, self.eos_id, self.pad_id = (tok.token_to_id(s) for s in self.SPECIALS)
         self.vocab_size = tok.get_vocab_size()
-        inv = {c: b for b, c in byte_unicode_table().items()}
+        inv = byte_decoder()
         self._bytes = [b""] * self.vocab_size
         for piece, i in tok.get_vocab().items():
             if piece not in self.SPECIALS:
