@@ -3,7 +3,7 @@
 Every attention path evaluates this one function: ``jaxformer.ops.masks.MaskSpec.dense``
 (the reference meaning) on the whole ``[T, S]`` grid, the blockwise and block-sparse
 paths of ``jaxformer.ops`` on their tiles, and the flash-attention kernels inside their
-bodies (``flash_attention.common.tile_allowed``). Only the kernels' test oracle,
+bodies (``KernelMask.allowed``). Only the kernels' test oracle,
 ``flash_attention/reference.py``, writes the definition out again on purpose: a test
 that compares a function with itself proves nothing.
 
@@ -27,6 +27,9 @@ Every operand broadcasts against the others (``q_pos [.., bq, 1]``, ``k_pos [..,
 and so on) and may be a numpy array, a jax array or a value loaded inside a Pallas
 kernel body: only comparisons, ``+``, ``-``, ``&`` and ``|`` are used, which Triton and
 Mosaic both lower.
+
+:class:`pallas_kernels.kernel_mask.KernelMask` is the same description as the kernels receive it
+(this module stays a leaf that imports nothing, so the rule runs on plain numpy too).
 """
 
 from __future__ import annotations
@@ -68,3 +71,4 @@ def mask_rule(q_pos, k_pos, *, causal: bool = False, window: tuple[int | None, i
     for term in hard[1:]:
         allowed = allowed & term
     return allowed
+

@@ -49,7 +49,7 @@ def assert_all_close(got, want, *, atol, rtol, names=("out", "dq", "dk", "dv")):
 def mosaic_custom_calls(q_shape, k_shape, kw) -> int:
     """Export forward+backward of ``flash_attention_tpu(**kw)`` for the TPU platform (the real Mosaic
     lowering, run on CPU); the number of Mosaic kernels in the module (3: fwd, dq, dk/dv)."""
-    from pallas_kernels.flash_attention.tpu import flash_attention_tpu
+    from pallas_kernels.flash_attention.api import flash_attention_tpu
 
     q, k = jnp.zeros(q_shape, jnp.bfloat16), jnp.zeros(k_shape, jnp.bfloat16)
 

@@ -416,7 +416,7 @@ def candidates(kernel: str, hd: int, dtype: str) -> list:
     else 8, then the other). Paged: 4 warps, then 8, then 2 (its tile is the caller's page), then 1 stage.
     """
     from pallas_kernels.block_table import KernelConfig
-    from pallas_kernels.flash_attention.common import tile_bytes
+    from pallas_kernels.flash_attention.blocks import tile_bytes
     from pallas_kernels.flash_attention.gpu import MAX_TILE_BYTES
 
     if kernel == "paged":

@@ -100,7 +100,7 @@ def _fwd_bwd(attn):
 
 
 def _flash_dense(dtype, H: int, *, backward: bool):
-    from pallas_kernels.flash_attention.tpu import flash_attention_tpu
+    from pallas_kernels.flash_attention.api import flash_attention_tpu
 
     B, T, N = 2, 2048, 4
     q = _aval((B, T, N, H), dtype)
@@ -116,8 +116,8 @@ def _flash_dense(dtype, H: int, *, backward: bool):
 def _flash_blocks1024(dtype, H: int):
     """Forward + backward at tiles of 1024 x 1024 (4x the default area): the kernels raise their scoped-VMEM
     limit above the compiler's 16 MiB default; on v4 (16 MiB of VMEM in all) hd 256 cannot fit."""
-    from pallas_kernels.flash_attention.common import BlockSizes
-    from pallas_kernels.flash_attention.tpu import flash_attention_tpu
+    from pallas_kernels.flash_attention.blocks import BlockSizes
+    from pallas_kernels.flash_attention.api import flash_attention_tpu
 
     B, T, N = 1, 4096, 2
     q = _aval((B, T, N, H), dtype)
@@ -129,7 +129,7 @@ def _flash_blocks1024(dtype, H: int):
 
 
 def _flash_features(dtype, H: int):
-    from pallas_kernels.flash_attention.tpu import flash_attention_tpu
+    from pallas_kernels.flash_attention.api import flash_attention_tpu
 
     B, T, N, K = 2, 2000, 8, 2  # 2000: padded up to whole blocks
     slopes = 2.0 ** -np.arange(1, N + 1, dtype=np.float32)
@@ -165,7 +165,7 @@ _BIGBIRD_MAPS: dict = {}  # one static callable per shape, so the kernels' cache
 
 
 def _flash_sparse(dtype, H: int):
-    from pallas_kernels.flash_attention.tpu import flash_attention_tpu
+    from pallas_kernels.flash_attention.api import flash_attention_tpu
 
     B, T, N, K, n_rand, R = 2, 4096, 4, 2, 2, 64
     block_map = _BIGBIRD_MAPS.setdefault(T, _bigbird_map(T, T))

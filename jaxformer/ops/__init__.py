@@ -15,7 +15,7 @@ from jaxformer.ops.activations import (
 from jaxformer.ops.attention import dot_product_attention, xla_attention
 from jaxformer.ops.blockwise import blockwise_attention
 from jaxformer.ops.losses import cross_entropy
-from jaxformer.ops.masks import MaskSpec, RandomBlocks, kv_block_lists
+from jaxformer.ops.masks import MaskSpec, RandomBlocks
 from jaxformer.ops.normalization import DeepNormConstants, deepnorm_constants, layer_norm, rms_norm
 from jaxformer.ops.positional import (
     RopeScaling,
@@ -45,7 +45,6 @@ __all__ = [
     "geglu",
     "gelu",
     "is_gated",
-    "kv_block_lists",
     "layer_norm",
     "relu",
     "rms_norm",

@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float
 from jaxformer.ops import blockwise, flash, sparse
 from jaxformer.ops.masks import MaskSpec, masked_softmax
 from jaxformer.typing import ArrayLike, AttnOut, KeyValue, Query, Slopes
-from pallas_kernels.flash_attention.common import check_qkv, check_slopes
+from pallas_kernels.shapes import check_qkv, check_slopes
 
 Impl = Literal["auto", "xla", "blockwise", "pallas", "sparse"]
 IMPLS = ("auto", "xla", "blockwise", "pallas", "sparse")

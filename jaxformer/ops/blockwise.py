@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxformer.ops.masks import MaskSpec
 from jaxformer.typing import AttnOut, KeyValue, Query, Slopes
-from pallas_kernels.flash_attention.common import check_qkv, check_slopes, pad_axis
+from pallas_kernels.shapes import check_qkv, check_slopes, pad_axis
 from pallas_kernels.mask import mask_rule
 
 _F32 = jnp.float32

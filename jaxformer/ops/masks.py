@@ -65,7 +65,9 @@ import numpy as np
 from jaxtyping import Array, Bool, Integer
 
 from jaxformer.typing import DenseMask
+from pallas_kernels.kernel_mask import KernelMask
 from pallas_kernels.mask import mask_rule
+from pallas_kernels.schedule import band_first, band_last
 
 
 def _shape(x: Any) -> tuple[int, ...] | None:
@@ -390,14 +392,12 @@ class MaskSpec:
             return None
         nq, nk = _cdiv(T, block_q), _cdiv(S, block_k)
         qp = offset + np.arange(T, dtype=np.int64)
-        top = np.minimum(S - 1, qp) if self.causal else np.full(T, S - 1, np.int64)
-        lo, hi = np.zeros(T, np.int64), top.copy()
-        if self.window is not None:
-            left, right = self.window
-            if left is not None:
-                lo = qp - left
-            if right is not None:
-                hi = np.minimum(top, qp + right)
+        # each row's band [lo, hi], from the interval functions the kernels' schedule uses
+        causal_last = band_last(qp, self.causal, None)
+        top = np.full(T, S - 1, np.int64) if causal_last is None else np.minimum(S - 1, causal_last)
+        first, last = band_first(qp, self.window), band_last(qp, self.causal, self.window)
+        lo = np.zeros(T, np.int64) if first is None else first
+        hi = top.copy() if last is None else np.minimum(S - 1, last)
         keep = np.ones(T, bool)
         rows, los, his = [np.arange(T)], [lo], [hi]
         if self.global_tokens is not None and self.patterns_active:
@@ -433,6 +433,40 @@ class MaskSpec:
             return live.any(axis=0)
         return np.broadcast_to(live, (self.num_heads, nq, nk)).copy()
 
+    def kernel_mask(self, T: int, S: int) -> KernelMask:
+        """This spec as the flash kernels take it (static ``q_offset`` only): the same fields, the
+        resolved key segment ids, and for active Longformer / BigBird patterns the kernels'
+        block-sparse operands (``block_map`` per head with global rows, global flags, random-block starts)."""
+        offset = self.static_offset(T, S)
+        if offset is None:
+            raise ValueError(f"MaskSpec.kernel_mask needs a static q_offset; got an array of shape "
+                             f"{_shape(self.q_offset)}")
+        mask = KernelMask(q_len=T, kv_len=S, causal=self.causal, window=self.window, q_offset=offset,
+                          q_segment_ids=self.q_segment_ids, kv_segment_ids=self.resolved_kv_segment_ids(T, S),
+                          kv_lengths=self.kv_lengths)
+        if not self.patterns_active:
+            return mask
+        qp = offset + np.arange(T)
+
+        def block_map(block_q: int, block_k: int) -> np.ndarray:
+            return self.block_map(T, S, block_q, block_k, per_head=True)
+
+        ops = dict(block_map=block_map)
+        if self.global_tokens is not None:
+            g = self.global_array  # [Bg, g], -1 pads
+            ops["q_global"] = np.stack([np.isin(qp, row[row >= 0]) for row in g])
+            ops["kv_global"] = np.stack([np.isin(np.arange(S), row[row >= 0]) for row in g])
+        rb = self.random_blocks
+        if rb is not None:
+            R = rb.block_size
+            rq = qp // R
+            tbl = rb.table(rq.min(), rq.max() + 1, -(-S // R))  # [heads, nrb, r]
+            if tbl.shape[-1]:
+                starts = tbl[:, rq - rq.min()] * R  # [heads, T, r]
+                ops.update(random_kv_starts=np.ascontiguousarray(starts.transpose(0, 2, 1)).astype(np.int32),
+                           random_block_size=R)
+        return dataclasses.replace(mask, **ops)
+
 
 def _mark(rows, lo, hi, keep, nheads, nq, nk, bq, bk, head=None):
     """OR of key intervals ``[lo, hi]`` of query ``rows`` (of head ``head``) into a bool ``[nheads, nq, nk]``."""
@@ -444,20 +478,6 @@ def _mark(rows, lo, hi, keep, nheads, nq, nk, bq, bk, head=None):
     size = nheads * nq * (nk + 1)
     diff = np.bincount(base + lo // bk, minlength=size) - np.bincount(base + hi // bk + 1, minlength=size)
     return (np.cumsum(diff.reshape(nheads, nq, nk + 1), axis=-1) > 0)[..., :nk]
-
-
-def kv_block_lists(live: np.ndarray, sentinel: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per q block, the live kv block indices, ascending, padded with ``sentinel`` to a common width.
-
-    ``live`` bool ``[..., nq, nk]`` (a :meth:`MaskSpec.block_map`). Returns
-    ``(idx int32 [..., nq, w], count int32 [..., nq])`` with ``w = max(1, max count)``.
-    """
-    live = np.asarray(live, bool)
-    count = live.sum(axis=-1)
-    width = max(1, int(count.max()) if count.size else 1)
-    order = np.argsort(~live, axis=-1, kind="stable")[..., :width]
-    idx = np.where(np.arange(width) < count[..., None], order, sentinel)
-    return idx.astype(np.int32), count.astype(np.int32)
 
 
 def masked_softmax(s, allowed):

@@ -33,10 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Float
 
-from jaxformer.ops.masks import MaskSpec, kv_block_lists, masked_softmax
+from jaxformer.ops.masks import MaskSpec, masked_softmax
 from jaxformer.typing import ArrayLike, AttnOut, KeyValue, Query, Slopes
-from pallas_kernels.flash_attention.common import check_qkv, check_slopes
+from pallas_kernels.shapes import check_qkv, check_slopes
 from pallas_kernels.mask import mask_rule
+from pallas_kernels.schedule import block_lists
 
 DEFAULT_BLOCK_SIZE = 64
 
@@ -72,7 +73,7 @@ def sparse_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec | Non
     slopes = check_slopes(alibi_slopes, B, N)
 
     live = mask.block_map(T, S, bs, bs, per_head=True, global_rows=False)
-    idx, _ = kv_block_lists(live, sentinel=live.shape[-1])
+    idx, _ = block_lists(live, pad=live.shape[-1])
     out = _blocked(q, k, v, mask, slopes, BlockedPlan(idx, bs, offset, scale, softcap))
     if mask.global_tokens is not None and mask.patterns_active:
         out = _global_rows(out, q, k, v, mask, slopes, offset, scale, softcap)

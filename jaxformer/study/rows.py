@@ -27,7 +27,7 @@ def gather(sweep: Sweep, out: Path, *, tuning: bool = False) -> list[dict]:
 
     rows = []
     for p in sweep.tune_points if tuning else sweep.points:
-        r = read_point(out, p)
+        r = read_point(sweep, out, p)
         if r is not None:
             r.setdefault("params", count_params(p.config.model))
             rows.append(r)

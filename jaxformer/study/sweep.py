@@ -13,6 +13,7 @@ A sweep file names a base experiment and the axes to vary::
     eval_max_tokens: 65536                    # scored tokens per length
     probes: [attention, mlp]                  # attention statistics, per-block gradient norms and dead
                                               # FFN units, at initialisation and at the end
+    divergence_margin: 0.02                   # the train-loss rule of blew_up (null: non-finite only)
     tune:                                      # per arm, search these keys first (fair tuning) ...
       keys: {optimizer.lr: [1.0e-3, 3.0e-3, 1.0e-2]}
       metric: val_bpb                          # ... pick each arm's best value (mode: min | max) ...
@@ -29,8 +30,9 @@ tuning grid (points ``tune-<arm>_<tuned values>_seed-<s>``, each an ordinary poi
 then run at the value with the best tuning metric, recorded in their rows as ``tuned``.
 ``shard=(i, n)`` runs points ``i, i+n, i+2n, ...`` of the tuning points followed by the final ones (a job array);
 :func:`jaxformer.study.report.write_report` gathers what every shard wrote. A run that diverges
-(non-finite loss, or its last train losses above its first: :func:`blew_up`) is recorded as
-diverged, and the sweep goes on.
+(non-finite loss, or its last train losses above its first by ``divergence_margin``: :func:`blew_up`)
+is recorded as diverged, and the sweep goes on; the train-loss verdict of a finished point is taken again
+from its logged losses whenever the sweep reads it, so changing the margin never needs a re-run.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ from jaxformer.train import config as C
 PLOTS = ("loss_curves", "val_curves", "final_metric", "metric_vs_eval_length", "loss_by_position", "probes",
          "sinusoidal_table", "rope_decay", "alibi_bias")
 PROBES = ("attention", "mlp")
+DEFAULT_MARGIN = 0.02  # SweepConfig.divergence_margin's default
+LOSS_RULE = "final train loss"  # how blew_up's train-loss verdict begins
 POINT_FILE = "sweep_point.json"
 
 
@@ -103,6 +107,10 @@ class SweepConfig(BaseModel):
     eval_lengths: list[int] = Field(default_factory=list)
     eval_max_tokens: int | None = Field(65536, gt=0, description="scored tokens per evaluation length")
     probes: list[Literal[PROBES]] = Field(default_factory=list)  # type: ignore[valid-type]
+    divergence_margin: float | None = Field(
+        0.02, ge=0, description="a finite run is diverged when the mean of its last train losses exceeds that "
+        "of its first by more than this fraction; null: only a non-finite loss is divergence (fine-tuning, "
+        "where batch-to-batch loss differences outweigh what training moves)")
     tune: TuneConfig | None = None
     report: ReportConfig = ReportConfig()
 
@@ -320,7 +328,8 @@ def tuning_results(sweep: Sweep, out: Path, values: dict) -> list[tuple[dict, fl
     by: dict[str, tuple[dict, list[dict | None]]] = {}
     for p in sweep.tune_points:
         if p.values == values:
-            by.setdefault(json.dumps(p.tuned, sort_keys=True), (p.tuned, []))[1].append(read_point(out, p))
+            row = read_point(sweep, out, p)
+            by.setdefault(json.dumps(p.tuned, sort_keys=True), (p.tuned, []))[1].append(row)
     results = []
     for tuned, rows in by.values():
         ok = [r.get(metric) for r in rows if r is not None and not r["diverged"]]
@@ -397,9 +406,30 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def read_point(out: Path, point: Point) -> dict | None:
+def read_point(sweep: Sweep, out: Path, point: Point) -> dict | None:
+    """A finished point's row (None when unfinished), its train-loss divergence judged with the sweep
+    file's ``divergence_margin``."""
     path = out / point.name / POINT_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    return rejudged(json.loads(path.read_text()), out / point.name, sweep.spec.divergence_margin)
+
+
+def rejudged(row: dict, run_dir: Path, margin: float | None) -> dict:
+    """``row`` with its train-loss verdict taken again from the run's logged losses under ``margin``
+    (a stop on a non-finite loss stays diverged)."""
+    from jaxformer.train.metrics import read_metrics
+
+    reason = row.get("diverged_reason") or ""
+    if row.get("diverged") and not reason.startswith(LOSS_RULE):
+        return row
+    losses = [r["loss"] for r in read_metrics(run_dir) if isinstance(r.get("loss"), float)]
+    verdict = blew_up(losses, margin)
+    row = {k: v for k, v in row.items() if k != "diverged_reason"}
+    row["diverged"] = verdict is not None
+    if verdict is not None:
+        row["diverged_reason"] = verdict
+    return row
 
 
 def check_finished(point: Point, done: dict, cfg: C.ExperimentConfig, quick: bool, where: Path) -> None:
@@ -425,13 +455,13 @@ def run_sweep(sweep: Sweep, out: str | Path, *, shard: tuple[int, int] = (0, 1),
     out.mkdir(parents=True, exist_ok=True)
     mine = shard_points(sweep.tune_points + sweep.points, shard)  # tuning first: final points need it
     for point in mine:  # refuse before any work if a finished point disagrees with the sweep file
-        done = read_point(out, point)
+        done = read_point(sweep, out, point)
         if done is not None and (resolved := tuned_point(sweep, point, out)) is not None:
             check_finished(resolved, done, quick_config(resolved.config) if quick else resolved.config, quick,
                            out / point.name / POINT_FILE)
     rows, waiting = [], []
     for i, point in enumerate(mine, 1):
-        done = read_point(out, point)
+        done = read_point(sweep, out, point)
         if done is not None:
             say(f"[{i}/{len(mine)}] {point.name}: finished, skipped")
             rows.append(done)
@@ -462,21 +492,20 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-DIVERGENCE_MARGIN = 0.02
-"""A finite run is diverged when the mean of its last few train losses exceeds the mean of its first few
-by more than this fraction (a flat run that does not learn is not diverged)."""
-
-
-def blew_up(losses: list[float]) -> str | None:
-    """Why a run with these logged train losses diverged (non-finite, or ended above its start), else None."""
+def blew_up(losses: list[float], margin: float | None = DEFAULT_MARGIN) -> str | None:
+    """Why a run with these logged train losses diverged, else None: a non-finite loss, or (unless
+    ``margin`` is None) the mean of its last few losses above the mean of its first few by more than
+    ``margin`` (a flat run that does not learn is not diverged)."""
     if not losses:
         return None
     if not all(math.isfinite(x) for x in losses):
         return "non-finite train loss"
+    if margin is None:
+        return None
     k = max(1, min(5, len(losses) // 4))
     first, last = statistics.fmean(losses[:k]), statistics.fmean(losses[-k:])
-    if last > first * (1 + DIVERGENCE_MARGIN):
-        return f"final train loss {last:.4f} (mean of the last {k} rows) above the first {first:.4f}"
+    if last > first * (1 + margin):
+        return f"{LOSS_RULE} {last:.4f} (mean of the last {k} rows) above the first {first:.4f}"
     return None
 
 
@@ -508,7 +537,8 @@ def run_point(sweep: Sweep, point: Point, run_dir: Path, *, quick: bool = False)
         if summary.get(k) is not None:
             row[k] = summary[k]
     row["tokens_per_s"] = _median(r.get("tokens_per_s") for r in train_rows)
-    reason = None if stopped else blew_up([r["loss"] for r in train_rows if isinstance(r["loss"], float)])
+    reason = None if stopped else blew_up([r["loss"] for r in train_rows if isinstance(r["loss"], float)],
+                                          sweep.spec.divergence_margin)
     if reason is not None:
         row.update(diverged=True, diverged_reason=reason)
     if sweep.spec.eval_lengths and not stopped:

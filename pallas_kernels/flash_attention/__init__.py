@@ -5,7 +5,7 @@ plain-einsum oracle with the same arguments; ``BlockSizes`` sets the tiles.
 """
 
 from pallas_kernels.flash_attention.api import flash_attention
-from pallas_kernels.flash_attention.common import BlockSizes
+from pallas_kernels.flash_attention.blocks import BlockSizes
 from pallas_kernels.flash_attention.reference import reference
 
 __all__ = ["flash_attention", "reference", "BlockSizes"]

@@ -7,7 +7,11 @@ from collections.abc import Callable
 import jax
 from jaxtyping import Bool, Integer
 
-from pallas_kernels.flash_attention.common import BlockSizes
+from pallas_kernels.flash_attention.blocks import BlockSizes
+from pallas_kernels.flash_attention.checks import check_logits, check_mask, check_operands
+from pallas_kernels.flash_attention.tiles import Logits
+from pallas_kernels.kernel_mask import KernelMask
+from pallas_kernels.shapes import check_qkv
 from pallas_kernels.typing import ArrayLike, AttnOut, KeyValue, KvSegmentIds, Lengths, Query, SegmentIds, Slopes
 
 BACKEND_CHOICES = ("auto", "gpu", "tpu")
@@ -67,15 +71,40 @@ def flash_attention(q: Query, k: KeyValue, v: KeyValue, *, causal: bool = False,
 
     Rows with no allowed key give 0 and zero gradients. Ids and slopes get zero cotangents.
     """
-    # The backend's entry point validates every argument, once (common.check_inputs).
-    kwargs = dict(causal=causal, window=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                  kv_lengths=kv_lengths, q_offset=q_offset, alibi_slopes=alibi_slopes, softcap=softcap,
-                  scale=scale, block_sizes=block_sizes, interpret=interpret, block_map=block_map,
-                  q_global=q_global, kv_global=kv_global, random_kv_starts=random_kv_starts,
-                  random_block_size=random_block_size)
+    B, T, S, N, K, H = check_qkv(q, k, v)
+    mask = KernelMask(q_len=T, kv_len=S, causal=causal, window=window, q_offset=q_offset, block_map=block_map,
+                      random_block_size=random_block_size, q_segment_ids=q_segment_ids,
+                      kv_segment_ids=kv_segment_ids, kv_lengths=kv_lengths, q_global=q_global, kv_global=kv_global,
+                      random_kv_starts=random_kv_starts)
+    return attend(q, k, v, mask, Logits(scale=scale, softcap=softcap, alibi_slopes=alibi_slopes),
+                  block_sizes=block_sizes, backend=backend, interpret=interpret)
+
+
+def attend(q: Query, k: KeyValue, v: KeyValue, mask: KernelMask, logits: Logits | None = None,
+           block_sizes: BlockSizes | None = None, backend: str = "auto", interpret: bool = False) -> AttnOut:
+    """:func:`flash_attention` with its mask and logits as objects (what ``jaxformer.ops`` calls).
+
+    Checks every argument once (``checks``), then runs the chosen backend's kernels.
+    """
+    B, T, S, N, K, H = check_operands(q, k, v)
+    if (mask.q_len, mask.kv_len) != (T, S):
+        raise ValueError(f"KernelMask(q_len={mask.q_len}, kv_len={mask.kv_len}) does not fit {q.shape=} {k.shape=}")
+    mask = check_mask(mask, B, N)
+    logits = check_logits(Logits() if logits is None else logits, B, N, H)
     chosen = _pick_backend(backend, interpret)
     if chosen == "gpu":
-        from pallas_kernels.flash_attention.gpu import flash_attention_gpu
-        return flash_attention_gpu(q, k, v, **kwargs)
-    from pallas_kernels.flash_attention.tpu import flash_attention_tpu
-    return flash_attention_tpu(q, k, v, **kwargs)
+        from pallas_kernels.flash_attention import gpu
+        return gpu.attend(q, k, v, mask, logits, block_sizes, interpret)
+    from pallas_kernels.flash_attention import tpu
+    return tpu.attend(q, k, v, mask, logits, block_sizes, interpret)
+
+
+def flash_attention_gpu(q: Query, k: KeyValue, v: KeyValue, **kwargs) -> AttnOut:
+    """:func:`flash_attention` on the Pallas Triton kernels (``backend="gpu"``)."""
+    return flash_attention(q, k, v, backend="gpu", **kwargs)
+
+
+def flash_attention_tpu(q: Query, k: KeyValue, v: KeyValue, **kwargs) -> AttnOut:
+    """:func:`flash_attention` on the Pallas Mosaic kernels (``backend="tpu"``; on CPU inside
+    ``pltpu.force_tpu_interpret_mode()`` or with ``interpret=True``)."""
+    return flash_attention(q, k, v, backend="tpu", **kwargs)

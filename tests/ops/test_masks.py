@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxformer.ops.masks import MaskSpec, RandomBlocks, kv_block_lists
+from jaxformer.ops.masks import MaskSpec, RandomBlocks
+from pallas_kernels.schedule import block_lists
 
 
 def loop_mask(T, S, *, causal=False, window=None, q_seg=None, kv_seg=None, lengths=None, offset=None, B=1):
@@ -242,9 +243,9 @@ def test_spec_with_patterns_is_a_pytree():
     assert jax.tree_util.tree_map(lambda x: x, spec).global_tokens == ((0, 4), (2, -1))
 
 
-def test_kv_block_lists():
+def test_block_lists_with_pad():
     live = np.array([[True, False, True, False], [False, False, False, False], [False, True, True, True]])
-    idx, count = kv_block_lists(live, sentinel=4)
+    idx, count = block_lists(live, pad=4)
     np.testing.assert_array_equal(idx, [[0, 2, 4], [4, 4, 4], [1, 2, 3]])
     np.testing.assert_array_equal(count, [2, 0, 3])
 

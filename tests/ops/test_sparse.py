@@ -199,10 +199,10 @@ def test_no_t_by_s_intermediate_forward_or_backward():
 
 
 def test_block_lists_are_narrow():
-    from jaxformer.ops.masks import kv_block_lists
+    from pallas_kernels.schedule import block_lists
     mask = MaskSpec(window=(64, 64), global_tokens=[0, 1])
     live = mask.block_map(4096, 4096, 64, 64, per_head=True, global_rows=False)
-    idx, count = kv_block_lists(live, sentinel=64)
+    idx, count = block_lists(live, pad=64)
     assert idx.shape == (1, 64, 4)  # 3 band blocks + the globals' block 0
     assert count.min() >= 2 and (idx[0, 10] == [0, 9, 10, 11]).all()
 

@@ -1,8 +1,8 @@
-"""pallas_kernels.flash_attention: shared mask math, the reference oracle, validation and dispatch.
+"""pallas_kernels.flash_attention: the block schedule and tile math, the reference oracle, validation and dispatch.
 
-The block-liveness helpers are checked against jaxformer's MaskSpec.block_map
-(pallas_kernels may not import jaxformer, so the math is duplicated and must agree)
-and against a brute-force dense mask.
+The schedule's block ranges (``pallas_kernels.schedule.BlockSchedule``) and jaxformer's
+``MaskSpec.block_map`` (which marks its band rows with the schedule's interval functions) are each
+checked against a brute-force dense mask, so neither can drift from the definition.
 """
 
 import jax
@@ -15,13 +15,23 @@ from hypothesis import strategies as st
 from jaxformer.ops import MaskSpec, xla_attention
 from pallas_kernels.flash_attention import (
     BlockSizes,
-    common,
     flash_attention,
     reference,
+    tiles,
 )
+from pallas_kernels.flash_attention.blocks import _is_pow2, check_block_sizes
+from pallas_kernels.flash_attention.tiles import Logits
+from pallas_kernels.kernel_mask import KernelMask
+from pallas_kernels.schedule import BlockSchedule
+from pallas_kernels.shapes import check_window
 
 windows = st.sampled_from([None, (0, 0), (3, None), (None, 2), (5, 1), (0, None), (None, None), (40, 40)])
 offsets = st.sampled_from([None, 0, 3, -4, 11])
+
+
+def kernel_mask(T, S, causal=False, window=None, offset=None) -> KernelMask:
+    """A checked KernelMask's static fields (offset None: bottom-right)."""
+    return KernelMask(T, S, causal=causal, window=check_window(window), q_offset=S - T if offset is None else offset)
 
 
 def dense_np(T, S, causal, window, offset, q_seg=None, kv_seg=None, lengths=None):
@@ -52,30 +62,30 @@ def test_block_ranges_match_maskspec_block_map(T, S, bq, bk, causal, window, off
     for i in range(live.shape[0]):
         for j in range(live.shape[1]):
             assert live[i, j] == ok[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()
-    p = common.MaskParams.make(T, S, 8, causal=causal, window=window, q_offset=offset)
+    sched = BlockSchedule(kernel_mask(T, S, causal, window, offset), bq, bk)
+    np.testing.assert_array_equal(sched.range_map(), live)
     for i in range(live.shape[0]):
-        lo, hi = common.kv_block_range(p, i, bq, bk)
+        lo, hi = sched.kv_range(i)
         row = np.zeros(live.shape[1], bool)
         row[max(lo, 0):max(hi, 0)] = True
         np.testing.assert_array_equal(row, live[i], err_msg=f"q block {i}: [{lo}, {hi})")
-        ulo, uhi = common.kv_unmasked_range(p, i, bq, bk)
+        ulo, uhi = sched.kv_full_range(i)
         for j in range(live.shape[1]):
             whole = ok[i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].all() and (j + 1) * bk <= S
             assert whole == (ulo <= j < uhi), (i, j, ulo, uhi)
     for j in range(live.shape[1]):
-        lo, hi = common.q_block_range(p, j, bq, bk)
+        lo, hi = sched.q_range(j)
         col = np.zeros(live.shape[0], bool)
         col[max(lo, 0):max(hi, 0)] = True
         np.testing.assert_array_equal(col, live[:, j], err_msg=f"kv block {j}: [{lo}, {hi})")
 
 
 def test_block_ranges_traced_equal_static():
-    p = common.MaskParams.make(37, 53, 8, causal=True, window=(9, 2), q_offset=5)
-    fns = (common.kv_block_range, common.q_block_range, common.kv_unmasked_range)
-    for fn in fns:
+    sched = BlockSchedule(kernel_mask(37, 53, causal=True, window=(9, 2), offset=5), 8, 16)
+    for fn in (sched.kv_range, sched.q_range, sched.kv_full_range):
         for idx in range(4):
-            static = fn(p, idx, 8, 16)
-            traced = jax.jit(lambda i, fn=fn: fn(p, i, 8, 16))(jnp.int32(idx))
+            static = fn(idx)
+            traced = jax.jit(fn)(jnp.int32(idx))
             assert tuple(int(x) for x in traced) == tuple(static)
 
 
@@ -90,12 +100,12 @@ def test_tile_allowed_matches_dense(T, S, causal, window, offset, use_seg, use_l
     spec = MaskSpec(causal=causal, window=window, q_offset=offset, q_segment_ids=q_seg,
                     kv_segment_ids=kv_seg, kv_lengths=lengths)
     want = np.broadcast_to(np.asarray(spec.dense(T, S)), (B, T, S))
-    p = common.MaskParams.make(T, S, 8, causal=causal, window=window, q_offset=offset)
+    m = kernel_mask(T, S, causal, window, offset)
     Sp = S + 3  # padded keys must be masked by the true length
-    got = common.tile_allowed(  # numpy in, numpy out: the helper is plain array math
-        p, np.arange(T)[None, :, None] + p.q_offset, np.arange(Sp)[None, None, :],
-        q_seg=None if q_seg is None else q_seg[:, :, None],
-        kv_seg=None if kv_seg is None else np.pad(kv_seg, ((0, 0), (0, 3)))[:, None, :],
+    got = m.allowed(  # numpy in, numpy out: the rule is plain array math
+        np.arange(T)[None, :, None] + m.q_offset, np.arange(Sp)[None, None, :],
+        q_segment=None if q_seg is None else q_seg[:, :, None],
+        kv_segment=None if kv_seg is None else np.pad(kv_seg, ((0, 0), (0, 3)))[:, None, :],
         kv_length=None if lengths is None else lengths[:, None, None])
     got = np.broadcast_to(got, (B, T, Sp))
     np.testing.assert_array_equal(got[:, :, :S], want)
@@ -104,10 +114,9 @@ def test_tile_allowed_matches_dense(T, S, causal, window, offset, use_seg, use_l
 
 def test_tile_logits_order_and_derivative():
     """scale -> softcap -> alibi; the returned derivative is d logits / d qk."""
-    p = common.MaskParams.make(4, 6, 16, scale=0.5, softcap=2.0)
     qk = jnp.linspace(-9.0, 9.0, 24).reshape(4, 6)
     q_pos, k_pos = jnp.arange(4)[:, None] + 2, jnp.arange(6)[None, :]
-    s, ds = common.tile_logits(p, qk, q_pos, k_pos, 0.25)
+    s, ds = Logits(scale=0.5, softcap=2.0).tile(qk, q_pos, k_pos, 0.25)
     want = 2.0 * np.tanh(np.asarray(qk) * 0.5 / 2.0) - 0.25 * np.abs(np.asarray(q_pos - k_pos))
     np.testing.assert_allclose(s, want, rtol=1e-6, atol=1e-6)
     num = jax.vmap(jax.vmap(jax.grad(lambda x: 2.0 * jnp.tanh(0.5 * x / 2.0))))(qk)
@@ -117,8 +126,8 @@ def test_tile_logits_order_and_derivative():
 def test_empty_rows_lse():
     m = jnp.array([-jnp.inf, 1.0])
     l = jnp.array([0.0, 2.0])
-    lse = common.finalize_lse(m, l)
-    assert lse[0] == common.EMPTY_ROW_LSE and jnp.exp(-3.0 - lse[0]) == 0.0
+    lse = tiles.finalize_lse(m, l)
+    assert lse[0] == tiles.EMPTY_ROW_LSE and jnp.exp(-3.0 - lse[0]) == 0.0
     np.testing.assert_allclose(lse[1], 1.0 + np.log(2.0), rtol=1e-6)
 
 
@@ -225,7 +234,7 @@ def test_auto_backend_on_cpu_needs_interpret():
 def test_block_sizes_defaults_and_clipping():
     for backend in ("gpu", "tpu"):
         bs = BlockSizes.default(backend).resolved()
-        assert all(common._is_pow2(x) for x in bs.as_dict().values())
+        assert all(_is_pow2(x) for x in bs.as_dict().values())
     with pytest.raises(ValueError, match="backend='npu'"):
         BlockSizes.default("npu")
     bs = BlockSizes(64, 128, block_q_dkv=32).clipped(T=20, S=5, minimum=16)
@@ -249,4 +258,32 @@ def test_default_gpu_blocks_fit_every_head_dim():
     for H in (16, 64, 128, 256):
         for itemsize in (2, 4):
             bs = BlockSizes.default("gpu").fit(H, itemsize, MAX_TILE_BYTES, MIN_BLOCK)
-            common.check_block_sizes(bs, minimum=MIN_BLOCK, H=H, itemsize=itemsize, max_tile_bytes=MAX_TILE_BYTES)
+            check_block_sizes(bs, minimum=MIN_BLOCK, H=H, itemsize=itemsize, max_tile_bytes=MAX_TILE_BYTES)
+
+
+def test_kernel_mask_is_a_pytree_of_its_operands():
+    """The operands are the leaves (jit traces them), the static fields ride along, static() is hashable."""
+    seg = np.array([[0, 0, 1]], np.int32)
+    m = KernelMask(3, 3, causal=True, window=(1, 0), q_offset=0, q_segment_ids=seg, kv_segment_ids=seg,
+                   kv_lengths=np.array([2], np.int32))
+    leaves, tree = jax.tree_util.tree_flatten(m)
+    assert len(leaves) == 3
+    back = jax.tree_util.tree_unflatten(tree, leaves)
+    assert (back.causal, back.window, back.q_len) == (True, (1, 0), 3)
+    st_ = m.static()
+    assert st_.q_segment_ids == (1, 3) and st_.q_global is None and hash(st_) == hash(m.static())
+    got = jax.jit(lambda mm: mm.allowed(jnp.arange(3)[:, None], jnp.arange(3)[None, :],
+                                        q_segment=mm.q_segment_ids[0][:, None],
+                                        kv_segment=mm.kv_segment_ids[0][None, :], kv_length=mm.kv_lengths[0]))(m)
+    want = dense_np(3, 3, True, (1, 0), 0, seg, seg, np.array([2]))[0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_block_lists_repeat_the_last_tile():
+    """Padding a row's list repeats its last tile (0 for an empty row), so a prefetching walk fetches nothing new."""
+    from pallas_kernels.schedule import block_lists
+
+    live = np.array([[[True, False, True, False], [False, False, False, False], [False, True, False, False]]])
+    idx, count = block_lists(live)
+    np.testing.assert_array_equal(idx, [[[0, 2], [0, 0], [1, 1]]])
+    np.testing.assert_array_equal(count, [[2, 0, 1]])

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import block_table
-from pallas_kernels.flash_attention import common
+from pallas_kernels.flash_attention.blocks import check_block_sizes
 from pallas_kernels.flash_attention.gpu import (
     MAX_TILE_BYTES,
     MIN_BLOCK,
@@ -43,7 +43,7 @@ def test_table_is_complete_and_valid():
                     c = block_table.TABLE[(fam, hd, dtype, kernel)]
                     assert c.num_warps in (1, 2, 4, 8, 16) and c.num_stages >= 1, c
                 bs = table_block_sizes(hd, dtype, fam)
-                common.check_block_sizes(bs, minimum=MIN_BLOCK, H=hd, itemsize=itemsize,
+                check_block_sizes(bs, minimum=MIN_BLOCK, H=hd, itemsize=itemsize,
                                          max_tile_bytes=MAX_TILE_BYTES)
 
 

@@ -242,6 +242,25 @@ def test_divergence_rule(losses, diverged):
     from jaxformer.study.sweep import blew_up
 
     assert (blew_up(losses) is not None) == diverged
+    assert (blew_up(losses, None) is not None) == any(x != x for x in losses), "margin None: non-finite only"
+
+
+def test_finished_rows_are_judged_by_the_current_margin(tmp_path):
+    """A finished point's train-loss verdict follows the sweep file's divergence_margin (no re-run); a stop
+    on a non-finite loss stays diverged whatever the margin."""
+    from jaxformer.study.sweep import LOSS_RULE, rejudged
+
+    losses = [2.2, 2.7, 2.2, 2.5, 2.6, 2.5]  # a fine-tune: batch noise, the last batch 14% above the first
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": 4 * i + 4, "loss": x}) + "\n"
+                                                    for i, x in enumerate(losses)))
+    row = {"name": "p", "diverged": True, "diverged_reason": f"{LOSS_RULE} 2.5 above 2.2"}
+    assert rejudged(row, tmp_path, 0.02)["diverged"]
+    for margin in (None, 0.25):
+        again = rejudged(row, tmp_path, margin)
+        assert again["diverged"] is False and "diverged_reason" not in again
+    assert rejudged({"name": "p", "diverged": False}, tmp_path, 0.02)["diverged"], "a tighter margin flags it"
+    stopped = {"name": "p", "diverged": True, "diverged_reason": "non-finite loss at step 3"}
+    assert rejudged(stopped, tmp_path, None) == stopped
 
 
 KILLER = """

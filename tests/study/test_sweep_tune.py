@@ -99,7 +99,7 @@ def test_shards_wait_for_tuning_run_elsewhere_then_finish(tmp_path, fake_trainin
     assert any("not all finished" in s for s in said) and "wait for tuning points" in said[-1]
     S.run_sweep(sweep, out, shard=(0, 2), say=lambda s: None)
     S.run_sweep(sweep, out, shard=(1, 2), say=lambda s: None)
-    assert all(S.read_point(out, p) is not None for p in sweep.points + sweep.tune_points)
+    assert all(S.read_point(sweep, out, p) is not None for p in sweep.points + sweep.tune_points)
     assert sorted(fake_training) == sorted(p.name for p in sweep.points + sweep.tune_points)
 
 
