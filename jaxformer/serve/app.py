@@ -49,6 +49,7 @@ class _State:
     scores: object = None  # TokenLogprobs over prompt + tokens
     cancel_sent: bool = False
     covered: int = 0  # generated tokens already in an emitted chunk
+    token_offsets: list[int] | None = None  # text offset of every generated token, once the choice is done
 
     @property
     def done(self) -> bool:
@@ -170,7 +171,7 @@ class Service:
 
     def logprobs(self, st: _State, sampling: P.Sampling, chat: bool, a: int, b: int, with_prompt: bool):
         """The ``logprobs`` object of a choice's generated tokens ``[a, b)``, and of its prompt's when
-        ``with_prompt``; None when none were asked for."""
+        ``with_prompt``; None when none were asked for. Only for a finished choice (its tokens final)."""
         if sampling.top_logprobs is None or st.scores is None:
             return None
         n, width = len(st.prompt), sampling.top_logprobs
@@ -178,9 +179,10 @@ class Service:
         if chat:
             return P.chat_logprobs(s, self.piece, width)
         offsets = self.offsets(st.prompt, 0, len(st.prompt_text)) if with_prompt else []
-        base = len(st.prompt_text) if sampling.echo else 0
-        offsets += self.offsets(st.tokens[:b], base, len(st.stream.text))[a:]
-        return P.completion_logprobs(s, self.piece, offsets, width)
+        if st.token_offsets is None:  # one pass per choice, however many chunks a stream slices it into
+            base = len(st.prompt_text) if sampling.echo else 0
+            st.token_offsets = self.offsets(st.tokens, base, len(st.stream.text))
+        return P.completion_logprobs(s, self.piece, offsets + st.token_offsets[a:b], width)
 
 
 def _sse(obj) -> str:

@@ -196,6 +196,13 @@ def test_logprobs_with_echo_equal_a_direct_forward_pass(server, model, greedy):
     # greedy: each generated token is the likeliest one
     for k in range(len(ids), len(seq)):
         assert list(out.logprobs.top_logprobs[k].values())[0] == pytest.approx(out.logprobs.token_logprobs[k])
+    # streamed: the chunks' logprobs concatenate to the non-streamed object (offsets into the whole text)
+    chunks = [c.choices[0] for c in client.completions.create(
+        model="tiny-llama3", prompt=text, max_tokens=n, temperature=0, echo=True, logprobs=1, stream=True)
+        if c.choices and c.choices[0].logprobs is not None]
+    for field in ("tokens", "token_logprobs", "text_offset"):
+        assert sum((getattr(c.logprobs, field) for c in chunks), []) == getattr(out.logprobs, field), field
+    assert "".join(c.text for c in chunks) == out.text
     plain = client.completions.create(model="tiny-llama3", prompt=text, max_tokens=n, temperature=0,
                                       logprobs=0).choices[0]
     assert plain.text == completion and plain.logprobs.token_logprobs == pytest.approx(
