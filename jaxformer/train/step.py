@@ -221,6 +221,34 @@ def apply_step(spec: StepSpec, optimizer, schedule, state, grads, ce_sum, n):
     return new_state, metrics
 
 
+def _state_shardings(optimizer, params_abstract: dict, params_sh: dict, mesh) -> tuple[dict, Any]:
+    """``(state shardings, replicated)`` of a train state over the trained ``params`` (their shardings given)."""
+    repl = shd.replicated(mesh)
+    o_sh = opt_state_shardings(jax.eval_shape(optimizer.init, params_abstract), params_abstract, params_sh, repl)
+    return {"params": params_sh, "opt_state": o_sh, "step": repl, "rng": repl}, repl
+
+
+def _state_builders(optimizer, fresh_params, state_sh: dict):
+    """``(abstract_state, init_fn, from_params_fn)`` of a train state whose trained parameters are
+    ``fresh_params(key)`` at init, or given (cast to their dtypes) from a checkpoint."""
+    def state(params, key):
+        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
+                "rng": jax.random.key_data(key)}
+
+    def build(key):
+        key, init_key = jax.random.split(key)
+        return state(fresh_params(init_key), key)
+
+    abstract_state = jax.eval_shape(build, jax.random.key(0))
+
+    def build_from(params, key):
+        key, _ = jax.random.split(key)  # the rng a fresh init from the same seed carries
+        return state(jax.tree.map(lambda p, a: p.astype(a.dtype), params, abstract_state["params"]), key)
+
+    return (abstract_state, jax.jit(build, out_shardings=state_sh),
+            jax.jit(build_from, out_shardings=state_sh, donate_argnums=0))
+
+
 @functools.lru_cache(maxsize=16)
 def _make_trainer(spec: StepSpec, mesh: jax.sharding.Mesh) -> Trainer:
     mcfg: ModelConfig = spec.model
@@ -228,29 +256,10 @@ def _make_trainer(spec: StepSpec, mesh: jax.sharding.Mesh) -> Trainer:
     graphdef, optimizer, schedule = step_parts(spec)
     abstract_model = abstract_init(mcfg)[1]
     abstract_params = nnx.to_pure_dict(abstract_model)
-
     p_sh = shd.param_shardings(abstract_params, shd.logical_axes(abstract_model), mesh)
-    repl = shd.replicated(mesh)
-    abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-    o_sh = opt_state_shardings(abstract_opt, abstract_params, p_sh, repl)
-    state_sh = {"params": p_sh, "opt_state": o_sh, "step": repl, "rng": repl}
-
-    def build(key):
-        key, init_key = jax.random.split(key)
-        params = nnx.to_pure_dict(init(mcfg, init_key)[1])
-        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
-                "rng": jax.random.key_data(key)}
-
-    abstract_state = jax.eval_shape(build, jax.random.key(0))
-    init_fn = jax.jit(build, out_shardings=state_sh)
-
-    def build_from(params, key):
-        key, _ = jax.random.split(key)  # the rng a fresh init from the same seed carries
-        params = jax.tree.map(lambda p, a: p.astype(a.dtype), params, abstract_state["params"])
-        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
-                "rng": jax.random.key_data(key)}
-
-    from_params_fn = jax.jit(build_from, out_shardings=state_sh, donate_argnums=0)
+    state_sh, repl = _state_shardings(optimizer, abstract_params, p_sh, mesh)
+    abstract_state, init_fn, from_params_fn = _state_builders(
+        optimizer, lambda key: nnx.to_pure_dict(init(mcfg, key)[1]), state_sh)
     b_sh = Batch(*[shd.batch_sharding(mesh)] * len(Batch._fields))
     step = jax.jit(functools.partial(train_step, spec=spec), in_shardings=(state_sh, b_sh),
                    out_shardings=(state_sh, repl), donate_argnums=0)
@@ -294,8 +303,6 @@ def dropout_keys(frozen: dict, paths: list[tuple], rng, step, micro) -> dict:
             keys = jax.vmap(lambda i, k=k: jax.random.fold_in(k, i))(jnp.arange(math.prod(shape[:-1])))
             flat[p] = jax.random.key_data(keys).reshape(shape)
     return nnx.traversals.unflatten_mapping(flat)
-
-
 
 
 class _WithFrozen:
@@ -371,29 +378,12 @@ def _make_lora_trainer(spec: StepSpec, mesh: jax.sharding.Mesh) -> tuple[Trainer
     _, optimizer, schedule = step_parts(spec, "adapter")
     a_sh = shd.param_shardings(adapter_abs, adapter_axes, mesh)
     f_sh = shd.param_shardings(frozen_abs, frozen_axes, mesh)
-    repl = shd.replicated(mesh)
-    o_sh = opt_state_shardings(jax.eval_shape(optimizer.init, adapter_abs), adapter_abs, a_sh, repl)
-    state_sh = {"params": a_sh, "opt_state": o_sh, "step": repl, "rng": repl}
+    state_sh, repl = _state_shardings(optimizer, adapter_abs, a_sh, mesh)
 
     def fresh_adapter(key):  # the base's random init is dead code under jit: only the adapter is computed
         return nnx.to_pure_dict(nnx.state(Transformer(mcfg, rngs=nnx.Rngs(params=key)), nnx.LoRAParam))
 
-    def build(key):
-        key, init_key = jax.random.split(key)
-        adapter = fresh_adapter(init_key)
-        return {"params": adapter, "opt_state": optimizer.init(adapter), "step": jnp.zeros((), jnp.int32),
-                "rng": jax.random.key_data(key)}
-
-    abstract_state = jax.eval_shape(build, jax.random.key(0))
-    init_fn = jax.jit(build, out_shardings=state_sh)
-
-    def build_from(adapter, key):
-        key, _ = jax.random.split(key)
-        adapter = jax.tree.map(lambda p, a: p.astype(a.dtype), adapter, abstract_state["params"])
-        return {"params": adapter, "opt_state": optimizer.init(adapter), "step": jnp.zeros((), jnp.int32),
-                "rng": jax.random.key_data(key)}
-
-    from_params_fn = jax.jit(build_from, out_shardings=state_sh, donate_argnums=0)
+    abstract_state, init_fn, from_params_fn = _state_builders(optimizer, fresh_adapter, state_sh)
     b_sh = Batch(*[shd.batch_sharding(mesh)] * len(Batch._fields))
     step = jax.jit(functools.partial(lora_train_step, spec=spec), in_shardings=(f_sh, state_sh, b_sh),
                    out_shardings=(state_sh, repl), donate_argnums=1)
