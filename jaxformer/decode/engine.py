@@ -5,10 +5,12 @@ Each :meth:`Engine.step`:
 1. admits waiting requests, oldest first, while a batch slot and the pages for
    their tokens are free (a computed shared prefix costs no new pages);
 2. gives every running sequence its next tokens: a prefill chunk of up to
-   ``chunk_size`` tokens, or the one token it sampled last step; a step holding
-   any prefill chunk runs at the width of its longest chunk, a pure decode step at width 1
-   (the paged-attention kernel); widths come from a few buckets (``chunk_size``
-   halved down to 8), so a handful of compiled shapes serve every batch. The step's
+   ``chunk_size`` tokens, or the one token it sampled last step; the decoding
+   sequences run as one call at width 1 (the paged-attention kernel) and those with
+   a prefill chunk as another at the width of their longest chunk (so a sequence
+   joining never makes the decoding ones compute chunk-wide rows); widths come from
+   a few buckets (``chunk_size`` halved down to 8), so a handful of compiled shapes
+   serve every batch. The step's
    work follows the tokens in the cache, not the engine's capacity: it runs only as
    many batch rows as sequences (a power of two, at most ``max_batch``), and sends
    block tables only as wide as the longest of them needs this step (a power of two
@@ -454,16 +456,22 @@ class Engine:
             dst = np.full(n, self.manager.num_pages, np.int32)
             src[: len(copies)], dst[: len(copies)] = zip(*copies)
             self.pools = copy_pages(self.pools, jnp.asarray(src), jnp.asarray(dst))
-        inputs = self._inputs(plan)
-        nxt, self.pools = engine_step(self._model, self._leaves, self.pools, inputs, self.options)
-        nxt = np.asarray(nxt)
+        sampled = {}
+        # decoding rows and prefill chunks in separate calls: one [B, T] call would run every decoding
+        # row at the chunk's width (16 rows x 16 positions where 15 + 16 are needed)
+        for group in ([(r, n) for r, n in plan if n == 1], [(r, n) for r, n in plan if n > 1]):
+            if group:
+                inputs = self._inputs(group)
+                nxt, self.pools = engine_step(self._model, self._leaves, self.pools, inputs, self.options)
+                sampled.update(zip((id(r) for r, _ in group), np.asarray(nxt).tolist()))
+                self.stats["calls"] += 1
         self.stats["steps"] += 1
         self.stats["tokens_computed"] += sum(n for _, n in plan)
-        for b, (req, n) in enumerate(plan):
+        for req, n in plan:
             self.manager.commit(req.rid, n)
             if self.manager.num_computed(req.rid) < len(req.tokens):
                 continue  # more prefill to do
-            tok = int(nxt[b])
+            tok = int(sampled[id(req)])
             req.generated.append(tok)
             self.manager.append(req.rid, [tok])
             if tok in req.params.stop_tokens:

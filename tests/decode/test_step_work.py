@@ -78,6 +78,34 @@ def test_batch_rows_follow_the_running_sequences(llama):
     assert rows == [4, 4, 2, 2, 1, 1]  # 3 sequences run in 4 rows of 8, then 2, then 1
 
 
+def test_a_joining_prefill_does_not_widen_the_decoding_rows(llama):
+    """A request that joins while others decode: its chunk runs in a call of its own, the decoding rows at
+    width 1 (one [B, T] call would compute every decoding row at the chunk's width); outputs as alone."""
+    cfg, graphdef, state = llama
+    e = eng.Engine(graphdef, state, cfg, num_pages=60, page_size=L, max_batch=4, chunk_size=16)
+    rng = np.random.default_rng(3)
+    prompts = [list(map(int, rng.integers(0, 256, n))) for n in (4, 6, 5, 40)]
+    ids = [e.submit(p, SamplingParams(max_new_tokens=6)) for p in prompts[:3]]
+    e.step()  # the three prompts' prefill
+    calls, step = [], eng.engine_step
+
+    def spy(graphdef, state, pools, inputs, options):
+        n = np.asarray(inputs.num_new)
+        calls.append((inputs.tokens.shape[1], sorted(n[n > 0].tolist())))
+        return step(graphdef, state, pools, inputs, options)
+
+    ids.append(e.submit(prompts[3], SamplingParams(max_new_tokens=6)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(eng, "engine_step", spy)
+        e.step()  # three decoding, one joining with the first 16 of its 40 tokens
+        e.run()
+    assert calls[:2] == [(1, [1, 1, 1]), (16, [16])], calls[:2]
+    for width, rows in calls:
+        assert all(n == 1 for n in rows) if width == 1 else all(n > 1 for n in rows), (width, rows)
+    for rid, p in zip(ids, prompts):
+        assert e.results[rid].tokens == generate(graphdef, state, cfg, [p], max_new_tokens=6)[0], p
+
+
 @settings(deadline=None)
 @given(data=st.data())
 def test_bucketed_steps_equal_each_request_alone(llama, data):
