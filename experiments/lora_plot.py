@@ -1,6 +1,6 @@
 """Study 11's plot: validation bits/byte against trainable parameters (log scale), the base model as a line.
 
-    python experiments/studies/lora_plot.py runs/sweeps/lora runs/sweeps/lora-base OUT.png
+    python experiments/lora_plot.py runs/sweeps/lora runs/sweeps/lora-base OUT.png
 
 ``runs/sweeps/lora``: the sweep's output (``summary.jsonl``); ``runs/sweeps/lora-base``: the learning-rate-0
 LoRA run that scores the base model (B stays 0, so the model is the base exactly; see the study page).
