@@ -3,7 +3,8 @@
 Its static fields say what :func:`pallas_kernels.mask.mask_rule` needs (lengths, causal, window,
 offset) and which blocks to visit (``block_map``); its optional operands (segment ids, kv lengths,
 global flags, random-block starts) are the pytree's leaves, so they travel through ``jit`` and
-``custom_vjp`` as one argument and reach a kernel body as named refs. From it
+``custom_vjp`` as one argument, and reach the kernel bodies as named refs (GPU ``Refs``, TPU
+``Prefetch`` / ``Side``, laid out from it). From it
 :mod:`pallas_kernels.schedule` derives the blocks every kernel visits.
 """
 

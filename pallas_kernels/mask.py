@@ -71,4 +71,3 @@ def mask_rule(q_pos, k_pos, *, causal: bool = False, window: tuple[int | None, i
     for term in hard[1:]:
         allowed = allowed & term
     return allowed
-

@@ -1,12 +1,12 @@
 """``pallas_attention``: ``dot_product_attention(impl="pallas")`` on the Pallas FlashAttention kernels.
 
-Adapts a :class:`MaskSpec` to the kernels' :class:`~pallas_kernels.mask.KernelMask`. On CPU the GPU kernel runs in Pallas interpret mode (correct but slow;
-for tests). A traced ``q_offset`` (decode, chunked prefill with per-sequence
+Adapts a :class:`MaskSpec` to the kernels' mask object
+(:class:`~pallas_kernels.kernel_mask.KernelMask`, by ``MaskSpec.kernel_mask``). On CPU the GPU
+kernel runs in Pallas interpret mode (correct but slow; for tests). A traced ``q_offset`` (decode, chunked prefill with per-sequence
 offsets) cannot drive the kernels' static block skipping: ``dot_product_attention``
 sends those calls to :func:`jaxformer.ops.blockwise.blockwise_attention`, which
 has the same meaning, and ``pallas_attention`` refuses them.
 
-``MaskSpec.kernel_mask`` converts the spec to the kernels' one mask object.
 Longformer / BigBird masks (``global_tokens``, ``random_blocks``) go to the
 kernels' block-sparse path: ``MaskSpec.block_map`` (per head, global rows
 included) becomes the kernels' tile lists, so forward, dq and dk/dv visit only

@@ -91,7 +91,7 @@ def test_block_ranges_traced_equal_static():
 
 @given(T=st.integers(1, 12), S=st.integers(1, 12), causal=st.booleans(), window=windows, offset=offsets,
        use_seg=st.booleans(), use_len=st.booleans(), seed=st.integers(0, 99))
-def test_tile_allowed_matches_dense(T, S, causal, window, offset, use_seg, use_len, seed):
+def test_kernel_mask_allowed_matches_dense(T, S, causal, window, offset, use_seg, use_len, seed):
     rng = np.random.default_rng(seed)
     B = 2
     q_seg = rng.integers(0, 2, (B, T)) if use_seg else None
@@ -112,7 +112,7 @@ def test_tile_allowed_matches_dense(T, S, causal, window, offset, use_seg, use_l
     assert not got[:, :, S:].any()
 
 
-def test_tile_logits_order_and_derivative():
+def test_logits_tile_order_and_derivative():
     """scale -> softcap -> alibi; the returned derivative is d logits / d qk."""
     qk = jnp.linspace(-9.0, 9.0, 24).reshape(4, 6)
     q_pos, k_pos = jnp.arange(4)[:, None] + 2, jnp.arange(6)[None, :]
