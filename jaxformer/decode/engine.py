@@ -464,7 +464,6 @@ class Engine:
                 inputs = self._inputs(group)
                 nxt, self.pools = engine_step(self._model, self._leaves, self.pools, inputs, self.options)
                 sampled.update(zip((id(r) for r, _ in group), np.asarray(nxt).tolist()))
-                self.stats["calls"] += 1
         self.stats["steps"] += 1
         self.stats["tokens_computed"] += sum(n for _, n in plan)
         for req, n in plan:

@@ -108,7 +108,7 @@ class SweepConfig(BaseModel):
     eval_max_tokens: int | None = Field(65536, gt=0, description="scored tokens per evaluation length")
     probes: list[Literal[PROBES]] = Field(default_factory=list)  # type: ignore[valid-type]
     divergence_margin: float | None = Field(
-        0.02, ge=0, description="a finite run is diverged when the mean of its last train losses exceeds that "
+        DEFAULT_MARGIN, ge=0, description="a finite run is diverged when the mean of its last train losses exceeds that "
         "of its first by more than this fraction; null: only a non-finite loss is divergence (fine-tuning, "
         "where batch-to-batch loss differences outweigh what training moves)")
     tune: TuneConfig | None = None

@@ -48,8 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.flash_attention.blocks import BlockSizes, check_block_sizes
-from pallas_kernels.flash_attention.tiles import Logits, finalize_lse, mask_logits, pattern_terms, safe_max
-from pallas_kernels.flash_attention.tiles import EMPTY_ROW_LSE
+from pallas_kernels.flash_attention.tiles import EMPTY_ROW_LSE, Logits, finalize_lse, mask_logits, pattern_terms, safe_max
 from pallas_kernels.kernel_mask import KernelMask
 from pallas_kernels.schedule import BlockSchedule, block_lists
 from pallas_kernels.shapes import pad_axis, round_up
