@@ -51,7 +51,7 @@ def main() -> None:
         steps, times = {}, {}
         for impl in ("xla", "blockwise"):
             cfg = C.load(path, [f"seq_len={T}", f"batch_size={B}", f"model.max_seq_len={T}",
-                                f"model.attention_impl={impl}"])
+                                f"model.attention.impl={impl}"])
             tr = make_trainer(cfg, S.make_mesh(cfg.mesh))
             state = tr.init_state(0)
             batch = S.put_batch(_batch(B, T), tr.mesh)

@@ -295,7 +295,7 @@ def microbench(cfg, state, rec, torch_model):
 
     graphdef, _, inputs, options = rec.inputs
     B, M = inputs.tables.shape
-    D, N, K, H, F, V = (cfg.d_model, cfg.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim,
+    D, N, K, H, F, V = (cfg.d_model, cfg.attention.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim,
                         cfg.resolved_d_ff, cfg.vocab_size)
     rng = np.random.default_rng(0)
     pools = [tuple(jnp.asarray(rng.normal(size=(K, 256, 16, H)), jnp.float32) for _ in "kv")
@@ -546,7 +546,7 @@ def vs_transformers_sections(args) -> list[str]:
     d = ["## (d) `jaxformer generate --hf` path vs transformers `generate`, SmolLM2-135M shape", "",
          cpu, "",
          f"Random Llama checkpoint of SmolLM2-135M-Instruct's shape ({cfg.n_layers} layers, d {cfg.d_model}, "
-         f"GQA {cfg.n_heads}:{cfg.resolved_kv_heads}, vocabulary {cfg.vocab_size:,}, context "
+         f"GQA {cfg.attention.n_heads}:{cfg.resolved_kv_heads}, vocabulary {cfg.vocab_size:,}, context "
          f"{cfg.max_seq_len:,}), fp32, greedy; jaxformer: `run_prompts` (the engine, pools sized as the CLI "
          f"sizes them, --max-batch 8), transformers {transformers.__version__} / torch {torch.__version__} eager, "
          f"2 threads and 1 (ratios against the faster). Decode tokens/s = {r['new']} tokens / (time of "
@@ -640,7 +640,7 @@ def main(argv=None) -> int:
     rows, s = bench_cache_vs_recompute()
     c = s["config"]
     out += ["## (b) Decode with the KV cache vs full recompute, context 1024", "",
-            f"Model: d_model {c.d_model}, {c.n_layers} layers, {c.n_heads} heads / {c.n_kv_heads} kv heads, "
+            f"Model: d_model {c.d_model}, {c.n_layers} layers, {c.attention.n_heads} heads / {c.attention.n_kv_heads} kv heads, "
             f"batch 1, fp32; 16 tokens after a 1024-token prompt, median of 3 runs.", "",
             table(["decode", "tokens/s", "ms/token"], rows), "",
             f"Speed-up {s['speedup']:.1f}x (goal >= 20x): {'met' if s['speedup'] >= 20 else 'MISSED'}.", ""]

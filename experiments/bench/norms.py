@@ -47,7 +47,7 @@ def step_fns(args):
     """The main job's model (stdlib_bytes.yaml) with each norm: a jitted train step and one batch."""
     out = {}
     for norm in ("layernorm", "rmsnorm"):
-        cfg = C.load(args.config, [f"model.norm={norm}", f"batch_size={args.batch}", "mesh.data=1"])
+        cfg = C.load(args.config, [f"model.norm.kind={norm}", f"batch_size={args.batch}", "mesh.data=1"])
         trainer = make_trainer(cfg, S.make_mesh(cfg.mesh))
         state = trainer.init_state(0)
         corpus = build_corpus(cfg.data)

@@ -119,7 +119,7 @@ def hand_step_fn(cfg: C.ExperimentConfig, params_like):
     dtype = jnp.dtype(cfg.model.compute_dtype)
 
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(hand_loss)(params, batch, eps=cfg.model.norm_eps, dtype=dtype)
+        loss, grads = jax.value_and_grad(hand_loss)(params, batch, eps=cfg.model.norm.eps, dtype=dtype)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -144,9 +144,9 @@ def torch_twin(cfg: C.ExperimentConfig, params, batches):
     if cfg.model.compute_dtype != "float32":
         raise SystemExit("--vs-torch compares fp32 steps only")
     m = cfg.model
-    D, N, L, V = m.d_model, m.n_heads, m.n_layers, m.vocab_size
+    D, N, L, V = m.d_model, m.attention.n_heads, m.n_layers, m.vocab_size
     H = D // N
-    eps = m.norm_eps
+    eps = m.norm.eps
     t = lambda a: torch.from_numpy(np.array(a, np.float32))  # noqa: E731
 
     class Block(nn.Module):
@@ -396,7 +396,7 @@ def main(argv=None):
     tokens = cfg.batch_size * cfg.seq_len
     fpt = flops_per_token(cfg.model, cfg.seq_len)
     peak, peak_src = device_peak(mesh.devices.flat, args.peak_tflops)
-    print(f"device {jax.devices()[0].device_kind}; model d={args.d_model} L={args.layers} H={cfg.model.n_heads} "
+    print(f"device {jax.devices()[0].device_kind}; model d={args.d_model} L={args.layers} H={cfg.model.attention.n_heads} "
           f"T={cfg.seq_len} B={cfg.batch_size} {args.dtype}; {fpt / 1e6:.1f} MFLOP/token; MFU vs {peak_src}")
     print(f"{'step':<16}{'ms/step':>10}{'tokens/s':>14}{'MFU':>8}{'CPU ms/step':>13}")
     rows = {}

@@ -194,21 +194,21 @@ def check_window(window: int | None, config) -> int | None:
     A model with its own sliding window (``config.causal_window``) always uses it; a requested
     ``window`` must then equal it. Otherwise ``window`` (or None): an int in [1, max_seq_len].
     Either way a window needs relative positions (RoPE, ALiBi). ValueError naming the reason."""
-    model = config.causal_window
+    model = config.sparsity.causal_window
     if model is not None:
         if window is not None and window != model:
             raise ValueError(f"window={window!r} differs from the model's own sliding window causal_window={model} "
-                             f"(attention_window={config.attention_window}); omit window or pass {model}")
+                             f"(attention_window={config.sparsity.window}); omit window or pass {model}")
         window = model
     elif window is None:
         return None
     elif not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= config.max_seq_len:
         raise ValueError(f"window={window!r} must be an int in [1, max_seq_len={config.max_seq_len}] "
                          "(the model was trained on no longer distances)")
-    if config.position not in RELATIVE_POSITIONS:
-        own = f" (its own, attention_window={config.attention_window})" if model is not None else ""
+    if config.positions.kind not in RELATIVE_POSITIONS:
+        own = f" (its own, attention_window={config.sparsity.window})" if model is not None else ""
         raise ValueError(f"a sliding window{own} needs relative positions (rope or alibi); this model has "
-                         f"position={config.position!r}, which stops at its {config.max_seq_len}-token context")
+                         f"position={config.positions.kind!r}, which stops at its {config.max_seq_len}-token context")
     return window
 
 

@@ -73,7 +73,7 @@ def init_caches(config, batch: int, max_len: int, dtype=None) -> list[KVCache]:
         raise ValueError(f"KV-cached decoding needs a decoder-only model; got config.kind={config.kind!r}")
     dtype = jnp.dtype(config.compute_dtype if dtype is None else dtype)
     return [KVCache.zeros(batch, max_len, config.resolved_kv_heads, config.resolved_head_dim, dtype,
-                          window=config.causal_window)
+                          window=config.sparsity.causal_window)
             for _ in range(config.n_decoder_layers)]
 
 

@@ -219,8 +219,8 @@ def report_records(records: Sequence[dict], config, *, window: int | None = None
                 print(f"jaxformer generate: error: {which}{r['error']}", file=sys.stderr)
         if r["stopped_by"] == "context":
             hint = (f"pass --window N (N <= {ctx}) to continue with a sliding window"
-                    if config.position in RELATIVE_POSITIONS else
-                    f"this model's position={config.position!r} cannot go past it")
+                    if config.positions.kind in RELATIVE_POSITIONS else
+                    f"this model's position={config.positions.kind!r} cannot go past it")
             print(f"note: {name} stopped at the model's {ctx}-token context after {len(r['tokens'])} new tokens; "
                   f"{hint}", file=sys.stderr)
     if any(r["error"] for r in records):

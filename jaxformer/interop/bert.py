@@ -74,7 +74,7 @@ from jaxformer.interop.rules import (
     same,
     transposed,
 )
-from jaxformer.model.config import ModelConfig
+from jaxformer.model.config import ModelConfig, get_key
 
 MLM_ARCHS = ("BertForMaskedLM", "BertForPreTraining")
 BARE_ARCH = "BertModel"
@@ -131,49 +131,49 @@ class BertFamily(Family):
     def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
         c = config
         problems = []
-        if (c.kind, c.position, c.norm, c.norm_position) != ("encoder", "learned", "layernorm", "post"):
-            problems.append(f"kind={c.kind!r}, position={c.position!r}, norm={c.norm!r}, norm_position="
-                            f"{c.norm_position!r} (needs encoder, learned, layernorm, post)")
-        if not c.embed_norm or not c.use_bias or not c.resolved_qkv_bias or c.resolved_final_norm:
-            problems.append(f"embed_norm={c.embed_norm}, use_bias={c.use_bias}, qkv_bias={c.qkv_bias}, "
-                            f"final_norm={c.final_norm} (needs embed_norm, biases everywhere, no final norm)")
-        if c.activation not in ACTIVATIONS_TO_HF:
-            problems.append(f"activation={c.activation!r} (supported: {sorted(ACTIVATIONS_TO_HF)})")
-        if c.resolved_kv_heads != c.n_heads or c.resolved_head_dim * c.n_heads != c.d_model:
-            problems.append(f"n_kv_heads={c.n_kv_heads}, head_dim={c.head_dim} (needs n_kv_heads = n_heads, "
+        if (c.kind, c.positions.kind, c.norm.kind, c.norm.placement) != ("encoder", "learned", "layernorm", "post"):
+            problems.append(f"kind={c.kind!r}, position={c.positions.kind!r}, norm={c.norm.kind!r}, norm_position="
+                            f"{c.norm.placement!r} (needs encoder, learned, layernorm, post)")
+        if not c.norm.embed or not c.use_bias or not c.resolved_qkv_bias or c.norm.resolved_final:
+            problems.append(f"embed_norm={c.norm.embed}, use_bias={c.use_bias}, qkv_bias={c.attention.qkv_bias}, "
+                            f"final_norm={c.norm.final} (needs embed_norm, biases everywhere, no final norm)")
+        if c.ffn.activation not in ACTIVATIONS_TO_HF:
+            problems.append(f"activation={c.ffn.activation!r} (supported: {sorted(ACTIVATIONS_TO_HF)})")
+        if c.resolved_kv_heads != c.attention.n_heads or c.resolved_head_dim * c.attention.n_heads != c.d_model:
+            problems.append(f"n_kv_heads={c.attention.n_kv_heads}, head_dim={c.attention.head_dim} (needs n_kv_heads = n_heads, "
                             "head_dim = d_model / n_heads)")
-        if c.type_vocab_size < 1:
+        if c.hf_options.type_vocab_size < 1:
             problems.append("type_vocab_size=0 (BERT always has a token-type table: use 1)")
-        if c.head_transform and c.head_bias:
+        if c.hf_options.head_transform and c.hf_options.head_bias:
             arch = MLM_ARCHS[0]
-        elif not c.head_transform and not c.head_bias and c.tie_embeddings:
+        elif not c.hf_options.head_transform and not c.hf_options.head_bias and c.tie_embeddings:
             arch = BARE_ARCH
         else:
             arch = None
-            problems.append(f"head_transform={c.head_transform}, head_bias={c.head_bias}, tie_embeddings="
+            problems.append(f"head_transform={c.hf_options.head_transform}, head_bias={c.hf_options.head_bias}, tie_embeddings="
                             f"{c.tie_embeddings} (needs both head options (BertForMaskedLM), or neither with "
                             "tied embeddings (BertModel))")
-        for field in ("sandwich_norm", "scale_embeddings", "attn_softcap", "attn_scale", "logits_softcap",
-                      "attention_window", "random_blocks"):
-            if getattr(c, field) not in (None, False):
-                problems.append(f"{field}={getattr(c, field)!r}")
-        if c.global_tokens or c.qkv_sharing != "none" or not c.residual:
-            problems.append(f"global_tokens={c.global_tokens}, qkv_sharing={c.qkv_sharing!r}, "
+        for field in ("norm.sandwich", "scale_embeddings", "attention.softcap", "attention.scale", "logits_softcap",
+                      "sparsity.window", "sparsity.random_blocks"):
+            if get_key(c, field) not in (None, False):
+                problems.append(f"{field}={get_key(c, field)!r}")
+        if c.sparsity.global_tokens or c.attention.qkv_sharing != "none" or not c.residual:
+            problems.append(f"global_tokens={c.sparsity.global_tokens}, qkv_sharing={c.attention.qkv_sharing!r}, "
                             f"residual={c.residual}")
         if problems:
             raise HFConfigError("not expressible as a bert config.json: " + "; ".join(problems))
         return dict(
             model_type="bert", architectures=[arch], vocab_size=c.vocab_size, hidden_size=c.d_model,
-            num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, intermediate_size=c.resolved_d_ff,
-            hidden_act=ACTIVATIONS_TO_HF[c.activation], max_position_embeddings=c.max_seq_len,
-            type_vocab_size=c.type_vocab_size, layer_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings,
+            num_hidden_layers=c.n_layers, num_attention_heads=c.attention.n_heads, intermediate_size=c.resolved_d_ff,
+            hidden_act=ACTIVATIONS_TO_HF[c.ffn.activation], max_position_embeddings=c.max_seq_len,
+            type_vocab_size=c.hf_options.type_vocab_size, layer_norm_eps=c.norm.eps, tie_word_embeddings=c.tie_embeddings,
             position_embedding_type="absolute", is_decoder=False, add_cross_attention=False,
         )
 
     def rules(self, config: ModelConfig) -> list[Rule]:
         c = config
-        D, N, H, F = c.d_model, c.n_heads, c.resolved_head_dim, c.resolved_d_ff
-        p = "bert." if c.head_transform else ""  # a bare BertModel's names have no prefix
+        D, N, H, F = c.d_model, c.attention.n_heads, c.resolved_head_dim, c.resolved_d_ff
+        p = "bert." if c.hf_options.head_transform else ""  # a bare BertModel's names have no prefix
 
         def norm(hf: str, path: tuple) -> list[Rule]:
             return [same(hf + ".weight", path + ("scale",)), same(hf + ".bias", path + ("bias",))]
@@ -195,7 +195,7 @@ class BertFamily(Family):
                     *dense(hf + "intermediate.dense", jx + ("mlp", "w_in"), jx + ("mlp", "b_in"), (D,), (F,)),
                     *dense(hf + "output.dense", jx + ("mlp", "w_out"), jx + ("mlp", "b_out"), (F,), (D,)),
                     *norm(hf + "output.LayerNorm", jx + ("mlp_residual", "norm"))]
-        if c.head_transform:
+        if c.hf_options.head_transform:
             out += [*dense("cls.predictions.transform.dense", ("head_transform", "w"), ("head_transform", "b"),
                            (D,), (D,)),
                     *norm("cls.predictions.transform.LayerNorm", ("head_transform", "norm"))]
@@ -217,7 +217,7 @@ class BertFamily(Family):
                 "cls.predictions.decoder.bias": "cls.predictions.bias"}
 
     def optional(self, config: ModelConfig) -> tuple[str, ...]:
-        return () if config.tie_embeddings or not config.head_transform else ("cls.predictions.decoder.bias",)
+        return () if config.tie_embeddings or not config.hf_options.head_transform else ("cls.predictions.decoder.bias",)
 
     def fill(self, name: str, present: Mapping[str, Any]):
         if name == "cls.predictions.decoder.bias" and "cls.predictions.bias" in present:

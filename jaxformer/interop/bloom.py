@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxformer.interop.rules import Family, HFConfigError, Reader, Rule, linear, same, transposed, xp
-from jaxformer.model.config import ModelConfig
+from jaxformer.model.config import ModelConfig, get_key
 
 ARCH = "BloomForCausalLM"
 MAX_SEQ_LEN = 2048
@@ -98,35 +98,35 @@ class BloomFamily(Family):
     def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
         c = config
         problems = []
-        if c.kind != "decoder" or c.position != "alibi" or c.norm != "layernorm" or c.norm_position != "pre":
-            problems.append(f"kind={c.kind!r}, position={c.position!r}, norm={c.norm!r}, "
-                            f"norm_position={c.norm_position!r} (needs decoder, alibi, layernorm, pre)")
-        if c.activation != "gelu_tanh" or c.resolved_d_ff != 4 * c.d_model:
-            problems.append(f"activation={c.activation!r}, d_ff={c.resolved_d_ff} (needs gelu_tanh, 4 * d_model)")
-        if not c.embed_norm:
+        if c.kind != "decoder" or c.positions.kind != "alibi" or c.norm.kind != "layernorm" or c.norm.placement != "pre":
+            problems.append(f"kind={c.kind!r}, position={c.positions.kind!r}, norm={c.norm.kind!r}, "
+                            f"norm_position={c.norm.placement!r} (needs decoder, alibi, layernorm, pre)")
+        if c.ffn.activation != "gelu_tanh" or c.resolved_d_ff != 4 * c.d_model:
+            problems.append(f"activation={c.ffn.activation!r}, d_ff={c.resolved_d_ff} (needs gelu_tanh, 4 * d_model)")
+        if not c.norm.embed:
             problems.append("embed_norm=False (BLOOM norms the embedding)")
         if not c.use_bias or c.resolved_qkv_bias is not True:
-            problems.append(f"use_bias={c.use_bias}, qkv_bias={c.qkv_bias} (BLOOM has every bias)")
-        if c.resolved_kv_heads != c.n_heads or c.resolved_head_dim * c.n_heads != c.d_model:
-            problems.append(f"n_kv_heads={c.n_kv_heads}, head_dim={c.head_dim} (needs MHA with head_dim = D / N)")
-        for field in ("sandwich_norm", "scale_embeddings", "attn_softcap", "attn_scale", "logits_softcap",
-                      "head_transform", "head_bias", "attention_window"):
-            if getattr(c, field) not in (None, False):
-                problems.append(f"{field}={getattr(c, field)!r}")
-        if c.qkv_sharing != "none" or c.type_vocab_size or not c.residual or not c.resolved_final_norm:
+            problems.append(f"use_bias={c.use_bias}, qkv_bias={c.attention.qkv_bias} (BLOOM has every bias)")
+        if c.resolved_kv_heads != c.attention.n_heads or c.resolved_head_dim * c.attention.n_heads != c.d_model:
+            problems.append(f"n_kv_heads={c.attention.n_kv_heads}, head_dim={c.attention.head_dim} (needs MHA with head_dim = D / N)")
+        for field in ("norm.sandwich", "scale_embeddings", "attention.softcap", "attention.scale", "logits_softcap",
+                      "hf_options.head_transform", "hf_options.head_bias", "sparsity.window"):
+            if get_key(c, field) not in (None, False):
+                problems.append(f"{field}={get_key(c, field)!r}")
+        if c.attention.qkv_sharing != "none" or c.hf_options.type_vocab_size or not c.residual or not c.norm.resolved_final:
             problems.append("qkv_sharing / type_vocab_size / residual=False / final_norm=False")
         if problems:
             raise HFConfigError("not expressible as a bloom config.json: " + "; ".join(problems))
         return dict(
             model_type="bloom", architectures=[ARCH], vocab_size=c.vocab_size, hidden_size=c.d_model,
-            n_layer=c.n_layers, n_head=c.n_heads, layer_norm_epsilon=c.norm_eps,
+            n_layer=c.n_layers, n_head=c.attention.n_heads, layer_norm_epsilon=c.norm.eps,
             tie_word_embeddings=c.tie_embeddings, apply_residual_connection_post_layernorm=False,
             pretraining_tp=1, slow_but_exact=False,
         )
 
     def rules(self, config: ModelConfig) -> list[Rule]:
         c = config
-        D, N, H, F = c.d_model, c.n_heads, c.resolved_head_dim, c.resolved_d_ff
+        D, N, H, F = c.d_model, c.attention.n_heads, c.resolved_head_dim, c.resolved_d_ff
         out = [same("transformer.word_embeddings.weight", ("embed", "embedding")),
                same("transformer.word_embeddings_layernorm.weight", ("embed_norm", "scale")),
                same("transformer.word_embeddings_layernorm.bias", ("embed_norm", "bias")),

@@ -42,7 +42,7 @@ from jaxformer.interop.rules import (
     transposed,
     xp,
 )
-from jaxformer.model.config import ModelConfig
+from jaxformer.model.config import ModelConfig, get_key
 
 ARCH = "GPT2LMHeadModel"
 
@@ -108,36 +108,36 @@ class GPT2Family(Family):
     def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
         c = config
         problems = []
-        if c.kind != "decoder" or c.position != "learned" or c.norm != "layernorm" or c.norm_position != "pre":
-            problems.append(f"kind={c.kind!r}, position={c.position!r}, norm={c.norm!r}, "
-                            f"norm_position={c.norm_position!r} (needs decoder, learned, layernorm, pre)")
-        if c.activation not in ACTIVATIONS_TO_HF:
-            problems.append(f"activation={c.activation!r} (supported: {sorted(ACTIVATIONS_TO_HF)})")
+        if c.kind != "decoder" or c.positions.kind != "learned" or c.norm.kind != "layernorm" or c.norm.placement != "pre":
+            problems.append(f"kind={c.kind!r}, position={c.positions.kind!r}, norm={c.norm.kind!r}, "
+                            f"norm_position={c.norm.placement!r} (needs decoder, learned, layernorm, pre)")
+        if c.ffn.activation not in ACTIVATIONS_TO_HF:
+            problems.append(f"activation={c.ffn.activation!r} (supported: {sorted(ACTIVATIONS_TO_HF)})")
         if not c.use_bias or c.resolved_qkv_bias is not True:
-            problems.append(f"use_bias={c.use_bias}, qkv_bias={c.qkv_bias} (GPT-2 has every bias)")
-        if c.resolved_kv_heads != c.n_heads or c.resolved_head_dim * c.n_heads != c.d_model:
-            problems.append(f"n_kv_heads={c.n_kv_heads}, head_dim={c.head_dim} (needs MHA with head_dim = D / N)")
-        if c.attn_scale not in (None, 1.0):
-            problems.append(f"attn_scale={c.attn_scale} (only the default 1/sqrt(head_dim), or 1.0)")
-        for field in ("sandwich_norm", "embed_norm", "scale_embeddings", "attn_softcap", "logits_softcap",
-                      "head_transform", "head_bias", "attention_window", "rope_scaling"):
-            if getattr(c, field) not in (None, False):
-                problems.append(f"{field}={getattr(c, field)!r}")
-        if c.qkv_sharing != "none" or c.type_vocab_size or not c.residual or not c.resolved_final_norm:
+            problems.append(f"use_bias={c.use_bias}, qkv_bias={c.attention.qkv_bias} (GPT-2 has every bias)")
+        if c.resolved_kv_heads != c.attention.n_heads or c.resolved_head_dim * c.attention.n_heads != c.d_model:
+            problems.append(f"n_kv_heads={c.attention.n_kv_heads}, head_dim={c.attention.head_dim} (needs MHA with head_dim = D / N)")
+        if c.attention.scale not in (None, 1.0):
+            problems.append(f"attn_scale={c.attention.scale} (only the default 1/sqrt(head_dim), or 1.0)")
+        for field in ("norm.sandwich", "norm.embed", "scale_embeddings", "attention.softcap", "logits_softcap",
+                      "hf_options.head_transform", "hf_options.head_bias", "sparsity.window", "positions.rope_scaling"):
+            if get_key(c, field) not in (None, False):
+                problems.append(f"{field}={get_key(c, field)!r}")
+        if c.attention.qkv_sharing != "none" or c.hf_options.type_vocab_size or not c.residual or not c.norm.resolved_final:
             problems.append("qkv_sharing / type_vocab_size / residual=False / final_norm=False")
         if problems:
             raise HFConfigError("not expressible as a gpt2 config.json: " + "; ".join(problems))
         return dict(
             model_type="gpt2", architectures=[ARCH], vocab_size=c.vocab_size, n_embd=c.d_model,
-            n_layer=c.n_layers, n_head=c.n_heads, n_inner=c.resolved_d_ff, n_positions=c.max_seq_len,
-            activation_function=ACTIVATIONS_TO_HF[c.activation], layer_norm_epsilon=c.norm_eps,
-            tie_word_embeddings=c.tie_embeddings, scale_attn_weights=c.attn_scale is None,
+            n_layer=c.n_layers, n_head=c.attention.n_heads, n_inner=c.resolved_d_ff, n_positions=c.max_seq_len,
+            activation_function=ACTIVATIONS_TO_HF[c.ffn.activation], layer_norm_epsilon=c.norm.eps,
+            tie_word_embeddings=c.tie_embeddings, scale_attn_weights=c.attention.scale is None,
             scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False, add_cross_attention=False,
         )
 
     def rules(self, config: ModelConfig) -> list[Rule]:
         c = config
-        D, N, H, F = c.d_model, c.n_heads, c.resolved_head_dim, c.resolved_d_ff
+        D, N, H, F = c.d_model, c.attention.n_heads, c.resolved_head_dim, c.resolved_d_ff
         out = [same("transformer.wte.weight", ("embed", "embedding")),
                same("transformer.wpe.weight", ("pos_embed", "embedding")),
                same("transformer.ln_f.weight", ("decoder", "final_norm", "scale")),

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxformer.interop.rules import Family, HFConfigError, HFWeightsError, Rule, read_json_object
-from jaxformer.model.config import ModelConfig
+from jaxformer.model.config import SECTIONS, ModelConfig
 from jaxformer.model.functional import abstract_init
 from jaxformer.model.layout import per_layer_config, stack_layers, unstack_layers
 from jaxformer.nn.params import as_dtype
@@ -279,7 +279,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32", sharding
     as_dtype(dtype)
     config = config_from_hf(hf, where, dtype=dtype)
     if overrides:
-        config = ModelConfig(**{**config.model_dump(), **overrides})
+        config = config.replace(**overrides)
     if config.lora is not None:
         raise ValueError("load_pretrained reads a base model (lora=None); add an adapter with "
                          "jaxformer.interop.peft.apply_adapter / load_adapter")
@@ -393,24 +393,28 @@ class _LazyTensors(Mapping):
 
 # -- saving
 
-_NOT_SAVED = ("attention_impl", "remat", "scan_layers", "max_seq_len", "init_std", "ffn_multiple_of",
+_NOT_SAVED = ("attention.impl", "remat", "scan_layers", "max_seq_len", "init_std", "ffn.multiple_of",
               "param_dtype", "compute_dtype")
 
 
 def _behaviour(config: ModelConfig) -> dict[str, Any]:
-    """The fields that decide what the model computes, derived ones resolved (head_dim None -> D / N...)."""
+    """The fields that decide what the model computes, derived ones resolved (head_dim None -> D / N...), by
+    dotted key (``attention.n_heads``)."""
     out = config.model_dump()
-    for k in _NOT_SAVED:
-        out.pop(k)
-    out.update(head_dim=config.resolved_head_dim, d_ff=config.resolved_d_ff, n_kv_heads=config.resolved_kv_heads,
-               final_norm=config.resolved_final_norm,
-               qkv_bias=config.use_bias if config.qkv_bias is None else config.qkv_bias)
-    if config.position != "rope":  # fields that change nothing for this model
-        for k in ("rope_base", "rope_scaling", "rope_interleaved"):
-            out.pop(k)
-    if config.position != "sinusoidal":
-        out.pop("sinusoidal_layout")
-    return out
+    drop = list(_NOT_SAVED)
+    if config.positions.kind != "rope":  # fields that change nothing for this model
+        drop += ["positions.rope_base", "positions.rope_scaling", "positions.rope_interleaved"]
+    if config.positions.kind != "sinusoidal":
+        drop.append("positions.sinusoidal_layout")
+    for key in drop:
+        *section, name = key.split(".")
+        (out[section[0]] if section else out).pop(name)
+    out["attention"].update(head_dim=config.resolved_head_dim, n_kv_heads=config.resolved_kv_heads,
+                            qkv_bias=config.resolved_qkv_bias)
+    out["ffn"]["d_ff"] = config.resolved_d_ff
+    out["norm"]["final"] = config.norm.resolved_final
+    return {f"{k}.{f}" if isinstance(v, dict) and k in SECTIONS else k: x
+            for k, v in out.items() for f, x in (v.items() if isinstance(v, dict) and k in SECTIONS else [(k, v)])}
 
 
 def guess_model_type(config: ModelConfig) -> str:
@@ -419,13 +423,13 @@ def guess_model_type(config: ModelConfig) -> str:
         return "marian"
     if config.kind == "encoder":
         return "bert"
-    if config.position == "alibi":
+    if config.positions.kind == "alibi":
         return "bloom"
-    if config.position == "learned":
+    if config.positions.kind == "learned":
         return "gpt2"
-    if config.sparse_attention:
+    if config.sparsity.banded:
         return "mistral"
-    if config.qkv_bias:
+    if config.attention.qkv_bias:
         return "qwen2"
     return "llama"
 
@@ -456,7 +460,7 @@ def save_pretrained(path: str | os.PathLike, config: ModelConfig, state, *, mode
     if family is None:
         raise HFConfigError(f"model_type={model_type!r} is not supported (supported: {sorted(families())})")
     hf = {**family.hf_defaults(config), **(hf_config or {}), **family.config_to_hf(config)}
-    if config.position != "learned" and "max_position_embeddings" in (hf_config or {}):
+    if config.positions.kind != "learned" and "max_position_embeddings" in (hf_config or {}):
         # only a learned table's size is part of the weights; otherwise keep the checkpoint's own context
         # length (a fine-tune's max_seq_len is a training choice, not the model's)
         hf["max_position_embeddings"] = hf_config["max_position_embeddings"]

@@ -39,7 +39,7 @@ from jaxformer.interop.rules import (
     same,
     transposed,
 )
-from jaxformer.model.config import ModelConfig
+from jaxformer.model.config import ModelConfig, get_key
 
 ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -159,21 +159,21 @@ class LlamaFamily(Family):
     def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
         c = config
         problems = []
-        if c.kind != "decoder" or c.position != "rope" or c.norm != "rmsnorm" or c.norm_position != "pre":
-            problems.append(f"kind={c.kind!r}, position={c.position!r}, norm={c.norm!r}, "
-                            f"norm_position={c.norm_position!r} (needs decoder, rope, rmsnorm, pre)")
-        if c.activation not in ("swiglu", "geglu"):
-            problems.append(f"activation={c.activation!r} (needs swiglu, or geglu: hidden_act gelu)")
-        if c.rope_interleaved:
+        if c.kind != "decoder" or c.positions.kind != "rope" or c.norm.kind != "rmsnorm" or c.norm.placement != "pre":
+            problems.append(f"kind={c.kind!r}, position={c.positions.kind!r}, norm={c.norm.kind!r}, "
+                            f"norm_position={c.norm.placement!r} (needs decoder, rope, rmsnorm, pre)")
+        if c.ffn.activation not in ("swiglu", "geglu"):
+            problems.append(f"activation={c.ffn.activation!r} (needs swiglu, or geglu: hidden_act gelu)")
+        if c.positions.rope_interleaved:
             problems.append("rope_interleaved=True")
         window = None
-        if c.attention_window is not None:
-            left, _ = c.attention_window
-            if c.global_tokens or c.random_blocks is not None or left is None:
-                problems.append(f"attention_window={c.attention_window} with global/random blocks")
+        if c.sparsity.window is not None:
+            left, _ = c.sparsity.window
+            if c.sparsity.global_tokens or c.sparsity.random_blocks is not None or left is None:
+                problems.append(f"attention_window={c.sparsity.window} with global/random blocks")
             else:
                 window = left + 1
-        qkv_bias = c.use_bias if c.qkv_bias is None else c.qkv_bias
+        qkv_bias = c.use_bias if c.attention.qkv_bias is None else c.attention.qkv_bias
         if qkv_bias and not c.use_bias:
             model_type = "qwen2"
         elif window is not None:
@@ -181,33 +181,33 @@ class LlamaFamily(Family):
         else:
             model_type = "llama"
         if qkv_bias != c.use_bias and model_type != "qwen2":
-            problems.append(f"qkv_bias={c.qkv_bias} with use_bias={c.use_bias}")
+            problems.append(f"qkv_bias={c.attention.qkv_bias} with use_bias={c.use_bias}")
         if model_type == "mistral" and c.use_bias:
             problems.append("use_bias=True with a sliding window (Mistral has no biases; Qwen2 only q/k/v biases)")
-        for field in ("sandwich_norm", "embed_norm", "scale_embeddings", "attn_softcap", "attn_scale",
-                      "logits_softcap", "head_transform", "head_bias"):
-            if getattr(c, field, None) not in (None, False):
-                problems.append(f"{field}={getattr(c, field)!r}")
-        for field, ok in (("qkv_sharing", c.qkv_sharing == "none"), ("type_vocab_size", not c.type_vocab_size),
-                          ("residual", c.residual), ("final_norm", c.resolved_final_norm)):
+        for field in ("norm.sandwich", "norm.embed", "scale_embeddings", "attention.softcap", "attention.scale",
+                      "logits_softcap", "hf_options.head_transform", "hf_options.head_bias"):
+            if get_key(c, field) not in (None, False):
+                problems.append(f"{field}={get_key(c, field)!r}")
+        for field, ok in (("attention.qkv_sharing", c.attention.qkv_sharing == "none"), ("hf_options.type_vocab_size", not c.hf_options.type_vocab_size),
+                          ("residual", c.residual), ("norm.final", c.norm.resolved_final)):
             if not ok:
-                problems.append(f"{field}={getattr(c, field)!r}")
+                problems.append(f"{field}={get_key(c, field)!r}")
         if problems:
             raise HFConfigError(f"not expressible as a {model_type} config.json: " + "; ".join(problems))
         hf = dict(
             model_type=model_type, architectures=[ARCH[model_type]], vocab_size=c.vocab_size,
             hidden_size=c.d_model, intermediate_size=c.resolved_d_ff, num_hidden_layers=c.n_layers,
-            num_attention_heads=c.n_heads, num_key_value_heads=c.resolved_kv_heads,
-            hidden_act="gelu" if c.activation == "geglu" else "silu", max_position_embeddings=c.max_seq_len,
-            rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings, rope_theta=c.rope_base,
+            num_attention_heads=c.attention.n_heads, num_key_value_heads=c.resolved_kv_heads,
+            hidden_act="gelu" if c.ffn.activation == "geglu" else "silu", max_position_embeddings=c.max_seq_len,
+            rms_norm_eps=c.norm.eps, tie_word_embeddings=c.tie_embeddings, rope_theta=c.positions.rope_base,
             rope_scaling=None,
         )
-        if c.head_dim is not None:
-            hf["head_dim"] = c.head_dim
+        if c.attention.head_dim is not None:
+            hf["head_dim"] = c.attention.head_dim
         if model_type != "qwen2":
             hf.update(attention_bias=c.use_bias, mlp_bias=c.use_bias)
-        if c.rope_scaling is not None:
-            s = c.rope_scaling
+        if c.positions.rope_scaling is not None:
+            s = c.positions.rope_scaling
             if s.kind not in ("linear", "llama3"):
                 raise HFConfigError(f"rope_scaling.kind={s.kind!r} is not expressible in a {model_type} config.json")
             hf["rope_scaling"] = dict(rope_type=s.kind, factor=s.factor)
@@ -221,13 +221,13 @@ class LlamaFamily(Family):
                       max_window_layers=0 if window is not None else c.n_layers,
                       layer_types=["sliding_attention" if window is not None else "full_attention"] * c.n_layers)
         # transformers >= 5 reads rope_parameters first: write it too, so a stale one (from hf_config) never wins
-        hf["rope_parameters"] = {"rope_theta": c.rope_base, "rope_type": "default", **(hf["rope_scaling"] or {})}
+        hf["rope_parameters"] = {"rope_theta": c.positions.rope_base, "rope_type": "default", **(hf["rope_scaling"] or {})}
         return hf
 
     def rules(self, config: ModelConfig) -> list[Rule]:
         c = config
-        D, N, K, H, F = c.d_model, c.n_heads, c.resolved_kv_heads, c.resolved_head_dim, c.resolved_d_ff
-        qkv_bias = c.use_bias if c.qkv_bias is None else c.qkv_bias
+        D, N, K, H, F = c.d_model, c.attention.n_heads, c.resolved_kv_heads, c.resolved_head_dim, c.resolved_d_ff
+        qkv_bias = c.use_bias if c.attention.qkv_bias is None else c.attention.qkv_bias
         out = [same("model.embed_tokens.weight", ("embed", "embedding")),
                same("model.norm.weight", ("decoder", "final_norm", "scale"))]
         if not c.tie_embeddings:

@@ -66,7 +66,7 @@ from jaxformer.interop.rules import (
     same,
     transposed,
 )
-from jaxformer.model.config import ModelConfig
+from jaxformer.model.config import ModelConfig, get_key
 
 ARCH = "MarianMTModel"
 LN_EPS = 1e-5                  # torch.nn.LayerNorm's default; Marian has no key for it
@@ -152,20 +152,21 @@ class MarianFamily(Family):
     def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
         c = config
         problems = []
-        want = dict(kind="encoder_decoder", norm="layernorm", norm_position="post", position="sinusoidal",
-                    sinusoidal_layout="halves", use_bias=True, head_bias=True, norm_eps=LN_EPS)
-        problems += [f"{k}={getattr(c, k)!r} (needs {v!r})" for k, v in want.items() if getattr(c, k) != v]
-        if c.activation not in ACTIVATIONS_TO_MARIAN:
-            problems.append(f"activation={c.activation!r} (needs one of {sorted(ACTIVATIONS_TO_MARIAN)})")
-        if c.qkv_bias is False:
+        want = {"kind": "encoder_decoder", "norm.kind": "layernorm", "norm.placement": "post",
+                "positions.kind": "sinusoidal", "positions.sinusoidal_layout": "halves", "use_bias": True,
+                "hf_options.head_bias": True, "norm.eps": LN_EPS}
+        problems += [f"{k}={get_key(c, k)!r} (needs {v!r})" for k, v in want.items() if get_key(c, k) != v]
+        if c.ffn.activation not in ACTIVATIONS_TO_MARIAN:
+            problems.append(f"activation={c.ffn.activation!r} (needs one of {sorted(ACTIVATIONS_TO_MARIAN)})")
+        if c.attention.qkv_bias is False:
             problems.append("qkv_bias=False")
-        if c.resolved_kv_heads != c.n_heads or c.resolved_head_dim * c.n_heads != c.d_model:
-            problems.append(f"n_kv_heads={c.n_kv_heads}, head_dim={c.head_dim} (needs MHA with head_dim = D / N)")
-        for field in ("sandwich_norm", "embed_norm", "attn_softcap", "attn_scale", "logits_softcap",
-                      "head_transform", "attention_window", "random_blocks", "final_norm"):
-            if getattr(c, field) not in (None, False):
-                problems.append(f"{field}={getattr(c, field)!r}")
-        if c.global_tokens or c.qkv_sharing != "none" or c.type_vocab_size or not c.residual:
+        if c.resolved_kv_heads != c.attention.n_heads or c.resolved_head_dim * c.attention.n_heads != c.d_model:
+            problems.append(f"n_kv_heads={c.attention.n_kv_heads}, head_dim={c.attention.head_dim} (needs MHA with head_dim = D / N)")
+        for field in ("norm.sandwich", "norm.embed", "attention.softcap", "attention.scale", "logits_softcap",
+                      "hf_options.head_transform", "sparsity.window", "sparsity.random_blocks", "norm.final"):
+            if get_key(c, field) not in (None, False):
+                problems.append(f"{field}={get_key(c, field)!r}")
+        if c.sparsity.global_tokens or c.attention.qkv_sharing != "none" or c.hf_options.type_vocab_size or not c.residual:
             problems.append("global_tokens / qkv_sharing / type_vocab_size / residual=False")
         if problems:
             raise HFConfigError("not expressible as a marian config.json: " + "; ".join(problems))
@@ -174,8 +175,8 @@ class MarianFamily(Family):
             model_type="marian", architectures=[ARCH], is_encoder_decoder=True,
             vocab_size=c.vocab_size, decoder_vocab_size=c.vocab_size, share_encoder_decoder_embeddings=True,
             d_model=c.d_model, encoder_layers=c.n_encoder_layers, decoder_layers=c.n_layers,
-            encoder_attention_heads=c.n_heads, decoder_attention_heads=c.n_heads,
-            encoder_ffn_dim=F, decoder_ffn_dim=F, activation_function=ACTIVATIONS_TO_MARIAN[c.activation],
+            encoder_attention_heads=c.attention.n_heads, decoder_attention_heads=c.attention.n_heads,
+            encoder_ffn_dim=F, decoder_ffn_dim=F, activation_function=ACTIVATIONS_TO_MARIAN[c.ffn.activation],
             max_position_embeddings=c.max_seq_len, scale_embedding=c.scale_embeddings,
             tie_word_embeddings=c.tie_embeddings,
         )
@@ -189,7 +190,7 @@ class MarianFamily(Family):
 
     def rules(self, config: ModelConfig) -> list[Rule]:
         c = config
-        D, N, H, F = c.d_model, c.n_heads, c.resolved_head_dim, c.resolved_d_ff
+        D, N, H, F = c.d_model, c.attention.n_heads, c.resolved_head_dim, c.resolved_d_ff
         out = [Rule((BIAS,), (("logits_bias",),), lambda b: (b.reshape(-1),), lambda b: (b.reshape(1, -1),))]
         if c.tie_embeddings:
             out.append(same(SHARED, ("embed", "embedding")))

@@ -1,17 +1,25 @@
-"""ModelConfig: one frozen, validated description of a Transformer.
+"""ModelConfig: one frozen, validated description of a Transformer, in sections.
 
-Fields left ``None`` are derived (see the ``resolved_*`` properties), so a
-preset overridden with a new ``d_model`` re-derives ``head_dim`` and ``d_ff``.
-Unknown keys raise (``extra="forbid"``); every validation error is a
-``ValueError`` (pydantic's ``ValidationError``) naming the field and values.
+Top level: ``kind``, ``vocab_size``, ``d_model``, ``n_layers`` (``n_encoder_layers``), ``max_seq_len``,
+the dtypes, tying, biases, scan/remat, ``lora``. Sections, each what one part of the model is built
+from: ``attention`` (:class:`AttentionConfig`), ``positions`` (:class:`PositionConfig`), ``ffn``
+(:class:`FFNConfig`), ``norm`` (:class:`NormConfig`), ``sparsity`` (:class:`SparsityConfig`),
+``hf_options`` (:class:`HFOptions`: what only published checkpoints need). In YAML and overrides::
 
-Sparse self-attention (Longformer, BigBird): ``attention_window`` is the local
-band ``(left, right)`` (combined with ``causal`` in a decoder), widened by
-``global_tokens`` (absolute positions in each row) and ``random_blocks``; see
-:class:`jaxformer.ops.masks.MaskSpec`. Cross-attention is never sparse. A decoder
-whose only pattern is the band is a sliding window (Mistral, Qwen2) of
-``causal_window`` positions, which KV caches apply; global tokens and random
-blocks refuse a cache.
+    model: {preset: llama_tiny, d_model: 128, attention: {n_heads: 4, n_kv_heads: 2}}
+    jaxformer train exp.yaml model.attention.n_heads=8 model.norm.placement=post
+
+Fields left ``None`` are derived (see the ``resolved_*`` properties), so a preset overridden with a
+new ``d_model`` re-derives the head dim and the FFN width. Unknown keys raise (``extra="forbid"``);
+every validation error is a ``ValueError`` (pydantic's ``ValidationError``) naming the field and values.
+The flat keys of before the sections (``n_heads``, ``norm_position``, ``attention_window``, ...) are
+still read everywhere a config is: :func:`migrate` moves each into its section (:data:`FLAT_KEYS`).
+
+Sparse self-attention (Longformer, BigBird): ``sparsity.window`` is the local band ``(left, right)``
+(combined with causality in a decoder), widened by ``sparsity.global_tokens`` (absolute positions in each
+row) and ``sparsity.random_blocks``; see :class:`jaxformer.ops.masks.MaskSpec`. A decoder whose only
+pattern is the band is a sliding window (Mistral, Qwen2) of ``sparsity.causal_window`` positions, which
+KV caches apply; global tokens and random blocks refuse a cache.
 
 ``lora`` (:class:`LoRAConfig`) adds low-rank adapters to the self-attention and MLP projections of
 every block (:mod:`jaxformer.nn.lora`); the base model is the same config with ``lora=None``.
@@ -23,54 +31,23 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from jaxformer.ops.activations import ACTIVATIONS, ffn_hidden_size, is_gated
-from jaxformer.ops.masks import MaskSpec, RandomBlocks
-from jaxformer.ops.positional import RopeScaling
+from jaxformer.nn.config import (
+    AttentionConfig,
+    AttentionImpl,
+    FFNConfig,
+    NormConfig,
+    PositionConfig,
+    RandomBlocksConfig,
+    RopeScalingConfig,
+    SparsityConfig,
+)
+from jaxformer.ops.masks import MaskSpec
+
+__all__ = ["AttentionConfig", "FFNConfig", "HFOptions", "LoRAConfig", "ModelConfig", "NormConfig", "PositionConfig",
+           "RandomBlocksConfig", "RopeScalingConfig", "SparsityConfig", "FLAT_KEYS", "SECTIONS", "get_key", "merge",
+           "migrate"]
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-
-
-class RopeScalingConfig(BaseModel):
-    """Serialisable mirror of :class:`jaxformer.ops.positional.RopeScaling`."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: Literal["linear", "ntk", "llama3", "yarn"]
-    factor: float = Field(ge=1.0)
-    original_max_position: int = Field(2048, gt=0)
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float | None = None
-
-    @model_validator(mode="after")
-    def _check(self):
-        self.to_ops()
-        return self
-
-    def to_ops(self) -> RopeScaling:
-        return RopeScaling(**self.model_dump())
-
-
-class RandomBlocksConfig(BaseModel):
-    """BigBird random attention (serialisable mirror of :class:`jaxformer.ops.masks.RandomBlocks`).
-
-    Each query block of ``block_size`` positions also sees ``num_blocks`` key
-    blocks drawn from ``seed``: one pattern for all heads, or one per query head
-    when ``per_head``.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    num_blocks: int = Field(ge=0)
-    block_size: int = Field(gt=0)
-    seed: int = Field(0, ge=0)
-    per_head: bool = False
-
-    def to_ops(self, n_heads: int) -> RandomBlocks:
-        return RandomBlocks(self.num_blocks, self.block_size, self.seed,
-                            num_heads=n_heads if self.per_head else None)
 
 
 LORA_TARGETS = ("w_q", "w_k", "w_v", "w_o", "w_gate", "w_up", "w_down", "w_in", "w_out")
@@ -114,8 +91,104 @@ class LoRAConfig(BaseModel):
         return lora_scale(self.alpha, self.rank, self.rslora)
 
 
+class HFOptions(BaseModel):
+    """Options only published checkpoints need (BERT, Marian); all off by default."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type_vocab_size: int = Field(
+        0, ge=0, description="> 0: a token-type (segment) embedding table [type_vocab_size, D] added to the "
+        "token embedding, before norm.embed (BERT); token_types default to 0")
+    head_transform: bool = Field(
+        False, description="BERT's MLM head transform before the output projection: norm(act(x W + b)), "
+        "W [D, D] (b iff use_bias), act = ffn.activation (not gated), norm = norm.kind with norm.eps")
+    head_bias: bool = Field(
+        False, description="a bias [V] added to the logits, tied or untied head (BERT's cls.predictions.bias, "
+        "Marian's final_logits_bias)")
+
+
+SECTIONS: dict[str, type[BaseModel]] = {
+    "attention": AttentionConfig, "positions": PositionConfig, "ffn": FFNConfig, "norm": NormConfig,
+    "sparsity": SparsityConfig, "hf_options": HFOptions,
+}
+"""ModelConfig's sections by field name."""
+
+FLAT_KEYS: dict[str, tuple[str, str]] = {
+    "n_heads": ("attention", "n_heads"), "n_kv_heads": ("attention", "n_kv_heads"),
+    "head_dim": ("attention", "head_dim"), "attn_scale": ("attention", "scale"),
+    "attn_softcap": ("attention", "softcap"), "qkv_sharing": ("attention", "qkv_sharing"),
+    "qkv_bias": ("attention", "qkv_bias"), "attention_impl": ("attention", "impl"),
+    "position": ("positions", "kind"), "rope_base": ("positions", "rope_base"),
+    "rope_scaling": ("positions", "rope_scaling"), "rope_interleaved": ("positions", "rope_interleaved"),
+    "sinusoidal_layout": ("positions", "sinusoidal_layout"),
+    "activation": ("ffn", "activation"), "d_ff": ("ffn", "d_ff"), "ffn_multiple_of": ("ffn", "multiple_of"),
+    "norm": ("norm", "kind"), "norm_position": ("norm", "placement"), "norm_eps": ("norm", "eps"),
+    "sandwich_norm": ("norm", "sandwich"), "final_norm": ("norm", "final"), "embed_norm": ("norm", "embed"),
+    "attention_window": ("sparsity", "window"), "global_tokens": ("sparsity", "global_tokens"),
+    "random_blocks": ("sparsity", "random_blocks"),
+    "type_vocab_size": ("hf_options", "type_vocab_size"), "head_transform": ("hf_options", "head_transform"),
+    "head_bias": ("hf_options", "head_bias"),
+}
+"""The flat keys of ModelConfig before it had sections, each with its ``(section, field)`` now. Old
+``config.yaml`` files, experiment files, sweep axes and ``model.KEY=value`` overrides may still use them:
+:func:`migrate` moves them into their sections (``norm`` is both: a string is the old flat key, the norm's
+kind; a mapping is the section)."""
+
+
+def flat_key(key: str, value=None) -> tuple[str, str] | None:
+    """``(section, field)`` when ``key`` (with ``value``) is a flat key of before the sections, else None."""
+    if key == "norm" and isinstance(value, (dict, BaseModel)):
+        return None
+    return FLAT_KEYS.get(key)
+
+
+def migrate(raw: dict) -> dict:
+    """A copy of a ModelConfig mapping with every flat key of before the sections moved into its section
+    (``n_heads`` -> ``attention.n_heads``, ``norm_position`` -> ``norm.placement``, ...; see
+    :data:`FLAT_KEYS`). ValueError when a value is given both ways, naming both keys."""
+    out = dict(raw)
+    moved: dict[str, dict] = {}
+    for key in list(out):
+        where = flat_key(key, out[key])
+        if where is None:
+            continue
+        section, name = where
+        moved.setdefault(section, {})[name] = out.pop(key)
+    for section, values in moved.items():
+        given = out.get(section)
+        if isinstance(given, BaseModel):
+            given = given.model_dump(exclude_unset=True)
+        given = dict(given or {})
+        both = sorted(k for k in values if k in given)
+        if both:
+            old = [k for k, v in FLAT_KEYS.items() if v[0] == section and v[1] in both]
+            raise ValueError(f"{', '.join(f'{section}.{k}' for k in both)} given twice: in the section and as the "
+                             f"flat key(s) {old} of before the sections; keep the section's")
+        out[section] = {**given, **values}
+    return out
+
+
+def merge(base: dict, changes: dict) -> dict:
+    """``base`` (a ModelConfig mapping) with ``changes`` applied: both migrated (:func:`migrate`), then
+    each section merged field by field, so ``merge(preset, {"n_heads": 8})`` keeps the preset's other
+    attention fields."""
+    out, changes = migrate(base), migrate(changes)
+    for key, value in changes.items():
+        if key in SECTIONS and isinstance(out.get(key), dict) and isinstance(value, dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
 class ModelConfig(BaseModel):
-    """A Transformer: decoder-only LM, bidirectional encoder (MLM head), or encoder-decoder."""
+    """A Transformer: decoder-only LM, bidirectional encoder (MLM head), or encoder-decoder.
+
+    The few values every part reads sit at the top; each part's own settings sit in its section
+    (``attention``, ``positions``, ``ffn``, ``norm``, ``sparsity``, ``hf_options``), which is what the
+    module building that part receives. The flat keys of before the sections (``n_heads``, ...) are
+    still read (:func:`migrate`).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -124,56 +197,17 @@ class ModelConfig(BaseModel):
     d_model: int = Field(256, gt=0)
     n_layers: int = Field(4, gt=0, description="decoder-only / encoder-only stack; the decoder of an enc-dec")
     n_encoder_layers: int | None = Field(None, description="encoder_decoder only")
-    n_heads: int = Field(4, gt=0)
-    n_kv_heads: int | None = Field(None, description="None: n_heads (MHA); fewer: GQA; 1: MQA")
-    head_dim: int | None = Field(None, description="None: d_model // n_heads")
-    d_ff: int | None = Field(None, description="None: ffn_hidden_size(d_model, activation, ffn_multiple_of)")
-    activation: str = "gelu"
-    ffn_multiple_of: int = Field(1, gt=0)
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    norm_position: Literal["post", "pre", "deepnorm"] = "pre"
-    sandwich_norm: bool = False
-    norm_eps: float = Field(1e-5, gt=0.0)
-    final_norm: bool | None = Field(None, description="None: True for pre-norm, False otherwise")
-    embed_norm: bool = Field(False, description="a norm right after the token embedding (BLOOM)")
-    residual: bool = Field(True, description="False drops every sublayer's identity path x + (the residuals study)")
-    position: Literal["rope", "alibi", "sinusoidal", "learned", "none"] = "rope"
-    rope_base: float = Field(10000.0, gt=1.0)
-    rope_scaling: RopeScalingConfig | None = None
-    rope_interleaved: bool = False
-    sinusoidal_layout: Literal["interleaved", "halves"] = Field(
-        "interleaved", description="position='sinusoidal' only: sin/cos interleaved (pe[2i] = sin, pe[2i+1] = cos; "
-        "Vaswani) or in halves (pe[:D/2] = sin, pe[D/2:] = cos; tensor2tensor, fairseq, Marian)")
     max_seq_len: int = Field(2048, gt=0)
+    attention: AttentionConfig = AttentionConfig()
+    positions: PositionConfig = PositionConfig()
+    ffn: FFNConfig = FFNConfig()
+    norm: NormConfig = NormConfig()
+    sparsity: SparsityConfig = SparsityConfig()
+    hf_options: HFOptions = HFOptions()
+    residual: bool = Field(True, description="False drops every sublayer's identity path x + (the residuals study)")
     scale_embeddings: bool = Field(False, description="multiply token embeddings by sqrt(d_model) (Vaswani)")
     tie_embeddings: bool = True
-    use_bias: bool = False
-    qkv_bias: bool | None = Field(
-        None, description="biases on the q/k/v projections (self- and cross-attention); None: follow use_bias. "
-        "True with use_bias=False is Qwen2 (q/k/v biases only); the output projection follows use_bias")
-    type_vocab_size: int = Field(
-        0, ge=0, description="> 0: a token-type (segment) embedding table [type_vocab_size, D] added to the "
-        "token embedding, before embed_norm (BERT); token_types default to 0")
-    head_transform: bool = Field(
-        False, description="BERT's MLM head transform before the output projection: norm(act(x W + b)), "
-        "W [D, D] (b iff use_bias), act = activation (not gated), norm = norm with norm_eps")
-    head_bias: bool = Field(
-        False, description="a bias [V] added to the logits, tied or untied head (BERT's cls.predictions.bias, "
-        "Marian's final_logits_bias)")
-    attention_impl: Literal["auto", "xla", "blockwise", "pallas", "sparse"] = "auto"
-    attention_window: tuple[int | None, int | None] | None = Field(
-        None, description="self-attention band (left, right); None side: unbounded. A decoder band (W-1, right) "
-        "with no global_tokens / random_blocks is a sliding window of W (each token sees itself and the W-1 "
-        "before it; HF Mistral's sliding_window=W) and works with KV caches")
-    global_tokens: tuple[int, ...] = Field((), description="Longformer global positions (needs attention_window)")
-    random_blocks: RandomBlocksConfig | None = Field(
-        None, description="BigBird random blocks (needs attention_window)")
-    attn_softcap: float | None = Field(None, gt=0.0)
-    attn_scale: float | None = Field(None, gt=0.0, description="attention logit scale; None: 1/sqrt(head_dim). "
-                                     "1.0 drops the scaling (the sqrt(d_k) study)")
-    qkv_sharing: Literal["none", "qk", "qkv"] = Field(
-        "none", description="self-attention projections: separate W_q, W_k, W_v ('none'); W_k = W_q "
-        "(shared-QK, as in Reformer: 'qk'); W_k = W_v = W_q ('qkv'). Needs n_kv_heads = n_heads")
+    use_bias: bool = Field(False, description="biases on the projections, the norms and the embeddings' head")
     logits_softcap: float | None = Field(None, gt=0.0)
     init_std: float = Field(0.02, gt=0.0)
     param_dtype: Dtype = "float32"
@@ -182,12 +216,10 @@ class ModelConfig(BaseModel):
     scan_layers: bool = False
     lora: LoRAConfig | None = Field(None, description="low-rank adapters on the projections (None: none)")
 
-    @field_validator("activation")
+    @model_validator(mode="before")
     @classmethod
-    def _check_activation(cls, v: str) -> str:
-        if v not in ACTIVATIONS:
-            raise ValueError(f"activation={v!r} is not one of {ACTIVATIONS}")
-        return v
+    def _migrate(cls, raw):
+        return migrate(raw) if isinstance(raw, dict) else raw
 
     @model_validator(mode="after")
     def _check(self):
@@ -201,35 +233,22 @@ class ModelConfig(BaseModel):
                 f"n_encoder_layers={self.n_encoder_layers} only applies to kind='encoder_decoder' "
                 f"(kind={self.kind!r} uses n_layers)"
             )
-        if self.head_dim is None and self.d_model % self.n_heads:
+        a = self.attention
+        if a.head_dim is None and self.d_model % a.n_heads:
             raise ValueError(
-                f"d_model={self.d_model} not divisible by n_heads={self.n_heads}; set head_dim explicitly"
+                f"d_model={self.d_model} not divisible by attention.n_heads={a.n_heads}; set attention.head_dim"
             )
-        if self.head_dim is not None and self.head_dim <= 0:
-            raise ValueError(f"head_dim={self.head_dim} must be > 0")
-        kv = self.resolved_kv_heads
-        if kv <= 0 or self.n_heads % kv:
-            raise ValueError(f"n_heads={self.n_heads} not divisible by n_kv_heads={self.n_kv_heads}")
-        if self.position == "rope" and self.resolved_head_dim % 2:
-            raise ValueError(f"position='rope' needs an even head dim, got head_dim={self.resolved_head_dim}")
-        if self.position == "sinusoidal" and self.d_model % 2:
-            raise ValueError(f"position='sinusoidal' needs an even d_model, got d_model={self.d_model}")
-        if self.rope_scaling is not None and self.position != "rope":
-            raise ValueError(f"rope_scaling is set but position={self.position!r} (not 'rope')")
-        if self.d_ff is not None and self.d_ff <= 0:
-            raise ValueError(f"d_ff={self.d_ff} must be > 0")
-        if self.qkv_sharing != "none" and kv != self.n_heads:
-            raise ValueError(f"qkv_sharing={self.qkv_sharing!r} shares W_q with W_k, so it needs n_kv_heads = "
-                             f"n_heads, got n_kv_heads={self.n_kv_heads} and n_heads={self.n_heads}")
-        if self.sinusoidal_layout != "interleaved" and self.position != "sinusoidal":
-            raise ValueError(f"sinusoidal_layout={self.sinusoidal_layout!r} is set but position={self.position!r} "
-                             "(not 'sinusoidal')")
-        if self.head_transform and self.gated:
-            raise ValueError(f"head_transform needs a non-gated activation (act(x W + b)), got "
-                             f"activation={self.activation!r}")
-        if self.sandwich_norm and self.norm_position != "pre":
-            raise ValueError(f"sandwich_norm needs norm_position='pre', got norm_position={self.norm_position!r}")
-        self._check_sparse()
+        if self.positions.kind == "rope" and self.resolved_head_dim % 2:
+            raise ValueError(f"positions.kind='rope' needs an even head dim, got head_dim={self.resolved_head_dim}")
+        if self.positions.kind == "sinusoidal" and self.d_model % 2:
+            raise ValueError(f"positions.kind='sinusoidal' needs an even d_model, got d_model={self.d_model}")
+        if self.hf_options.head_transform and self.ffn.gated:
+            raise ValueError(f"hf_options.head_transform needs a non-gated activation (act(x W + b)), got "
+                             f"ffn.activation={self.ffn.activation!r}")
+        bad = [p for p in self.sparsity.global_tokens if not 0 <= p < self.max_seq_len]
+        if bad:
+            raise ValueError(f"sparsity.global_tokens={self.sparsity.global_tokens}: positions {bad} outside "
+                             f"[0, max_seq_len={self.max_seq_len})")
         if self.lora is not None and self.lora.targets is not None:
             have = self.projections
             missing = [t for t in self.lora.targets if t not in have]
@@ -237,61 +256,44 @@ class ModelConfig(BaseModel):
                 raise ValueError(f"lora.targets {missing}: this model's projections are {list(have)}")
         return self
 
-    def _check_sparse(self) -> None:
-        w = self.attention_window
-        if w is not None and any(side is not None and side < 0 for side in w):
-            raise ValueError(f"attention_window={w} sides must be >= 0 or None")
-        bounded = w is not None and w != (None, None)
-        for name in ("global_tokens", "random_blocks"):
-            value = getattr(self, name)
-            if value not in (None, ()) and not bounded:
-                raise ValueError(f"{name}={value!r} needs a bounded attention_window (left, right), "
-                                 f"got attention_window={w}: without a band the pattern changes nothing")
-        bad = [p for p in self.global_tokens if not 0 <= p < self.max_seq_len]
-        if bad:
-            raise ValueError(f"global_tokens={self.global_tokens}: positions {bad} outside "
-                             f"[0, max_seq_len={self.max_seq_len})")
-        if len(set(self.global_tokens)) != len(self.global_tokens):
-            raise ValueError(f"global_tokens={self.global_tokens} has repeated positions")
+    def replace(self, **changes) -> ModelConfig:
+        """This config with ``changes`` applied (flat keys of before the sections, whole sections as
+        mappings merged field by field, or top-level fields) and validated again: pydantic's
+        ``model_copy(update=...)`` neither validates nor knows the sections."""
+        return ModelConfig(**merge(self.model_dump(exclude_unset=True), changes))
 
     # -- derived values
     @property
     def resolved_head_dim(self) -> int:
-        """H: ``head_dim`` or ``d_model // n_heads``."""
-        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+        """H: ``attention.head_dim`` or ``d_model // attention.n_heads``."""
+        return self.attention.resolved_head_dim(self.d_model)
 
     @property
     def resolved_kv_heads(self) -> int:
-        """K: ``n_kv_heads`` or ``n_heads``."""
-        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+        """K: ``attention.n_kv_heads`` or ``attention.n_heads``."""
+        return self.attention.resolved_kv_heads
 
     @property
     def resolved_d_ff(self) -> int:
-        """F: ``d_ff`` or ``ffn_hidden_size(d_model, activation, ffn_multiple_of)``."""
-        if self.d_ff is not None:
-            return self.d_ff
-        return ffn_hidden_size(self.d_model, self.activation, self.ffn_multiple_of)
-
-    @property
-    def resolved_final_norm(self) -> bool:
-        """Whether a norm follows the last block: ``final_norm`` or (pre-norm only) True."""
-        return self.final_norm if self.final_norm is not None else self.norm_position == "pre"
+        """F: ``ffn.d_ff`` or ``ffn_hidden_size(d_model, ffn.activation, ffn.multiple_of)``."""
+        return self.ffn.width(self.d_model)
 
     @property
     def resolved_qkv_bias(self) -> bool:
-        """Whether the q/k/v projections have biases: ``qkv_bias`` or ``use_bias``."""
-        return self.use_bias if self.qkv_bias is None else self.qkv_bias
+        """Whether the q/k/v projections have biases: ``attention.qkv_bias`` or ``use_bias``."""
+        return self.use_bias if self.attention.qkv_bias is None else self.attention.qkv_bias
 
     @property
     def projections(self) -> tuple[str, ...]:
         """The kernels of a block's self-attention and MLP (what LoRA may target), in :data:`LORA_TARGETS`
         order."""
         out = ["w_q", "w_k", "w_v", "w_o"]
-        if self.qkv_sharing != "none":
+        sharing = self.attention.qkv_sharing
+        if sharing != "none":
             out.remove("w_k")
-        if self.qkv_sharing == "qkv":
+        if sharing == "qkv":
             out.remove("w_v")
-        return tuple(out + (["w_gate", "w_up", "w_down"] if self.gated else ["w_in", "w_out"]))
+        return tuple(out + (["w_gate", "w_up", "w_down"] if self.ffn.gated else ["w_in", "w_out"]))
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
@@ -308,10 +310,6 @@ class ModelConfig(BaseModel):
         return self if self.lora is None else self.model_copy(update=dict(lora=None))
 
     @property
-    def gated(self) -> bool:
-        return is_gated(self.activation)
-
-    @property
     def n_decoder_layers(self) -> int:
         """Layers with causal self-attention (0 for an encoder)."""
         return 0 if self.kind == "encoder" else self.n_layers
@@ -323,28 +321,22 @@ class ModelConfig(BaseModel):
             return self.n_layers
         return self.n_encoder_layers or 0
 
-    @property
-    def sparse_attention(self) -> bool:
-        """True when self-attention has a band or a pattern."""
-        return self.attention_window is not None and self.attention_window != (None, None)
-
-    @property
-    def causal_window(self) -> int | None:
-        """W, the sliding window of causal self-attention: ``attention_window[0] + 1`` (each query sees
-        itself and the W - 1 keys before it; the right side is moot under causality), or None when the
-        band's left side is unbounded or there is no band. A KV cache of a decoder applies it
-        (``KVCache.window``, ``PagedKVCache.window``, the engine's ``window``)."""
-        w = self.attention_window
-        return None if w is None or w[0] is None else w[0] + 1
-
     def self_attention_mask(self, *, causal: bool, segment_ids=None, lengths=None) -> MaskSpec:
         """The self-attention :class:`MaskSpec`: causal/segments/lengths plus the sparse pattern."""
+        sp = self.sparsity
         return MaskSpec(
-            causal=causal, window=self.attention_window if self.sparse_attention else None,
-            q_segment_ids=segment_ids, kv_lengths=lengths, global_tokens=self.global_tokens or None,
-            random_blocks=None if self.random_blocks is None else self.random_blocks.to_ops(self.n_heads),
+            causal=causal, window=sp.window if sp.banded else None,
+            q_segment_ids=segment_ids, kv_lengths=lengths, global_tokens=sp.global_tokens or None,
+            random_blocks=None if sp.random_blocks is None else sp.random_blocks.to_ops(self.attention.n_heads),
         )
 
-    @property
-    def rope(self) -> RopeScaling | None:
-        return None if self.rope_scaling is None else self.rope_scaling.to_ops()
+
+def get_key(config: ModelConfig, key: str):
+    """The value at ``key``: a top-level field, a dotted ``section.field``, or a flat key of before the
+    sections (``attention_impl`` -> ``config.attention_impl``)."""
+    where = FLAT_KEYS.get(key)
+    parts = key.split(".") if where is None else where
+    value = config
+    for p in parts:
+        value = getattr(value, p)
+    return value

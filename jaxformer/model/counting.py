@@ -38,13 +38,13 @@ from jaxformer.model.config import ModelConfig
 
 
 def _norm(cfg: ModelConfig) -> int:
-    return 2 * cfg.d_model if (cfg.norm == "layernorm" and cfg.use_bias) else cfg.d_model
+    return 2 * cfg.d_model if (cfg.norm.kind == "layernorm" and cfg.use_bias) else cfg.d_model
 
 
 def _attention(cfg: ModelConfig, *, cross: bool = False) -> tuple[int, int]:
     """Self-attention (W_k / W_v absent when ``qkv_sharing`` reuses W_q) or cross-attention (never shared)."""
-    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim
-    n_kv = 2 if cross else {"none": 2, "qk": 1, "qkv": 0}[cfg.qkv_sharing]  # separate K/V projections
+    D, N, K, H = cfg.d_model, cfg.attention.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim
+    n_kv = 2 if cross else {"none": 2, "qk": 1, "qkv": 0}[cfg.attention.qkv_sharing]  # separate K/V projections
     weights = D * N * H + n_kv * D * K * H + N * H * D
     biases = (N * H + n_kv * K * H if cfg.resolved_qkv_bias else 0) + (D if cfg.use_bias else 0)
     return weights, biases
@@ -52,7 +52,7 @@ def _attention(cfg: ModelConfig, *, cross: bool = False) -> tuple[int, int]:
 
 def _mlp(cfg: ModelConfig) -> tuple[int, int]:
     D, F = cfg.d_model, cfg.resolved_d_ff
-    n_in = 2 if cfg.gated else 1
+    n_in = 2 if cfg.ffn.gated else 1
     weights = n_in * D * F + F * D
     biases = n_in * F + D if cfg.use_bias else 0
     return weights, biases
@@ -64,13 +64,13 @@ def _block_matmul(cfg: ModelConfig, cross: bool) -> int:
 
 def _block(cfg: ModelConfig, cross: bool) -> int:
     n_sub = 3 if cross else 2
-    norms = n_sub * (2 if cfg.sandwich_norm else 1) * _norm(cfg)
+    norms = n_sub * (2 if cfg.norm.sandwich else 1) * _norm(cfg)
     return sum(_attention(cfg)) + (sum(_attention(cfg, cross=True)) if cross else 0) + sum(_mlp(cfg)) + norms
 
 
 def _projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """``(prod(I), prod(O))`` of each self-attention / MLP kernel ``[*I, *O]``."""
-    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim, cfg.resolved_d_ff
+    D, N, K, H, F = cfg.d_model, cfg.attention.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim, cfg.resolved_d_ff
     return {"w_q": (D, N * H), "w_k": (D, K * H), "w_v": (D, K * H), "w_o": (N * H, D), "w_gate": (D, F),
             "w_up": (D, F), "w_down": (F, D), "w_in": (D, F), "w_out": (F, D)}
 
@@ -94,17 +94,17 @@ def count_params(config: ModelConfig) -> int:
     total = V * D
     if not cfg.tie_embeddings:
         total += D * V
-    if cfg.position == "learned":
+    if cfg.positions.kind == "learned":
         total += cfg.max_seq_len * D
-    total += cfg.type_vocab_size * D
-    if cfg.embed_norm:
+    total += cfg.hf_options.type_vocab_size * D
+    if cfg.norm.embed:
         total += _norm(cfg)
-    if cfg.head_transform:
+    if cfg.hf_options.head_transform:
         total += D * D + (D if cfg.use_bias else 0) + _norm(cfg)
-    if cfg.head_bias:
+    if cfg.hf_options.head_bias:
         total += V
     total += n_enc * _block(cfg, cross=False) + n_dec * _block(cfg, cross=cross)
-    if cfg.resolved_final_norm:
+    if cfg.norm.resolved_final:
         total += ((n_enc > 0) + (n_dec > 0)) * _norm(cfg)
     return total + lora_params(cfg)
 
@@ -116,7 +116,7 @@ def matmul_params(config: ModelConfig) -> int:
     cross = cfg.kind == "encoder_decoder"
     return (cfg.n_encoder_stack_layers * _block_matmul(cfg, cross=False)
             + cfg.n_decoder_layers * _block_matmul(cfg, cross=cross)
-            + cfg.d_model * cfg.vocab_size + (cfg.d_model ** 2 if cfg.head_transform else 0))
+            + cfg.d_model * cfg.vocab_size + (cfg.d_model ** 2 if cfg.hf_options.head_transform else 0))
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> int:
@@ -124,7 +124,7 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> int:
     if seq_len <= 0:
         raise ValueError(f"seq_len={seq_len} must be > 0")
     cfg = config
-    d_attn = cfg.n_heads * cfg.resolved_head_dim
+    d_attn = cfg.attention.n_heads * cfg.resolved_head_dim
     n_self = cfg.n_encoder_stack_layers + cfg.n_decoder_layers
     n_cross = cfg.n_decoder_layers if cfg.kind == "encoder_decoder" else 0
     attention = 12 * seq_len * d_attn * (n_self + n_cross)

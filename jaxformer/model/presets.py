@@ -17,53 +17,52 @@ def vaswani_base() -> ModelConfig:
     """"Attention Is All You Need" base model: 6+6 layers, post-LN, sinusoidal, ReLU FFN 4d."""
     return ModelConfig(
         kind="encoder_decoder", vocab_size=37000, d_model=512, n_layers=6, n_encoder_layers=6,
-        n_heads=8, activation="relu", norm="layernorm", norm_position="post", norm_eps=1e-6,
-        position="sinusoidal", max_seq_len=512, scale_embeddings=True, tie_embeddings=True,
-        use_bias=True,
+        max_seq_len=512, scale_embeddings=True, tie_embeddings=True, use_bias=True,
+        attention=dict(n_heads=8), positions=dict(kind="sinusoidal"), ffn=dict(activation="relu"),
+        norm=dict(kind="layernorm", placement="post", eps=1e-6),
     )
 
 
 def gpt2_small() -> ModelConfig:
     """GPT-2 small (124M): pre-LN, learned positions 1024, gelu_tanh, tied head, biases."""
     return ModelConfig(
-        kind="decoder", vocab_size=50257, d_model=768, n_layers=12, n_heads=12,
-        activation="gelu_tanh", norm="layernorm", norm_position="pre", norm_eps=1e-5,
-        position="learned", max_seq_len=1024, tie_embeddings=True, use_bias=True,
+        kind="decoder", vocab_size=50257, d_model=768, n_layers=12, max_seq_len=1024,
+        tie_embeddings=True, use_bias=True, attention=dict(n_heads=12), positions=dict(kind="learned"),
+        ffn=dict(activation="gelu_tanh"), norm=dict(kind="layernorm", placement="pre", eps=1e-5),
     )
 
 
 def llama_7b() -> ModelConfig:
     """LLaMA-7B: RMSNorm, RoPE, SwiGLU (8d/3 -> 11008), untied, no biases, MHA (32 kv heads)."""
     return ModelConfig(
-        kind="decoder", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
-        activation="swiglu", ffn_multiple_of=256, norm="rmsnorm", norm_position="pre",
-        norm_eps=1e-6, position="rope", rope_base=10000.0, max_seq_len=2048,
-        tie_embeddings=False, use_bias=False,
+        kind="decoder", vocab_size=32000, d_model=4096, n_layers=32, max_seq_len=2048,
+        tie_embeddings=False, use_bias=False, attention=dict(n_heads=32),
+        positions=dict(kind="rope", rope_base=10000.0), ffn=dict(activation="swiglu", multiple_of=256),
+        norm=dict(kind="rmsnorm", placement="pre", eps=1e-6),
     )
 
 
 def llama3_1b() -> ModelConfig:
     """Llama 3.2 1B: GQA (32 heads, 8 kv heads), RoPE base 5e5 with llama3 scaling, tied."""
     return ModelConfig(
-        kind="decoder", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-        d_ff=8192, activation="swiglu", norm="rmsnorm", norm_position="pre", norm_eps=1e-5,
-        position="rope", rope_base=500000.0, max_seq_len=131072,
-        rope_scaling=dict(kind="llama3", factor=32.0, original_max_position=8192,
-                          low_freq_factor=1.0, high_freq_factor=4.0),
-        tie_embeddings=True, use_bias=False,
+        kind="decoder", vocab_size=128256, d_model=2048, n_layers=16, max_seq_len=131072,
+        tie_embeddings=True, use_bias=False, attention=dict(n_heads=32, n_kv_heads=8),
+        positions=dict(kind="rope", rope_base=500000.0, rope_scaling=dict(
+            kind="llama3", factor=32.0, original_max_position=8192, low_freq_factor=1.0, high_freq_factor=4.0)),
+        ffn=dict(activation="swiglu", d_ff=8192), norm=dict(kind="rmsnorm", placement="pre", eps=1e-5),
     )
 
 
 def bloom_560m() -> ModelConfig:
     """BLOOM-560m: ALiBi, LayerNorm (also after the embedding), gelu_tanh, tied, biases."""
     return ModelConfig(
-        kind="decoder", vocab_size=250880, d_model=1024, n_layers=24, n_heads=16,
-        activation="gelu_tanh", norm="layernorm", norm_position="pre", norm_eps=1e-5,
-        embed_norm=True, position="alibi", max_seq_len=2048, tie_embeddings=True, use_bias=True,
+        kind="decoder", vocab_size=250880, d_model=1024, n_layers=24, max_seq_len=2048,
+        tie_embeddings=True, use_bias=True, attention=dict(n_heads=16), positions=dict(kind="alibi"),
+        ffn=dict(activation="gelu_tanh"), norm=dict(kind="layernorm", placement="pre", eps=1e-5, embed=True),
     )
 
 
-_TINY = dict(vocab_size=256, d_model=64, n_heads=4, max_seq_len=128)
+_TINY = dict(vocab_size=256, d_model=64, attention=dict(n_heads=4), max_seq_len=128)
 
 
 def vaswani_tiny() -> ModelConfig:
@@ -76,7 +75,8 @@ def gpt2_tiny() -> ModelConfig:
 
 def llama_tiny() -> ModelConfig:
     """Tiny LLaMA-style decoder with GQA (4 heads, 2 kv heads)."""
-    return get("llama_7b", n_layers=2, n_kv_heads=2, ffn_multiple_of=16, **_TINY)
+    return get("llama_7b", n_layers=2, **{**_TINY, "attention": dict(n_heads=4, n_kv_heads=2)},
+               ffn=dict(multiple_of=16))
 
 
 def bloom_tiny() -> ModelConfig:
@@ -84,21 +84,21 @@ def bloom_tiny() -> ModelConfig:
 
 
 _SPARSE_ENCODER = dict(
-    kind="encoder", vocab_size=256, d_model=64, n_layers=2, n_heads=4, activation="gelu",
-    norm="layernorm", norm_position="pre", position="learned", max_seq_len=512, tie_embeddings=True,
-    use_bias=True, attention_impl="auto",
+    kind="encoder", vocab_size=256, d_model=64, n_layers=2, max_seq_len=512, tie_embeddings=True,
+    use_bias=True, attention=dict(n_heads=4, impl="auto"), positions=dict(kind="learned"),
+    ffn=dict(activation="gelu"), norm=dict(kind="layernorm", placement="pre"),
 )
 
 
 def longformer_tiny() -> ModelConfig:
     """Tiny Longformer-style encoder: sliding window (32, 32) plus global attention at position 0 (CLS)."""
-    return ModelConfig(**_SPARSE_ENCODER, attention_window=(32, 32), global_tokens=(0,))
+    return ModelConfig(**_SPARSE_ENCODER, sparsity=dict(window=(32, 32), global_tokens=(0,)))
 
 
 def bigbird_tiny() -> ModelConfig:
     """Tiny BigBird-style encoder: window (16, 16), global position 0, 2 random blocks of 16 per query block."""
-    return ModelConfig(**_SPARSE_ENCODER, attention_window=(16, 16), global_tokens=(0,),
-                       random_blocks=dict(num_blocks=2, block_size=16))
+    return ModelConfig(**_SPARSE_ENCODER, sparsity=dict(window=(16, 16), global_tokens=(0,),
+                                                        random_blocks=dict(num_blocks=2, block_size=16)))
 
 
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
@@ -112,8 +112,8 @@ def names() -> tuple[str, ...]:
 
 
 def get(name: str, **overrides) -> ModelConfig:
-    """Preset ``name`` with ``overrides`` applied; unknown names or fields raise ValueError."""
+    """Preset ``name`` with ``overrides`` applied (top-level fields, sections merged field by field, or the
+    flat keys of before the sections); unknown names or fields raise ValueError."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {names()}")
-    base = PRESETS[name]()
-    return ModelConfig(**{**base.model_dump(exclude_unset=True), **overrides})
+    return PRESETS[name]().replace(**overrides)

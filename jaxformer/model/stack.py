@@ -14,7 +14,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from jaxformer.model.config import ModelConfig
-from jaxformer.nn.attention import Attention
+from jaxformer.nn.attention import Attention, AttentionInit
 from jaxformer.nn.block import Block, Residual
 from jaxformer.nn.lora import LoRASpec
 from jaxformer.nn.mlp import make_mlp
@@ -25,7 +25,8 @@ from jaxformer.typing import Activations, Memory, Positions
 
 
 def make_norm_for(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-    return make_norm(cfg.norm, cfg.d_model, eps=cfg.norm_eps, use_bias=cfg.use_bias,
+    """A norm of ``cfg.norm.kind`` over ``d_model`` (a LayerNorm's bias iff ``use_bias``)."""
+    return make_norm(cfg.norm.kind, cfg.d_model, eps=cfg.norm.eps, use_bias=cfg.use_bias,
                      param_dtype=cfg.param_dtype, rngs=rngs)
 
 
@@ -41,37 +42,30 @@ def make_block(cfg: ModelConfig, *, cross: bool, alpha: float | None, beta: floa
                rngs: nnx.Rngs) -> Block:
     """One block: self-attention (+ cross-attention) + MLP, with DeepNorm's alpha / beta-init if given;
     adapters (``cfg.lora``) on the self-attention and MLP projections."""
-    D, N, K, H, F = (cfg.d_model, cfg.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim,
+    D, N, K, H, F = (cfg.d_model, cfg.attention.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim,
                      cfg.resolved_d_ff)
-    if cfg.norm_position == "deepnorm":
-        stds = dict(qk_std=xavier_std(D, N * H), v_std=xavier_std(D, K * H, beta),
-                    o_std=xavier_std(N * H, D, beta))
-        mlp_stds = dict(in_std=xavier_std(D, F, beta), out_std=xavier_std(F, D, beta))
+    deepnorm = cfg.norm.placement == "deepnorm"
+    if deepnorm:
+        init = AttentionInit(xavier_std(D, N * H), xavier_std(D, K * H, beta), xavier_std(N * H, D, beta))
+        mlp_stds = (xavier_std(D, F, beta), xavier_std(F, D, beta))
     else:
         s = cfg.init_std
-        stds = dict(qk_std=s, v_std=s, o_std=s)
-        mlp_stds = dict(in_std=s, out_std=s)
-    dtypes = dict(param_dtype=cfg.param_dtype, dtype=cfg.compute_dtype)
-    attn_kw = dict(softcap=cfg.attn_softcap, impl=cfg.attention_impl, use_bias=cfg.use_bias,
-                   qkv_bias=cfg.resolved_qkv_bias, **stds, **dtypes)
-    self_pos = cfg.position if cfg.position in ("rope", "alibi") else "none"
+        init, mlp_stds = AttentionInit(s, s, s), (s, s)
+    common = dict(use_bias=cfg.use_bias, param_dtype=cfg.param_dtype, dtype=cfg.compute_dtype, rngs=rngs)
 
     def residual():
         return Residual(
-            make_norm_for(cfg, rngs), norm_position=cfg.norm_position,
-            branch_norm=make_norm_for(cfg, rngs) if cfg.sandwich_norm else None,
-            alpha=alpha if cfg.norm_position == "deepnorm" else 1.0, skip=cfg.residual,
+            make_norm_for(cfg, rngs), norm_position=cfg.norm.placement,
+            branch_norm=make_norm_for(cfg, rngs) if cfg.norm.sandwich else None,
+            alpha=alpha if deepnorm else 1.0, skip=cfg.residual,
         )
 
-    self_attn = Attention(D, N, K, H, position=self_pos, rope_base=cfg.rope_base,
-                          rope_scaling=cfg.rope, rope_interleaved=cfg.rope_interleaved,
-                          scale=cfg.attn_scale, share=cfg.qkv_sharing, lora=lora_spec(cfg), rngs=rngs, **attn_kw)
+    self_attn = Attention(D, cfg.attention, positions=cfg.positions, init=init, lora=lora_spec(cfg), **common)
     attn_res = residual()
-    cross_attn = (Attention(D, N, K, H, position="none", scale=cfg.attn_scale, rngs=rngs, **attn_kw)
+    cross_attn = (Attention(D, cfg.attention.model_copy(update=dict(qkv_sharing="none")), init=init, **common)
                   if cross else None)
     cross_res = residual() if cross else None
-    mlp = make_mlp(D, F, cfg.activation, use_bias=cfg.use_bias, lora=lora_spec(cfg), rngs=rngs, **mlp_stds,
-                   **dtypes)
+    mlp = make_mlp(D, cfg.ffn, stds=mlp_stds, lora=lora_spec(cfg), **common)
     return Block(self_attn, attn_res, mlp, residual(), cross_attn=cross_attn, cross_residual=cross_res)
 
 
@@ -94,7 +88,7 @@ class Stack(nnx.Module):
         else:
             self.blocks = nnx.List([make_block(cfg, cross=cross, alpha=alpha, beta=beta, rngs=rngs)
                                     for _ in range(n)])
-        self.final_norm = make_norm_for(cfg, rngs) if cfg.resolved_final_norm else None
+        self.final_norm = make_norm_for(cfg, rngs) if cfg.norm.resolved_final else None
 
     def __call__(self, x: Activations, *, positions: Positions | None = None, mask: MaskSpec | None = None,
                  context: Memory | None = None, context_mask: MaskSpec | None = None,

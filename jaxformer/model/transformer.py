@@ -1,10 +1,13 @@
-"""The Transformer in three forms, chosen by ``ModelConfig.kind``.
+"""The Transformer in three forms, a class per ``ModelConfig.kind`` over the shared :class:`Stack`.
 
-* ``"decoder"``: causal LM. ``model(tokens) -> logits [B, T, V]``.
-* ``"encoder"``: bidirectional encoder with a per-token head over the vocabulary
-  (an MLM head). ``model(tokens) -> logits [B, T, V]``.
-* ``"encoder_decoder"``: ``model(src_tokens, tgt_tokens) -> logits [B, T, V]``
+* :class:`DecoderLM` (``"decoder"``): causal LM. ``model(tokens) -> logits [B, T, V]``; ``decode``.
+* :class:`Encoder` (``"encoder"``): bidirectional encoder with a per-token head over the vocabulary
+  (an MLM head). ``model(tokens) -> logits [B, T, V]``; ``encode`` gives the hidden states.
+* :class:`EncoderDecoder` (``"encoder_decoder"``): ``model(src_tokens, tgt_tokens) -> logits [B, T, V]``
   over the target; ``encode`` / ``decode`` expose the two halves.
+
+``Transformer(config)`` builds the class ``config.kind`` names (and ``isinstance(m, Transformer)`` holds
+for all three); each class refuses a config of another kind.
 
 Token and output embeddings are one table when ``tie_embeddings``; source and
 target share the token table in the encoder-decoder (Vaswani et al. §3.4).
@@ -12,16 +15,16 @@ Logits are float32 whatever the compute dtype.
 
 Options for loading published checkpoints (all off by default):
 
-* ``type_vocab_size > 0``: a token-type table ``type_embed`` added to the token embedding of
+* ``hf_options.type_vocab_size > 0``: a token-type table ``type_embed`` added to the token embedding of
   every stream the model embeds (``token_types [B, T]``, default 0); BERT's order is
-  ``embed_norm(token + type + position)``.
-* ``head_transform``: ``logits`` first applies ``head_transform`` (``norm(act(x W + b))``,
+  ``norm.embed(token + type + position)``.
+* ``hf_options.head_transform``: ``logits`` first applies ``head_transform`` (``norm(act(x W + b))``,
   :class:`jaxformer.nn.HeadTransform`; BERT's MLM head), so ``encode`` still returns the last
   hidden states.
-* ``head_bias``: ``logits_bias [V]`` added to the logits (before ``logits_softcap``).
+* ``hf_options.head_bias``: ``logits_bias [V]`` added to the logits (before ``logits_softcap``).
 
 Self-attention (encoder and decoder) follows the config's sparse pattern
-(``attention_window``, ``global_tokens``, ``random_blocks``): global positions
+(``sparsity.window``, ``global_tokens``, ``random_blocks``): global positions
 are absolute row positions, so in a packed row only the first document sees
 position 0 as global. A KV cache owns its mask: a decoder band ``(W-1, right)`` is a sliding
 window a cache applies (its ``window`` must be ``config.causal_window``); global tokens and random
@@ -46,8 +49,6 @@ from jaxformer.ops.normalization import DeepNormConstants, deepnorm_constants
 from jaxformer.ops.positional import sinusoidal_positions
 from jaxformer.typing import (
     Activations,
-    AnyPositions,
-    AnyTokens,
     KvPositions,
     KvSegmentIds,
     Lengths,
@@ -79,39 +80,60 @@ def _check_bt(name: str, x, tokens_name: str, tokens, allow_t: bool) -> None:
 
 def _check_cache_window(cfg: ModelConfig, cache: Sequence) -> None:
     """ValueError unless a KV cache can give this config's self-attention mask (see the module doc)."""
-    if cfg.random_blocks is not None or cfg.global_tokens:
+    sp = cfg.sparsity
+    if sp.random_blocks is not None or sp.global_tokens:
         raise ValueError(
-            f"a KV cache takes no global_tokens={cfg.global_tokens}, random_blocks={cfg.random_blocks} (the "
-            "cache owns the mask and supports neither); decode without cache, or use a config without them")
-    want = cfg.causal_window
+            f"a KV cache takes no sparsity.global_tokens={sp.global_tokens}, random_blocks={sp.random_blocks} "
+            "(the cache owns the mask and supports neither); decode without cache, or use a config without them")
+    want = sp.causal_window
     if want is None:
         return
     for i, c in enumerate(cache):
         got = getattr(c, "window", None)
         if got != want:
             raise ValueError(
-                f"cache[{i}].window={got} but config.attention_window={cfg.attention_window} is a sliding window "
+                f"cache[{i}].window={got} but config.sparsity.window={sp.window} is a sliding window "
                 f"of causal_window={want} positions; build the caches from this config (init_caches(config, ...), "
                 "or an Engine, which takes the window from the config)")
 
 
-class Transformer(nnx.Module):
-    """Decoder-only LM, encoder (MLM head) or encoder-decoder, per ``config.kind``."""
+class _ByKind(type(nnx.Module)):
+    """``Transformer(config)`` builds the class of ``config.kind`` (:data:`MODEL_CLASSES`)."""
+
+    def __call__(cls, config: ModelConfig, *args, **kwargs):
+        if cls is Transformer:
+            if not isinstance(config, ModelConfig):
+                raise TypeError(f"Transformer(config) takes a ModelConfig, got {type(config).__name__}")
+            cls = MODEL_CLASSES[config.kind]
+        return type(nnx.Module).__call__(cls, config, *args, **kwargs)
+
+
+class Transformer(nnx.Module, metaclass=_ByKind):
+    """What the three model classes share: embeddings, the stacks ``config`` asks for, the output head.
+
+    ``Transformer(config)`` returns a :class:`DecoderLM`, :class:`Encoder` or :class:`EncoderDecoder`.
+    """
+
+    kind: str = ""  # the ModelConfig.kind a subclass builds
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None = None):
         cfg = config
+        if cfg.kind != self.kind:
+            raise ValueError(f"{type(self).__name__} builds kind={self.kind!r}, got config.kind={cfg.kind!r}; "
+                             f"Transformer(config) picks the class ({MODEL_CLASSES[cfg.kind].__name__})")
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.config = cfg
         dtypes = dict(param_dtype=cfg.param_dtype, dtype=cfg.compute_dtype)
+        hf = cfg.hf_options
         self.embed = Embed(cfg.vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs, **dtypes)
         self.pos_embed = (LearnedPositions(cfg.max_seq_len, cfg.d_model, rngs=rngs, **dtypes)
-                          if cfg.position == "learned" else None)
-        self.type_embed = (Embed(cfg.type_vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs, **dtypes)
-                           if cfg.type_vocab_size else None)
-        self.embed_norm = make_norm_for(cfg, rngs) if cfg.embed_norm else None
+                          if cfg.positions.kind == "learned" else None)
+        self.type_embed = (Embed(hf.type_vocab_size, cfg.d_model, std=cfg.init_std, rngs=rngs, **dtypes)
+                           if hf.type_vocab_size else None)
+        self.embed_norm = make_norm_for(cfg, rngs) if cfg.norm.embed else None
 
         n_enc, n_dec = cfg.n_encoder_stack_layers, cfg.n_decoder_layers
-        if cfg.norm_position == "deepnorm":
+        if cfg.norm.placement == "deepnorm":
             dn = deepnorm_constants(n_enc, n_dec)
         else:
             dn = DeepNormConstants(None, None, None, None)
@@ -121,19 +143,19 @@ class Transformer(nnx.Module):
                               beta=dn.decoder_beta, rngs=rngs) if n_dec else None)
         self.head = (None if cfg.tie_embeddings
                      else LMHead(cfg.d_model, cfg.vocab_size, std=cfg.init_std, rngs=rngs, **dtypes))
-        self.head_transform = (HeadTransform(cfg.d_model, cfg.activation, norm=cfg.norm, eps=cfg.norm_eps,
+        self.head_transform = (HeadTransform(cfg.d_model, cfg.ffn.activation, norm=cfg.norm.kind, eps=cfg.norm.eps,
                                              use_bias=cfg.use_bias, std=cfg.init_std, rngs=rngs, **dtypes)
-                               if cfg.head_transform else None)
+                               if hf.head_transform else None)
         self.logits_bias = (param(rngs, zeros, (cfg.vocab_size,), ("vocab",), cfg.param_dtype)
-                            if cfg.head_bias else None)
+                            if hf.head_bias else None)
 
     # -- pieces
     def _check_token_types(self, token_types, tokens) -> None:
         if token_types is None:
             return
         if self.type_embed is None:
-            raise ValueError(f"token_types given to a model with config.type_vocab_size="
-                             f"{self.config.type_vocab_size} (no token-type embedding)")
+            raise ValueError(f"token_types given to a model with config.hf_options.type_vocab_size="
+                             f"{self.config.hf_options.type_vocab_size} (no token-type embedding)")
         _check_bt("token_types", token_types, "tokens", tokens, allow_t=False)
         if not jnp.issubdtype(jnp.result_type(token_types), jnp.integer):
             raise ValueError(f"token_types must be an integer array; got dtype {jnp.result_type(token_types)}")
@@ -142,6 +164,7 @@ class Transformer(nnx.Module):
                      token_types: Tokens | None = None) -> Float[Array, "B T D"]:
         """``tokens [B, T] -> x [B, T, D]``: token embedding (+ token types) (+ absolute positions) (+ norm)."""
         cfg = self.config
+        kind = cfg.positions.kind
         T = tokens.shape[1]
         self._check_token_types(token_types, tokens)
         x = self.embed(tokens)
@@ -149,14 +172,14 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
         if self.type_embed is not None:
             x = x + self.type_embed(jnp.zeros_like(tokens) if token_types is None else token_types)
-        if cfg.position in ("sinusoidal", "learned"):
+        if kind in ("sinusoidal", "learned"):
             if positions is None:
-                if cfg.position == "learned" and T > cfg.max_seq_len:
+                if kind == "learned" and T > cfg.max_seq_len:
                     raise ValueError(f"tokens.shape={tokens.shape}: T={T} exceeds max_seq_len={cfg.max_seq_len}")
                 positions = jnp.arange(T, dtype=jnp.int32)
             pos = positions if positions.ndim == 2 else positions[None, :]
-            if cfg.position == "sinusoidal":
-                pe = sinusoidal_positions(pos, cfg.d_model, layout=cfg.sinusoidal_layout).astype(x.dtype)
+            if kind == "sinusoidal":
+                pe = sinusoidal_positions(pos, cfg.d_model, layout=cfg.positions.sinusoidal_layout).astype(x.dtype)
             else:
                 pe = self.pos_embed(pos)
             x = x + pe
@@ -174,16 +197,19 @@ class Transformer(nnx.Module):
         cap = self.config.logits_softcap
         return out if cap is None else cap * jnp.tanh(out / cap)
 
+
+class _Encodes:
+    """``encode``: the bidirectional stack (:class:`Encoder`, :class:`EncoderDecoder`)."""
+
     def encode(self, tokens: SourceTokens, *, positions: KvPositions | None = None,
                segment_ids: KvSegmentIds | None = None, lengths: Lengths | None = None,
                token_types: SourceTokens | None = None) -> Float[Array, "B S D"]:
         """Bidirectional encoder: ``tokens [B, S] -> hidden [B, S, D]``.
 
         ``segment_ids [B, S]`` (packed sequences) and/or ``lengths [B]`` (right padding) mask keys;
-        ``token_types [B, S]`` (needs ``type_vocab_size > 0``; default zeros) select token-type embeddings.
+        ``token_types [B, S]`` (needs ``hf_options.type_vocab_size > 0``; default zeros) select token-type
+        embeddings.
         """
-        if self.encoder is None:
-            raise ValueError(f"config.kind={self.config.kind!r} has no encoder")
         _check_tokens("tokens", tokens)
         _check_bt("positions", positions, "tokens", tokens, allow_t=True)
         _check_bt("segment_ids", segment_ids, "tokens", tokens, allow_t=False)
@@ -191,6 +217,10 @@ class Transformer(nnx.Module):
         x = self.embed_tokens(tokens, positions, token_types)
         x, _ = self.encoder(x, positions=positions, mask=mask)
         return x
+
+
+class _Decodes:
+    """``decode``: the causal stack and the head (:class:`DecoderLM`, :class:`EncoderDecoder`)."""
 
     def decode(self, tokens: Tokens, memory: Memory | None = None, *, positions: Positions | None = None,
                segment_ids: SegmentIds | None = None, memory_segment_ids: KvSegmentIds | None = None,
@@ -201,13 +231,11 @@ class Transformer(nnx.Module):
 
         ``memory [B, S, D]`` is the encoder output (encoder-decoder only), masked by
         ``memory_segment_ids [B, S]`` (with ``segment_ids``) and/or ``memory_lengths [B]``.
-        ``token_types [B, T]`` of ``tokens`` (needs ``type_vocab_size > 0``; default zeros).
+        ``token_types [B, T]`` of ``tokens`` (needs ``hf_options.type_vocab_size > 0``; default zeros).
         ``logits_at [B]`` int: the head runs at that one position of each row only, giving logits
         ``[B, 1, V]`` (equal to ``[:, logits_at]`` of the full logits; a sampler needs no others).
         """
         cfg = self.config
-        if self.decoder is None:
-            raise ValueError(f"config.kind={cfg.kind!r} has no decoder")
         _check_tokens("tokens", tokens)
         _check_bt("positions", positions, "tokens", tokens, allow_t=True)
         _check_bt("segment_ids", segment_ids, "tokens", tokens, allow_t=False)
@@ -242,46 +270,68 @@ class Transformer(nnx.Module):
         logits = self.logits(x)
         return logits if cache is None else (logits, new_caches)
 
-    # -- entry point
-    def __call__(self, tokens: AnyTokens, tgt_tokens: AnyTokens | None = None, *,
-                 positions: AnyPositions | None = None, segment_ids: AnyTokens | None = None,
-                 lengths: Lengths | None = None, tgt_positions: AnyPositions | None = None,
-                 tgt_segment_ids: AnyTokens | None = None, cache: Sequence | None = None,
-                 token_types: AnyTokens | None = None, logits_at: Lengths | None = None,
+
+class DecoderLM(_Decodes, Transformer):
+    """A causal language model (``kind="decoder"``): ``model(tokens) -> logits [B, T, V]``."""
+
+    kind = "decoder"
+
+    def __call__(self, tokens: Tokens, *, positions: Positions | None = None,
+                 segment_ids: SegmentIds | None = None, cache: Sequence | None = None,
+                 token_types: Tokens | None = None, logits_at: Lengths | None = None,
                  ) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:
         """Logits ``float32 [B, T, V]``, or ``(logits, new_caches)`` when ``cache`` is given.
 
-        decoder:          ``model(tokens, positions=, segment_ids=, cache=)``
-        encoder:          ``model(tokens, positions=, segment_ids=, lengths=)``
-        encoder_decoder:  ``model(src_tokens, tgt_tokens, positions=, segment_ids=, lengths=,
-                          tgt_positions=, tgt_segment_ids=, cache=)`` where ``positions``,
-                          ``segment_ids``, ``lengths`` describe the source.
-
-        ``positions`` default to ``arange(T)``; packed sequences pass ``positions [B, T]``
-        and ``segment_ids [B, T]``. ``cache``: one :class:`~jaxformer.nn.KVCacheLayer`
-        per decoder layer (decoder self-attention only). ``token_types [B, T]`` (models with
-        ``type_vocab_size > 0``; default zeros) are those of ``tokens`` (the source of an
-        encoder-decoder, whose target takes type 0). ``logits_at [B]`` (decoders): logits ``[B, 1, V]`` of
-        that position of each row only (see :meth:`decode`).
+        ``positions`` default to ``arange(T)``; packed sequences pass ``positions [B, T]`` and
+        ``segment_ids [B, T]``. ``cache``: one :class:`~jaxformer.nn.KVCacheLayer` per layer.
+        ``token_types [B, T]`` (``hf_options.type_vocab_size > 0``; default zeros). ``logits_at [B]``:
+        logits ``[B, 1, V]`` of that position of each row only (see :meth:`decode`).
         """
-        kind = self.config.kind
-        if kind == "encoder_decoder":
-            if tgt_tokens is None:
-                raise ValueError("encoder_decoder needs model(src_tokens, tgt_tokens)")
-            memory = self.encode(tokens, positions=positions, segment_ids=segment_ids, lengths=lengths,
-                                 token_types=token_types)
-            return self.decode(tgt_tokens, memory, positions=tgt_positions, segment_ids=tgt_segment_ids,
-                               memory_segment_ids=segment_ids, memory_lengths=lengths, cache=cache,
-                               logits_at=logits_at)
-        if tgt_tokens is not None or tgt_positions is not None or tgt_segment_ids is not None:
-            raise ValueError(f"tgt_* arguments only apply to encoder_decoder, not kind={kind!r}")
-        if kind == "encoder":
-            if cache is not None or logits_at is not None:
-                raise ValueError("an encoder takes no cache and no logits_at")
-            x = self.encode(tokens, positions=positions, segment_ids=segment_ids, lengths=lengths,
-                            token_types=token_types)
-            return self.logits(x)
-        if lengths is not None:
-            raise ValueError("lengths applies to encoders; a decoder uses segment_ids or a cache")
         return self.decode(tokens, positions=positions, segment_ids=segment_ids, cache=cache,
                            token_types=token_types, logits_at=logits_at)
+
+
+class Encoder(_Encodes, Transformer):
+    """A bidirectional encoder with an MLM head (``kind="encoder"``): ``model(tokens) -> logits [B, T, V]``."""
+
+    kind = "encoder"
+
+    def __call__(self, tokens: Tokens, *, positions: Positions | None = None,
+                 segment_ids: SegmentIds | None = None, lengths: Lengths | None = None,
+                 token_types: Tokens | None = None) -> Float[Array, "B T V"]:
+        """Logits ``float32 [B, T, V]`` at every position; ``segment_ids [B, T]`` and/or ``lengths [B]`` mask
+        keys (see :meth:`encode`)."""
+        x = self.encode(tokens, positions=positions, segment_ids=segment_ids, lengths=lengths,
+                        token_types=token_types)
+        return self.logits(x)
+
+
+class EncoderDecoder(_Encodes, _Decodes, Transformer):
+    """Encoder-decoder (``kind="encoder_decoder"``): ``model(src_tokens, tgt_tokens) -> logits [B, T, V]``."""
+
+    kind = "encoder_decoder"
+
+    def __call__(self, tokens: SourceTokens, tgt_tokens: Tokens | None = None, *,
+                 positions: KvPositions | None = None,
+                 segment_ids: KvSegmentIds | None = None, lengths: Lengths | None = None,
+                 tgt_positions: Positions | None = None, tgt_segment_ids: SegmentIds | None = None,
+                 cache: Sequence | None = None, token_types: SourceTokens | None = None,
+                 logits_at: Lengths | None = None) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:
+        """Target logits ``float32 [B, T, V]`` (``, new_caches`` with ``cache``, one per decoder layer).
+
+        ``positions``, ``segment_ids``, ``lengths``, ``token_types`` describe the source ``tokens [B, S]``;
+        ``tgt_positions``, ``tgt_segment_ids`` the target (which takes token type 0); ``logits_at [B]``
+        runs the head at that one target position of each row (as :meth:`decode`).
+        """
+        if tgt_tokens is None:
+            raise ValueError("encoder_decoder needs model(src_tokens, tgt_tokens); encode(src_tokens) gives "
+                             "the memory alone")
+        memory = self.encode(tokens, positions=positions, segment_ids=segment_ids, lengths=lengths,
+                             token_types=token_types)
+        return self.decode(tgt_tokens, memory, positions=tgt_positions, segment_ids=tgt_segment_ids,
+                           memory_segment_ids=segment_ids, memory_lengths=lengths, cache=cache,
+                           logits_at=logits_at)
+
+
+MODEL_CLASSES: dict[str, type[Transformer]] = {c.kind: c for c in (DecoderLM, Encoder, EncoderDecoder)}
+"""The model class of each ``ModelConfig.kind``."""

@@ -9,8 +9,8 @@ Projections (no K/V repetition anywhere: grouped heads are handled by
     y = o W_o    W_o [N, H, D]  ("heads", "head_dim", "embed")
 
 with ``c = x`` (self-attention) or the encoder output (cross-attention).
-``share="qk"`` drops W_k and uses W_q for the keys (shared-QK attention, as in
-Reformer); ``share="qkv"`` drops W_v too (K = V = Q before positions). Both
+``qkv_sharing="qk"`` drops W_k and uses W_q for the keys (shared-QK attention, as in
+Reformer); ``qkv_sharing="qkv"`` drops W_v too (K = V = Q before positions). Both
 need K = N.
 
 With ``record_stats = True`` (an attribute, off by default) a call without a
@@ -27,22 +27,21 @@ passes the paper's slopes to the attention op, anything else does nothing here
 from __future__ import annotations
 
 import math
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
+from jaxformer.nn.config import AttentionConfig, PositionConfig
 from jaxformer.nn.lora import LoRASpec
 from jaxformer.nn.params import add_bias, as_dtype, normal, param, zeros
 from jaxformer.ops.attention import attention_logit_stats, dot_product_attention
 from jaxformer.ops.masks import MaskSpec
-from jaxformer.ops.positional import RopeScaling, alibi_slopes, apply_rope
+from jaxformer.ops.positional import alibi_slopes, apply_rope
 from jaxformer.typing import Activations, ArrayLike, KvPositions, Positions
 
-ATTENTION_POSITIONS = ("rope", "alibi", "none")
-SHARING = ("none", "qk", "qkv")
 
 
 @runtime_checkable
@@ -73,67 +72,67 @@ class KVCacheLayer(Protocol):
         ...
 
 
+class AttentionInit(NamedTuple):
+    """Init standard deviations of W_q and W_k (``qk``), W_v (``v``) and W_o (``o``)."""
+
+    qk: float = 0.02
+    v: float = 0.02
+    o: float = 0.02
+
+
 class Attention(nnx.Module):
     """Multi-head attention with ``n_kv_heads`` K dividing ``n_heads`` N (GQA; K=1 is MQA).
 
     Args:
       d_model: D, the width of ``x`` (and of the output).
-      n_heads, n_kv_heads, head_dim: N, K (default N), H (default D // N).
+      cfg: heads N, K (default N) and width H (default D // N), logit scale (default ``1/sqrt(H)``) and
+        soft cap, ``qkv_sharing`` ("none" | "qk" | "qkv", see the module doc), ``qkv_bias``, the
+        ``dot_product_attention`` backend ``impl``.
+      positions: what this attention does with positions (``positions.in_attention``: RoPE rotates q and
+        k with ``rope_base``, ``rope_scaling``, ``rope_interleaved``; ALiBi adds the paper's slopes);
+        None: nothing (cross-attention).
       kv_dim: width of the cross-attention context (default D).
-      position: "rope" | "alibi" | "none" (what attention itself does with positions).
-      rope_base, rope_scaling, rope_interleaved: passed to ``apply_rope``.
-      softcap: attention-logit soft cap; impl: ``dot_product_attention``'s backend.
-      scale: logits scale (default ``1/sqrt(H)``); share: "none" | "qk" | "qkv" (see the module doc).
-      use_bias: biases ``b_o [D]`` on the output projection and, unless ``qkv_bias`` says otherwise,
-        ``b_q [N, H]``, ``b_k, b_v [K, H]`` on the input projections.
-      qkv_bias: biases on q/k/v (None: ``use_bias``); ``qkv_bias=True, use_bias=False`` is Qwen2's layout.
-      qk_std, v_std, o_std: init standard deviations of W_q and W_k, W_v, W_o.
+      use_bias: biases ``b_o [D]`` on the output projection and, unless ``cfg.qkv_bias`` says otherwise,
+        ``b_q [N, H]``, ``b_k, b_v [K, H]`` on the input projections (``qkv_bias=True, use_bias=False`` is
+        Qwen2's layout).
+      init: the projections' init standard deviations.
       lora: adapters on the targeted projections (see the module doc); None: none.
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None,
-                 head_dim: int | None = None, *, kv_dim: int | None = None, position: str = "none",
-                 rope_base: float = 10000.0, rope_scaling: RopeScaling | None = None,
-                 rope_interleaved: bool = False, softcap: float | None = None, impl: str = "auto",
-                 scale: float | None = None, share: str = "none",
-                 use_bias: bool = False, qkv_bias: bool | None = None, qk_std: float = 0.02, v_std: float = 0.02,
-                 o_std: float = 0.02, param_dtype="float32", dtype="float32", lora: LoRASpec | None = None,
-                 rngs: nnx.Rngs):
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if n_kv_heads <= 0 or n_heads % n_kv_heads:
-            raise ValueError(f"heads {n_heads} not divisible by kv heads {n_kv_heads}")
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(f"d_model {d_model} not divisible by heads {n_heads}; give head_dim")
-            head_dim = d_model // n_heads
-        if position not in ATTENTION_POSITIONS:
-            raise ValueError(f"attention position {position!r} is not one of {ATTENTION_POSITIONS}")
-        if position == "rope" and head_dim % 2:
-            raise ValueError(f"RoPE needs an even head dim, got head_dim={head_dim}")
-        if share not in SHARING:
-            raise ValueError(f"share={share!r} is not one of {SHARING}")
-        if share != "none" and (n_kv_heads != n_heads or (kv_dim is not None and kv_dim != d_model)):
-            raise ValueError(f"share={share!r} uses W_q for the keys: it needs n_kv_heads = n_heads and "
-                             f"kv_dim = d_model, got n_heads={n_heads}, n_kv_heads={n_kv_heads}, kv_dim={kv_dim}")
-        if scale is not None and not scale > 0:
-            raise ValueError(f"scale={scale} must be > 0")
+    def __init__(self, d_model: int, cfg: AttentionConfig = AttentionConfig(), *,
+                 positions: PositionConfig | None = None, kv_dim: int | None = None, use_bias: bool = False,
+                 init: AttentionInit = AttentionInit(), lora: LoRASpec | None = None, param_dtype="float32",
+                 dtype="float32", rngs: nnx.Rngs):
+        N, K = cfg.n_heads, cfg.resolved_kv_heads
+        if cfg.head_dim is None and d_model % N:
+            raise ValueError(f"d_model {d_model} not divisible by heads {N}; give head_dim")
+        H = cfg.resolved_head_dim(d_model)
+        position = "none" if positions is None else positions.in_attention
+        if position == "rope" and H % 2:
+            raise ValueError(f"RoPE needs an even head dim, got head_dim={H}")
+        share = cfg.qkv_sharing
+        if share != "none" and kv_dim is not None and kv_dim != d_model:
+            raise ValueError(f"qkv_sharing={share!r} uses W_q for the keys: it needs kv_dim = d_model, got "
+                             f"d_model={d_model}, kv_dim={kv_dim}")
         kv_dim = d_model if kv_dim is None else kv_dim
-        N, K, H = n_heads, n_kv_heads, head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = N, K, H
-        self.position, self.rope_base, self.rope_interleaved = position, rope_base, rope_interleaved
-        self.rope_scaling = rope_scaling
-        self.softcap, self.impl = softcap, impl
-        self.scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+        self.position = position
+        self.rope_base = 10000.0 if positions is None else positions.rope_base
+        self.rope_interleaved = False if positions is None else positions.rope_interleaved
+        self.rope_scaling = None if positions is None else positions.rope
+        self.softcap, self.impl = cfg.softcap, cfg.impl
+        self.scale = 1.0 / math.sqrt(H) if cfg.scale is None else float(cfg.scale)
         self.share = share
         self.record_stats = False
         self.dtype = as_dtype(dtype)
+        qk_std, v_std, o_std = init
+        qkv_bias = use_bias if cfg.qkv_bias is None else cfg.qkv_bias
         self.w_q = param(rngs, normal(qk_std), (d_model, N, H), ("embed", "heads", "head_dim"), param_dtype)
         self.w_k = (param(rngs, normal(qk_std), (kv_dim, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
                     if share == "none" else None)
         self.w_v = (param(rngs, normal(v_std), (kv_dim, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
                     if share != "qkv" else None)
         self.w_o = param(rngs, normal(o_std), (N, H, d_model), ("heads", "head_dim", "embed"), param_dtype)
-        qkv_bias = use_bias if qkv_bias is None else qkv_bias
 
         def bias(shape, axes, present):
             return param(rngs, zeros, shape, axes, param_dtype) if present else None

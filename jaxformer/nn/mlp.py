@@ -16,11 +16,13 @@ from jaxtyping import Array, Float
 
 from jaxformer.nn.lora import LoRASpec
 from jaxformer.nn.params import add_bias, as_dtype, normal, param, zeros
-from jaxformer.ops.activations import activation_fn, geglu, is_gated, swiglu
+from jaxformer.nn.config import FFNConfig
+from jaxformer.ops.activations import activation_fn, geglu, swiglu
 from jaxformer.typing import ArrayLike
 
 _GLU = {"swiglu": swiglu, "geglu": geglu}
 _IN, _OUT = "...D,DF->...F", "...F,FD->...D"  # into the FFN width and back
+_STDS = (0.02, 0.02)  # init standard deviations of the projections into the FFN width and back
 
 
 def dense(x, w, b, dtype, spec: str, lora=None):
@@ -47,12 +49,13 @@ def _adapters(module, lora: LoRASpec | None, d_model: int, d_ff: int, names_in, 
 
 
 class MLP(nnx.Module):
-    """``act(x W_in + b_in) W_out + b_out``; ``W_in [D, F]``, ``W_out [F, D]``."""
+    """``act(x W_in + b_in) W_out + b_out``; ``W_in [D, F]``, ``W_out [F, D]`` with act = ``cfg.activation``
+    and F = ``cfg.width(D)``; ``stds``: the init standard deviations of W_in and W_out."""
 
-    def __init__(self, d_model: int, d_ff: int, activation: str, *, use_bias: bool = True,
-                 in_std: float = 0.02, out_std: float = 0.02, param_dtype="float32",
-                 dtype="float32", lora: LoRASpec | None = None, rngs: nnx.Rngs):
-        if is_gated(activation):
+    def __init__(self, d_model: int, cfg: FFNConfig, *, use_bias: bool = True, stds: tuple[float, float] = _STDS,
+                 lora: LoRASpec | None = None, param_dtype="float32", dtype="float32", rngs: nnx.Rngs):
+        activation, d_ff, (in_std, out_std) = cfg.activation, cfg.width(d_model), stds
+        if cfg.gated:
             raise ValueError(f"MLP got gated activation {activation!r}; use GatedMLP")
         self.activation = activation
         self.dtype = as_dtype(dtype)
@@ -72,11 +75,12 @@ class MLP(nnx.Module):
 
 
 class GatedMLP(nnx.Module):
-    """``glu(x W_gate + b_g, x W_up + b_u) W_down + b_d`` with glu = swiglu | geglu (Shazeer 2020)."""
+    """``glu(x W_gate + b_g, x W_up + b_u) W_down + b_d`` with glu = ``cfg.activation``, swiglu | geglu
+    (Shazeer 2020); ``stds``: the init standard deviations of W_gate and W_up, and of W_down."""
 
-    def __init__(self, d_model: int, d_ff: int, activation: str, *, use_bias: bool = False,
-                 in_std: float = 0.02, out_std: float = 0.02, param_dtype="float32",
-                 dtype="float32", lora: LoRASpec | None = None, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, cfg: FFNConfig, *, use_bias: bool = False, stds: tuple[float, float] = _STDS,
+                 lora: LoRASpec | None = None, param_dtype="float32", dtype="float32", rngs: nnx.Rngs):
+        activation, d_ff, (in_std, out_std) = cfg.activation, cfg.width(d_model), stds
         if activation not in _GLU:
             raise ValueError(f"GatedMLP activation {activation!r} is not one of {tuple(_GLU)}")
         self.activation = activation
@@ -99,7 +103,6 @@ class GatedMLP(nnx.Module):
         return dense(_GLU[self.activation](gate, up), self.w_down, self.b_down, self.dtype, _OUT, self.w_down_lora)
 
 
-def make_mlp(d_model: int, d_ff: int, activation: str, **kwargs):
-    """A :class:`GatedMLP` for swiglu / geglu, an :class:`MLP` otherwise."""
-    cls = GatedMLP if is_gated(activation) else MLP
-    return cls(d_model, d_ff, activation, **kwargs)
+def make_mlp(d_model: int, cfg: FFNConfig, **kwargs):
+    """A :class:`GatedMLP` for swiglu / geglu, an :class:`MLP` otherwise (``kwargs``: theirs)."""
+    return (GatedMLP if cfg.gated else MLP)(d_model, cfg, **kwargs)

@@ -322,8 +322,8 @@ def _plot_rope_decay(plt, sweep, out, rows):
     dist = np.arange(0, max([1024, *sweep.spec.eval_lengths]))
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     for dim in sorted({d, 128}):
-        ax.plot(dist, rope_relative_bound(dim, dist, m.rope_base), lw=1,
-                label=f"head dim {dim}, base {m.rope_base:g}" + (" (this model)" if dim == d else ""))
+        ax.plot(dist, rope_relative_bound(dim, dist, m.positions.rope_base), lw=1,
+                label=f"head dim {dim}, base {m.positions.rope_base:g}" + (" (this model)" if dim == d else ""))
     ax.axvline(sweep.points[0].config.seq_len, color="grey", ls=":", lw=1, label="trained length")
     ax.set_xlabel("relative distance m")
     ax.set_ylabel("relative upper bound (1/(d/2)) Σ |S_j|")
@@ -336,7 +336,7 @@ def _plot_alibi_bias(plt, sweep, out, rows):
     from jaxformer.ops.positional import alibi_slopes
 
     m = sweep.points[0].config.model
-    slopes = np.asarray(alibi_slopes(m.n_heads))
+    slopes = np.asarray(alibi_slopes(m.attention.n_heads))
     n = 32
     pos = np.arange(n)
     dist = pos[:, None] - pos[None, :]
@@ -355,7 +355,7 @@ def _plot_alibi_bias(plt, sweep, out, rows):
         ax.set_xticks([])
         ax.set_yticks([])
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
-    fig.suptitle(f"ALiBi biases -slope·(i-j) on one colour scale, {n} positions, causal ({m.n_heads} heads)",
+    fig.suptitle(f"ALiBi biases -slope·(i-j) on one colour scale, {n} positions, causal ({m.attention.n_heads} heads)",
                  fontsize=9)
     return fig
 

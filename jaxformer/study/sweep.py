@@ -209,16 +209,7 @@ class Sweep:
 # -- loading and expanding ---------------------------------------------------------------------
 
 def _set(raw: dict, dotted: str, value: Any, where: str) -> None:
-    node = raw
-    parts = dotted.split(".")
-    for p in parts[:-1]:
-        child = node.get(p)
-        if child is None:
-            child = node[p] = {}
-        elif not isinstance(child, dict):
-            raise C.ConfigError(f"{where}: {dotted}: {p!r} is not a section")
-        node = child
-    node[parts[-1]] = copy.deepcopy(value)
+    C.set_key(raw, dotted.split("."), copy.deepcopy(value), f"{where}: {dotted}")
 
 
 def _merge(raw: dict, overrides: dict, where: str, prefix: str = "") -> None:

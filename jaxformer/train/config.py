@@ -52,7 +52,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 from pydantic_core import PydanticCustomError
 
 from jaxformer.model import LoRAConfig, ModelConfig, presets
-from jaxformer.model.config import Dtype
+from jaxformer.model.config import FLAT_KEYS, AttentionImpl, Dtype, flat_key, merge, migrate
 
 
 class ConfigError(ValueError):
@@ -200,9 +200,9 @@ class EvalConfig(_Section):
     sample: SampleConfig | None = None
 
 
-HF_MODEL_OVERRIDES = ("attention_impl", "remat", "scan_layers", "max_seq_len", "compute_dtype", "param_dtype")
+HF_MODEL_OVERRIDES = ("attention.impl", "remat", "scan_layers", "max_seq_len", "compute_dtype", "param_dtype")
 """The ModelConfig fields ``model: {hf: DIR, ...}`` may set: none of them changes the checkpoint's weights
-(``scan_layers`` only their layout)."""
+(``scan_layers`` only their layout). ``attention.impl`` is :class:`HFModelConfig`'s ``attention_impl``."""
 
 
 def _resolve_path(value: str, info: ValidationInfo) -> str:
@@ -218,7 +218,7 @@ class HFModelConfig(_Section):
     """``model: {hf: DIR, ...}``: a Hugging Face checkpoint directory and the fields changed beside it."""
 
     hf: str = Field(description="a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer)")
-    attention_impl: Literal["auto", "xla", "blockwise", "pallas", "sparse"] | None = None
+    attention_impl: AttentionImpl | None = Field(None, description="attention.impl (written either way)")
     remat: bool | None = None
     scan_layers: bool | None = None  # the checkpoint's per-layer weights are stacked at step 0
     max_seq_len: int | None = Field(None, gt=0)
@@ -231,15 +231,25 @@ class HFModelConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _fixed_fields(cls, v: Any) -> Any:
-        if isinstance(v, dict):
-            fixed = [k for k in v if k in ModelConfig.model_fields and k not in cls.model_fields]
-            if fixed:
-                allowed = ", ".join(HF_MODEL_OVERRIDES)
-                raise ValidationError.from_exception_data("HFModelConfig", [
-                    {"type": PydanticCustomError(
-                        "hf_fixed", "is fixed by the checkpoint's config.json (model.hf); beside hf only "
-                        "{allowed} may be set", {"allowed": allowed}), "loc": (k,), "input": v[k]}
-                    for k in fixed])
+        if not isinstance(v, dict):
+            return v
+        v = dict(v)
+        attention = v.pop("attention", None)  # the section's one settable field: attention.impl
+        if isinstance(attention, dict):
+            attention = dict(attention)
+            if "impl" in attention:
+                v["attention_impl"] = attention.pop("impl")
+            fixed = [f"attention.{k}" for k in attention]
+        else:
+            fixed = [] if attention is None else ["attention"]
+        fixed += [k for k in v if k not in cls.model_fields and (k in ModelConfig.model_fields or k in FLAT_KEYS)]
+        if fixed:
+            allowed = ", ".join(HF_MODEL_OVERRIDES)
+            raise ValidationError.from_exception_data("HFModelConfig", [
+                {"type": PydanticCustomError(
+                    "hf_fixed", "is fixed by the checkpoint's config.json (model.hf); beside hf only "
+                    "{allowed} may be set", {"allowed": allowed}), "loc": tuple(k.split(".")), "input": k}
+                for k in fixed])
         return v
 
     @field_validator("hf", mode="after")
@@ -266,8 +276,9 @@ class HFModelConfig(_Section):
 
         model = config_from_hf(read_config(self.hf), str(Path(self.hf) / "config.json"),
                                dtype=self.param_dtype or "float32")
-        changes = {k: getattr(self, k) for k in HF_MODEL_OVERRIDES if getattr(self, k) is not None}
-        if model.position == "learned" and changes.get("max_seq_len", model.max_seq_len) != model.max_seq_len:
+        fields = ("attention_impl", *HF_MODEL_OVERRIDES[1:])
+        changes = {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
+        if model.positions.kind == "learned" and changes.get("max_seq_len", model.max_seq_len) != model.max_seq_len:
             raise ValidationError.from_exception_data("HFModelConfig", [{"type": PydanticCustomError(
                 "hf_fixed", "position='learned': the checkpoint's position table has {n} rows; it cannot change",
                 {"n": model.max_seq_len}), "loc": ("max_seq_len",), "input": self.max_seq_len}])
@@ -288,7 +299,7 @@ class HFModelConfig(_Section):
             changes["lora"] = self.lora
         if not changes:
             return model
-        return ModelConfig(**{**model.model_dump(), **changes})
+        return model.replace(**changes)
 
 
 class ExperimentConfig(_Section):
@@ -345,7 +356,7 @@ class ExperimentConfig(_Section):
             name = v.pop("preset")
             if name not in presets.names():
                 raise ValueError(f"unknown preset {name!r}; known: {', '.join(presets.names())}")
-            v = {**presets.get(name).model_dump(), **v}
+            v = merge(presets.get(name).model_dump(), v)
         return v
 
     @model_validator(mode="after")
@@ -457,7 +468,36 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: value is not YAML: {e}") from None
-    return parts, value
+    return model_key(parts, value), value
+
+
+def model_key(parts: list[str], value: Any = None) -> list[str]:
+    """A dotted key's parts with a flat model key of before the sections moved into its section
+    (``model.n_heads`` -> ``model.attention.n_heads``; see :data:`jaxformer.model.config.FLAT_KEYS`)."""
+    if len(parts) == 2 and parts[0] == "model" and (where := flat_key(parts[1], value)) is not None:
+        return ["model", *where]
+    return list(parts)
+
+
+def set_key(raw: dict, parts: list[str], value: Any, where: str) -> None:
+    """Set ``value`` at the dotted key ``parts`` of the raw mapping ``raw`` (creating sections as needed; a
+    model key in its section, with the raw model's flat keys moved first, so old and new spellings mix);
+    ``where`` starts the error message."""
+    parts = model_key(parts, value)
+    if parts[0] == "model" and len(parts) > 1 and isinstance(raw.get("model"), dict):
+        try:
+            raw["model"] = migrate(raw["model"])
+        except ValueError as e:
+            raise ConfigError(f"{where}: model: {e}") from None
+    node = raw
+    for p in parts[:-1]:
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"{where}: {p!r} is not a section")
+        node = child
+    node[parts[-1]] = value
 
 
 def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
@@ -465,15 +505,7 @@ def apply_overrides(raw: dict, overrides: list[str] | tuple[str, ...]) -> dict:
     out = _deepcopy(raw)
     for text in overrides:
         parts, value = parse_override(text)
-        node = out
-        for p in parts[:-1]:
-            child = node.get(p)
-            if child is None:
-                child = node[p] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {p!r} is not a section")
-            node = child
-        node[parts[-1]] = value
+        set_key(out, parts, value, f"override {text!r}")
     return out
 
 

@@ -100,9 +100,9 @@ def describe(model: ModelConfig, *, mesh_shape: dict, batch_size: int, seq_len: 
     shd.check_batch(batch_size, grad_accum, mesh_shape)
     b_local = batch_size // grad_accum // (mesh_shape["data"] * mesh_shape["fsdp"])
     tp = mesh_shape["tensor"]
-    D, F, N, V, L = (model.d_model, model.resolved_d_ff, model.n_heads, model.vocab_size, model.n_layers)
+    D, F, N, V, L = (model.d_model, model.resolved_d_ff, model.attention.n_heads, model.vocab_size, model.n_layers)
     c = as_dtype(model.compute_dtype).itemsize
-    per_layer = (12 * D + (3 if model.gated else 2) * F) * c / tp + N * seq_len * 4 / tp
+    per_layer = (12 * D + (3 if model.ffn.gated else 2) * F) * c / tp + N * seq_len * 4 / tp
     tokens = b_local * seq_len
     if model.remat:
         act = tokens * (L * D * c + per_layer)

@@ -24,7 +24,8 @@ def load_checkpoint(cfg: C.ExperimentConfig, model, shardings: dict):
 
     _, placed = abstract_init(model)
     nnx.replace_by_pure_dict(placed, shardings)
-    overrides = {k: getattr(model, k) for k in C.HF_MODEL_OVERRIDES if k != "param_dtype"}
+    overrides = {"attention": {"impl": model.attention.impl},
+                 **{k: getattr(model, k) for k in C.HF_MODEL_OVERRIDES[1:] if k != "param_dtype"}}
     loaded, _, state = load_pretrained(cfg.hf_source, dtype=model.param_dtype, shardings=placed, **overrides)
     if loaded != model:
         ours, theirs = model.model_dump(), loaded.model_dump()

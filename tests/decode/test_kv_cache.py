@@ -166,7 +166,7 @@ def test_cache_window_must_match_the_model(windowed, llama):
     toks, pos = jnp.zeros((1, 2), jnp.int32), jnp.arange(2)[None]
     dense_caches = init_caches(llama[0], 1, 8)
     assert all(c.window is None for c in dense_caches)
-    with pytest.raises(ValueError, match=r"cache\[0\].window=None but config.attention_window=\(3, 0\) .*"
+    with pytest.raises(ValueError, match=r"cache\[0\].window=None but config.sparsity.window=\(3, 0\) .*"
                                          r"causal_window=4"):
         apply(graphdef, state, toks, positions=pos, cache=dense_caches)
     with pytest.raises(ValueError, match=r"cache\[0\].window=5 .*causal_window=4"):

@@ -64,7 +64,7 @@ def greedy_reference(graphdef, state, prompts, n_new, width, last_w=None):
 def banded(cfg, graphdef_state):
     """The same weights under a config whose self-attention has the band (W-1, 0)."""
     _, state = graphdef_state
-    cfg_w = ModelConfig(**{**cfg.model_dump(exclude_unset=True), "attention_window": (W - 1, 0)})
+    cfg_w = cfg.replace(attention_window=(W - 1, 0))
     return init(cfg_w, jax.random.key(0))[0], state
 
 
@@ -205,7 +205,7 @@ def test_window_refused_for_absolute_or_no_positions(position):
 
 # ---------------------------------------------------------------- models trained with a sliding window
 def banded_config(cfg):
-    return ModelConfig(**{**cfg.model_dump(exclude_unset=True), "attention_window": (W - 1, 0)})
+    return cfg.replace(attention_window=(W - 1, 0))
 
 
 def test_model_band_is_the_engine_window(llama, llama_banded_reference):
@@ -225,7 +225,7 @@ def test_model_band_is_the_engine_window(llama, llama_banded_reference):
                                          rf"causal_window={W} \(attention_window=\({W - 1}, 0\)\)"):
         eng.Engine(graphdef_w, state, cfg_w, num_pages=4, window=W + 1)
     with pytest.raises(ValueError, match=r"sliding window \(its own, attention_window=.*position='learned'"):
-        eng.Engine(None, None, cfg_w.model_copy(update=dict(position="learned")), num_pages=4)
+        eng.Engine(None, None, cfg_w.replace(position="learned"), num_pages=4)
 
 
 def test_paged_cache_teacher_forced_logits_of_a_windowed_model(llama):
@@ -245,7 +245,7 @@ def test_paged_cache_teacher_forced_logits_of_a_windowed_model(llama):
     def step(pools, t, start):
         B, T = t.shape
         caches = [PagedKVCache(k, v, tables, jnp.full(B, start, jnp.int32), jnp.full(B, T, jnp.int32),
-                               window=cfg_w.causal_window) for k, v in pools]
+                               window=cfg_w.sparsity.causal_window) for k, v in pools]
         pos = start + jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         logits, caches = apply(graphdef_w, state, t, positions=pos, cache=caches)
         return logits, [(c.k_pages, c.v_pages) for c in caches]

@@ -77,7 +77,7 @@ def paged_teacher_forced(config, graphdef, state, tokens: np.ndarray) -> np.ndar
     @jax.jit
     def step(state, pools, t, p, lengths):
         num_new = jnp.full((B,), t.shape[1], jnp.int32)
-        caches = [PagedKVCache(k, v, tables, lengths, num_new, window=config.causal_window) for k, v in pools]
+        caches = [PagedKVCache(k, v, tables, lengths, num_new, window=config.sparsity.causal_window) for k, v in pools]
         logits, caches = apply(graphdef, state, t, positions=p, cache=caches)
         return logits, [(c.k_pages, c.v_pages) for c in caches]
 

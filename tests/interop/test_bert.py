@@ -73,8 +73,8 @@ def copy_checkpoint(src, dst, *, tensors=None, config=None):
 def test_fixture_float32(bert):
     path, expected, _ = bert
     config, _, hidden, logits = outputs(path, expected)
-    assert (config.kind, config.norm_position, config.activation, config.norm_eps) == ("encoder", "post", "gelu", 1e-12)
-    assert config.type_vocab_size == 2 and config.head_transform and config.head_bias and config.tie_embeddings
+    assert (config.kind, config.norm.placement, config.ffn.activation, config.norm.eps) == ("encoder", "post", "gelu", 1e-12)
+    assert config.hf_options.type_vocab_size == 2 and config.hf_options.head_transform and config.hf_options.head_bias and config.tie_embeddings
     mask = expected["attention_mask"]
     assert max_diff(hidden, expected["hidden_states"], mask) < ATOL
     assert max_diff(logits, expected["logits"], mask) < ATOL
@@ -171,7 +171,7 @@ def test_bare_bert_model_loads_the_encoder(bert, tmp_path):
     path, expected, _ = bert
     d = copy_checkpoint(path, tmp_path / "bare", tensors=bare, config=lambda c: {**c, "architectures": ["BertModel"]})
     config, _, hidden, _ = outputs(d, expected)
-    assert not config.head_transform and not config.head_bias and config.tie_embeddings
+    assert not config.hf_options.head_transform and not config.hf_options.head_bias and config.tie_embeddings
     assert max_diff(hidden, expected["hidden_states"], expected["attention_mask"]) < ATOL
     config, _, state = load_pretrained(d)
     out = save_pretrained(tmp_path / "out", config, state)
@@ -210,7 +210,7 @@ def test_config_to_hf_refuses_what_bert_cannot_express(bert):
     for update in (dict(norm_position="pre"), dict(head_bias=False), dict(type_vocab_size=0),
                    dict(activation="swiglu", head_transform=False, head_bias=False),
                    dict(n_kv_heads=2), dict(attn_softcap=30.0)):
-        bad = ModelConfig(**{**config.model_dump(), **update})
+        bad = config.replace(**update)
         with pytest.raises(HFConfigError, match="bert config.json"):
             save_pretrained("/nonexistent/never-written", bad, state, model_type="bert")
 

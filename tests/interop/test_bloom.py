@@ -57,11 +57,11 @@ def test_alibi_slopes_are_blooms(num_heads):
 
 def test_config_translation(bloom):
     _, _, meta, config, _, _ = bloom
-    assert (config.kind, config.position, config.norm, config.norm_position) == ("decoder", "alibi", "layernorm",
+    assert (config.kind, config.positions.kind, config.norm.kind, config.norm.placement) == ("decoder", "alibi", "layernorm",
                                                                                   "pre")
-    assert config.embed_norm and config.tie_embeddings and config.use_bias and config.activation == "gelu_tanh"
+    assert config.norm.embed and config.tie_embeddings and config.use_bias and config.ffn.activation == "gelu_tanh"
     assert config.resolved_d_ff == 4 * config.d_model and config.n_layers == 2
-    np.testing.assert_allclose(alibi_slopes(config.n_heads), meta["alibi_slopes"], rtol=1e-6)
+    np.testing.assert_allclose(alibi_slopes(config.attention.n_heads), meta["alibi_slopes"], rtol=1e-6)
 
 
 def test_float32_logits_match_transformers(bloom):

@@ -189,9 +189,9 @@ def test_tiny_fixture_as_gguf_matches_transformers(tmp_path, name, arch, permute
     write_gguf(file, d, arch=arch, permute=permute)
     config, graphdef, state = load_pretrained(file)
     want = load_pretrained(d)[0]
-    assert config.norm_eps == np.float32(want.norm_eps)  # GGUF stores it as a float32
+    assert config.norm.eps == np.float32(want.norm.eps)  # GGUF stores it as a float32
     assert config.resolved_head_dim == want.resolved_head_dim  # GGUF always states it; qwen2's config.json does not
-    assert config.model_copy(update=dict(norm_eps=want.norm_eps, head_dim=want.head_dim)) == want, (config, want)
+    assert config.replace(norm_eps=want.norm.eps, head_dim=want.attention.head_dim) == want, (config, want)
     tokens = jnp.asarray(expected["input_ids"], jnp.int32)
     logits = np.asarray(forward(graphdef, state, tokens))
     np.testing.assert_array_equal(logits, np.asarray(forward(*load_pretrained(d)[1:], tokens)))
@@ -251,7 +251,7 @@ def test_config_mapping(tmp_path):
     write_gguf(f, d, arch="llama", permute=True, kv={"llama.rope.scaling.type": ("string", "linear"),
                                                      "llama.rope.scaling.factor": ("float32", 4.0)})
     config = load_pretrained(f)[0]
-    assert (config.rope_scaling.kind, config.rope_scaling.factor) == ("linear", 4.0)
+    assert (config.positions.rope_scaling.kind, config.positions.rope_scaling.factor) == ("linear", 4.0)
     assert not config.tie_embeddings  # output.weight present
     write_gguf(f, d, arch="llama", permute=True, drop=("lm_head.weight",))
     hf = read_config(f)
@@ -363,7 +363,7 @@ def smollm2() -> tuple[Path, dict, dict]:
 def test_real_config_and_tokenizer_match_transformers(smollm2):
     file, expected, meta = smollm2
     config = config_from_hf(read_config(file), str(file))
-    assert (config.n_layers, config.d_model, config.n_heads, config.resolved_kv_heads, config.vocab_size) == \
+    assert (config.n_layers, config.d_model, config.attention.n_heads, config.resolved_kv_heads, config.vocab_size) == \
         (30, 576, 9, 3, 49152)
     assert config.tie_embeddings and config.resolved_head_dim == 64 and config.resolved_d_ff == 1536
     for key, value in meta["transformers_config"].items():

@@ -37,11 +37,11 @@ def logits_of(graphdef, state, expected):
 
 def test_config_translation(gpt2):
     _, _, config, _, _ = gpt2
-    assert (config.kind, config.position, config.norm, config.norm_position) == ("decoder", "learned", "layernorm",
+    assert (config.kind, config.positions.kind, config.norm.kind, config.norm.placement) == ("decoder", "learned", "layernorm",
                                                                                   "pre")
-    assert (config.d_model, config.n_layers, config.n_heads, config.resolved_d_ff) == (32, 2, 4, 128)
-    assert config.activation == "gelu_tanh" and config.tie_embeddings and config.use_bias
-    assert config.max_seq_len == 32 and config.attn_scale is None and config.norm_eps == 1e-5
+    assert (config.d_model, config.n_layers, config.attention.n_heads, config.resolved_d_ff) == (32, 2, 4, 128)
+    assert config.ffn.activation == "gelu_tanh" and config.tie_embeddings and config.use_bias
+    assert config.max_seq_len == 32 and config.attention.scale is None and config.norm.eps == 1e-5
 
 
 def test_float32_logits_match_transformers(gpt2):
@@ -102,7 +102,7 @@ def test_round_trip_of_untied_and_unscaled_models(overrides, tmp_path):
     out = save_pretrained(tmp_path, cfg, state)
     written = json.loads((out / "config.json").read_text())
     assert written["tie_word_embeddings"] == cfg.tie_embeddings
-    assert written["scale_attn_weights"] == (cfg.attn_scale is None)
+    assert written["scale_attn_weights"] == (cfg.attention.scale is None)
     assert ("lm_head.weight" in load_file(out / "model.safetensors")) == (not cfg.tie_embeddings)
     config, _, back = load_pretrained(out)
     assert hf_mod._behaviour(config) == hf_mod._behaviour(cfg)  # the same model (d_ff now explicit, ...)

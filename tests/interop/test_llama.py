@@ -42,18 +42,18 @@ def flat(state) -> dict:
 def test_config_translation():
     cfgs = {name: load_pretrained(fixture(name)[0])[0] for name in NAMES}
     llama = cfgs["llama"]
-    assert (llama.n_heads, llama.resolved_kv_heads, llama.resolved_head_dim, llama.resolved_d_ff) == (4, 2, 8, 64)
-    assert not llama.tie_embeddings and llama.norm == "rmsnorm" and llama.activation == "swiglu"
-    assert llama.rope_scaling is None and llama.attention_window is None
+    assert (llama.attention.n_heads, llama.resolved_kv_heads, llama.resolved_head_dim, llama.resolved_d_ff) == (4, 2, 8, 64)
+    assert not llama.tie_embeddings and llama.norm.kind == "rmsnorm" and llama.ffn.activation == "swiglu"
+    assert llama.positions.rope_scaling is None and llama.sparsity.window is None
     l3 = cfgs["llama3"]
-    assert l3.tie_embeddings and l3.rope_base == 500000.0
-    assert (l3.rope_scaling.kind, l3.rope_scaling.factor, l3.rope_scaling.original_max_position) == \
+    assert l3.tie_embeddings and l3.positions.rope_base == 500000.0
+    assert (l3.positions.rope_scaling.kind, l3.positions.rope_scaling.factor, l3.positions.rope_scaling.original_max_position) == \
         ("llama3", 8.0, 64)
     assert cfgs["llama3_legacy"] == l3  # the two config forms read the same
     assert "rope_parameters" in read_config(fixture("llama3")[0])
     assert "rope_scaling" in read_config(fixture("llama3_legacy")[0])
-    assert cfgs["qwen2"].qkv_bias and not cfgs["qwen2"].use_bias
-    assert cfgs["mistral"].attention_window == (3, 0)  # sliding_window 4: itself and the 3 before
+    assert cfgs["qwen2"].attention.qkv_bias and not cfgs["qwen2"].use_bias
+    assert cfgs["mistral"].sparsity.window == (3, 0)  # sliding_window 4: itself and the 3 before
 
 
 def test_float32_logits_match_transformers(loaded):
@@ -109,7 +109,7 @@ def test_round_trip_is_exact_and_keeps_the_config_form(loaded, tmp_path):
     stored = set(load_file(str(out / "model.safetensors"))) if (out / "model.safetensors").is_file() else set()
     assert ("lm_head.weight" in stored) == (not config.tie_embeddings)  # a tied head is not stored
     # every rope key agrees (transformers 5 reads rope_parameters first, older versions rope_theta)
-    assert written["rope_theta"] == written["rope_parameters"]["rope_theta"] == config.rope_base
+    assert written["rope_theta"] == written["rope_parameters"]["rope_theta"] == config.positions.rope_base
     assert written["max_position_embeddings"] == original["max_position_embeddings"]
 
 
@@ -152,7 +152,7 @@ def test_qwen2_sliding_layers_read_as_transformers_reads_them(tmp_path, keys, wi
     cfg = {k: v for k, v in read_config(d).items() if k not in ("layer_types", "max_window_layers")}
     (d / "config.json").write_text(json.dumps({**cfg, **keys}))
     config = load_pretrained(d)[0]
-    assert config.causal_window == window
+    assert config.sparsity.causal_window == window
 
 
 def test_qwen2_window_is_written_so_every_layer_slides(tmp_path):
@@ -161,7 +161,7 @@ def test_qwen2_window_is_written_so_every_layer_slides(tmp_path):
     written = read_config(save_pretrained(tmp_path / "out", config, state, hf_config=read_config(d)))
     assert written["use_sliding_window"] and written["sliding_window"] == 4 and written["max_window_layers"] == 0
     assert written["layer_types"] == ["sliding_attention"] * config.n_layers
-    assert load_pretrained(tmp_path / "out")[0].causal_window == 4
+    assert load_pretrained(tmp_path / "out")[0].sparsity.causal_window == 4
 
 
 def test_mistral_ignores_bias_keys_and_layer_types_as_transformers_does(tmp_path):
@@ -170,7 +170,7 @@ def test_mistral_ignores_bias_keys_and_layer_types_as_transformers_does(tmp_path
     (d / "config.json").write_text(json.dumps({**cfg, "attention_bias": True, "mlp_bias": True,
                                                "layer_types": ["full_attention"] * cfg["num_hidden_layers"]}))
     config = load_pretrained(d)[0]
-    assert not config.use_bias and not config.resolved_qkv_bias and config.causal_window == 4
+    assert not config.use_bias and not config.resolved_qkv_bias and config.sparsity.causal_window == 4
 
 
 def test_a_biased_model_with_a_window_is_not_written_as_mistral(tmp_path):

@@ -62,8 +62,8 @@ def _flat(state) -> dict:
 def test_config(marian):
     d, _, _, config, _, _ = marian
     assert config.kind == "encoder_decoder" and (config.n_encoder_layers, config.n_layers) == (2, 2)
-    assert (config.norm_position, config.position, config.sinusoidal_layout) == ("post", "sinusoidal", "halves")
-    assert config.activation == "silu" and config.scale_embeddings and config.head_bias and config.tie_embeddings
+    assert (config.norm.placement, config.positions.kind, config.positions.sinusoidal_layout) == ("post", "sinusoidal", "halves")
+    assert config.ffn.activation == "silu" and config.scale_embeddings and config.hf_options.head_bias and config.tie_embeddings
 
 
 def test_positions_are_marians_table():

@@ -20,28 +20,37 @@ def n_leaves(config) -> int:
 
 
 # ---------------------------------------------------------------- validation
+# Sectioned keys, as presets and YAML write them (the flat keys of before are tested in test_config_sections).
+# Pydantic prefixes a section's errors with its path ("attention.scale"), so each names where to look.
 @pytest.mark.parametrize("kwargs,pattern", [
-    (dict(n_heads=8, n_kv_heads=3), r"n_heads=8 not divisible by n_kv_heads=3"),
-    (dict(d_model=100, n_heads=8), r"d_model=100 not divisible by n_heads=8"),
-    (dict(d_model=96, n_heads=8, head_dim=3, position="rope"), r"even head dim, got head_dim=3"),
-    (dict(d_model=24, n_heads=8, position="rope"), r"even head dim, got head_dim=3"),
+    (dict(attention=dict(n_heads=8, n_kv_heads=3)), r"attention\n.*n_heads=8 not divisible by n_kv_heads=3"),
+    (dict(d_model=100, attention=dict(n_heads=8)), r"d_model=100 not divisible by attention.n_heads=8; set "
+                                                    r"attention.head_dim"),
+    (dict(d_model=96, attention=dict(n_heads=8, head_dim=3), positions=dict(kind="rope")),
+     r"positions.kind='rope' needs an even head dim, got head_dim=3"),
+    (dict(d_model=24, attention=dict(n_heads=8), positions=dict(kind="rope")), r"even head dim, got head_dim=3"),
     (dict(kind="encoder_decoder"), r"n_encoder_layers > 0.*n_encoder_layers=None"),
     (dict(n_encoder_layers=2), r"n_encoder_layers=2 only applies to kind='encoder_decoder'"),
-    (dict(activation="tanh"), r"activation='tanh' is not one of"),
-    (dict(norm_position="post", sandwich_norm=True), r"sandwich_norm needs norm_position='pre'"),
-    (dict(position="alibi", rope_scaling=dict(kind="linear", factor=2.0)), r"rope_scaling is set"),
+    (dict(ffn=dict(activation="tanh")), r"ffn.activation\n.*activation='tanh' is not one of"),
+    (dict(norm=dict(placement="post", sandwich=True)), r"norm\n.*sandwich needs placement='pre'"),
+    (dict(positions=dict(kind="alibi", rope_scaling=dict(kind="linear", factor=2.0))),
+     r"positions\n.*rope_scaling is set but kind='alibi'"),
     (dict(param_dtype="float64"), r"param_dtype"),
     (dict(d_model=0), r"d_model"),
     (dict(unknown_key=1), r"unknown_key"),
-    (dict(n_heads=4, n_kv_heads=2, qkv_sharing="qk"), r"qkv_sharing='qk' shares W_q with W_k, so it needs "
-                                                       r"n_kv_heads = n_heads, got n_kv_heads=2"),
-    (dict(qkv_sharing="kv"), r"qkv_sharing"),
-    (dict(attn_scale=0.0), r"attn_scale"),
-    (dict(type_vocab_size=-1), r"type_vocab_size"),
-    (dict(head_transform=True, activation="swiglu"), r"head_transform needs a non-gated activation.*'swiglu'"),
-    (dict(sinusoidal_layout="halves"), r"sinusoidal_layout='halves' is set but position='rope'"),
-    (dict(position="sinusoidal", sinusoidal_layout="split"), r"sinusoidal_layout"),
-    (dict(qkv_bias="maybe"), r"qkv_bias"),
+    (dict(attention=dict(unknown=1)), r"attention.unknown"),
+    (dict(attention=dict(n_heads=4, n_kv_heads=2, qkv_sharing="qk")),
+     r"qkv_sharing='qk' shares W_q with W_k, so it needs n_kv_heads = n_heads, got n_kv_heads=2"),
+    (dict(attention=dict(qkv_sharing="kv")), r"attention.qkv_sharing"),
+    (dict(attention=dict(scale=0.0)), r"attention.scale"),
+    (dict(hf_options=dict(type_vocab_size=-1)), r"hf_options.type_vocab_size"),
+    (dict(hf_options=dict(head_transform=True), ffn=dict(activation="swiglu")),
+     r"hf_options.head_transform needs a non-gated activation.*ffn.activation='swiglu'"),
+    (dict(positions=dict(sinusoidal_layout="halves")), r"sinusoidal_layout='halves' is set but kind='rope'"),
+    (dict(positions=dict(kind="sinusoidal", sinusoidal_layout="split")), r"positions.sinusoidal_layout"),
+    (dict(attention=dict(qkv_bias="maybe")), r"attention.qkv_bias"),
+    (dict(n_heads=8, attention=dict(n_heads=4)), r"attention.n_heads given twice.*\['n_heads'\]"),
+    (dict(norm_position="post", sandwich_norm=True), r"sandwich needs placement='pre'"),  # flat keys, migrated
 ])
 def test_config_rejects(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -50,28 +59,28 @@ def test_config_rejects(kwargs, pattern):
 
 
 def test_config_defaults_and_derived_values():
-    cfg = ModelConfig(d_model=96, n_heads=6, n_kv_heads=2, activation="swiglu", ffn_multiple_of=32)
+    cfg = ModelConfig(d_model=96, attention=dict(n_heads=6, n_kv_heads=2), ffn=dict(activation="swiglu", multiple_of=32))
     assert (cfg.resolved_head_dim, cfg.resolved_kv_heads, cfg.resolved_d_ff) == (16, 2, 256)
-    assert cfg.resolved_final_norm  # pre-norm default
-    assert not ModelConfig(norm_position="post").resolved_final_norm
-    assert ModelConfig(d_model=20, n_heads=4, head_dim=8).resolved_head_dim == 8
-    scaled = ModelConfig(rope_scaling=dict(kind="yarn", factor=4.0))
-    assert scaled.rope == RopeScaling(kind="yarn", factor=4.0)
+    assert cfg.norm.resolved_final  # pre-norm default
+    assert not ModelConfig(norm=dict(placement="post")).norm.resolved_final
+    assert ModelConfig(d_model=20, attention=dict(n_heads=4, head_dim=8)).resolved_head_dim == 8
+    scaled = ModelConfig(positions=dict(rope_scaling=dict(kind="yarn", factor=4.0)))
+    assert scaled.positions.rope == RopeScaling(kind="yarn", factor=4.0)
     with pytest.raises(ValidationError):  # frozen
         cfg.d_model = 8
 
 
 def test_checkpoint_options_default_off_and_derive():
     cfg = ModelConfig()
-    assert (cfg.qkv_bias, cfg.type_vocab_size, cfg.head_transform, cfg.head_bias, cfg.sinusoidal_layout) == (
+    assert (cfg.attention.qkv_bias, cfg.hf_options.type_vocab_size, cfg.hf_options.head_transform, cfg.hf_options.head_bias, cfg.positions.sinusoidal_layout) == (
         None, 0, False, False, "interleaved")
     assert not cfg.resolved_qkv_bias and ModelConfig(use_bias=True).resolved_qkv_bias
     assert ModelConfig(qkv_bias=True).resolved_qkv_bias
     assert not ModelConfig(use_bias=True, qkv_bias=False).resolved_qkv_bias
     # the sliding window W of a causal band (W-1, right): HF Mistral's sliding_window
-    assert cfg.causal_window is None and ModelConfig(attention_window=(None, 0)).causal_window is None
-    assert ModelConfig(attention_window=(4095, 0)).causal_window == 4096
-    assert ModelConfig(attention_window=(7, None)).causal_window == 8
+    assert cfg.sparsity.causal_window is None and ModelConfig(attention_window=(None, 0)).sparsity.causal_window is None
+    assert ModelConfig(attention_window=(4095, 0)).sparsity.causal_window == 4096
+    assert ModelConfig(attention_window=(7, None)).sparsity.causal_window == 8
 
 
 def test_checkpoint_options_from_yaml_and_preset_overrides():
@@ -89,13 +98,15 @@ head_transform: true
 head_bias: true
 """
     cfg = ModelConfig.model_validate(yaml.safe_load(text))
-    assert (cfg.sinusoidal_layout, cfg.qkv_bias, cfg.type_vocab_size, cfg.head_transform, cfg.head_bias) == (
+    assert (cfg.positions.sinusoidal_layout, cfg.attention.qkv_bias, cfg.hf_options.type_vocab_size, cfg.hf_options.head_transform, cfg.hf_options.head_bias) == (
         "halves", False, 2, True, True)
     assert ModelConfig.model_validate(yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json")))) == cfg
     mistral = presets.get("llama_tiny", attention_window=[3, 0], qkv_bias=True)
-    assert mistral.causal_window == 4 and mistral.resolved_qkv_bias
-    for name in ("qkv_bias", "type_vocab_size", "head_transform", "head_bias", "sinusoidal_layout"):
-        assert ModelConfig.model_fields[name].description, name
+    assert mistral.sparsity.causal_window == 4 and mistral.resolved_qkv_bias
+    for name in ("attention.qkv_bias", "hf_options.type_vocab_size", "hf_options.head_transform",
+                 "hf_options.head_bias", "positions.sinusoidal_layout"):
+        section, field = name.split(".")
+        assert type(getattr(cfg, section)).model_fields[field].description, name
 
 
 def test_presets_get_overrides_and_names():
@@ -105,7 +116,9 @@ def test_presets_get_overrides_and_names():
     assert llama.resolved_d_ff == 11008 and llama.resolved_kv_heads == 32
     half = presets.get("llama_7b", d_model=2048, n_heads=16)  # derived fields re-derive
     assert half.resolved_head_dim == 128 and half.resolved_d_ff == 5632
-    assert presets.get("llama_tiny").resolved_kv_heads < presets.get("llama_tiny").n_heads
+    assert presets.get("llama_7b", d_model=2048, attention=dict(n_heads=16)) == half  # a section merges field by field
+    assert half.positions == llama.positions and half.ffn.multiple_of == 256
+    assert presets.get("llama_tiny").resolved_kv_heads < presets.get("llama_tiny").attention.n_heads
     assert presets.get("llama3_1b").resolved_kv_heads == 8
     with pytest.raises(ValueError, match="unknown preset 'gpt5'"):
         presets.get("gpt5")
@@ -221,7 +234,7 @@ def test_matmul_params_count_the_head_transform():
     bert = ModelConfig(**HF_CHECKPOINTS["bert_base_mlm"][0])
     L, D, F, V = 12, 768, 3072, 30522
     assert matmul_params(bert) == L * (4 * D * D + 2 * D * F) + D * V + D * D
-    assert matmul_params(bert.model_copy(update=dict(head_transform=False))) == L * (4 * D * D + 2 * D * F) + D * V
+    assert matmul_params(bert.replace(head_transform=False)) == L * (4 * D * D + 2 * D * F) + D * V
 
 
 def test_flops_per_token_encoder_decoder_counts_cross_attention():

@@ -105,8 +105,8 @@ def random_state(cfg, seed, std=0.3, small=()):
 # ---------------------------------------------------------------------------- the oracle (float64 numpy)
 def norm(cfg, p, x):
     """LayerNorm (Ba et al. 2016) or RMSNorm (Zhang & Sennrich 2019) over the last axis."""
-    eps = cfg.norm_eps
-    if cfg.norm == "rmsnorm":
+    eps = cfg.norm.eps
+    if cfg.norm.kind == "rmsnorm":
         assert "bias" not in p, "RMSNorm has no bias"
         return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * p["scale"]
     mu = x.mean(-1, keepdims=True)
@@ -147,13 +147,13 @@ def sinusoid_table(pos, d, layout="interleaved"):
 def rope(cfg, x, pos):
     """Rotate ``x [B, T, n, H]``: pair j (of H/2) turns by pos * base^(-2j/H) (RoFormer eq. 15)."""
     H = x.shape[-1]
-    theta = np.array([cfg.rope_base ** (-2.0 * j / H) for j in range(H // 2)])
-    if cfg.rope_scaling is not None:
-        assert cfg.rope_scaling.kind == "linear", "oracle knows only linear position interpolation"
-        theta = theta / cfg.rope_scaling.factor   # Chen et al. 2023: position p acts as p / s
+    theta = np.array([cfg.positions.rope_base ** (-2.0 * j / H) for j in range(H // 2)])
+    if cfg.positions.rope_scaling is not None:
+        assert cfg.positions.rope_scaling.kind == "linear", "oracle knows only linear position interpolation"
+        theta = theta / cfg.positions.rope_scaling.factor   # Chen et al. 2023: position p acts as p / s
     ang = pos[:, :, None, None] * theta           # [B, T, 1, H/2]
     c, s = np.cos(ang), np.sin(ang)
-    if cfg.rope_interleaved:                      # GPT-J: pairs (2j, 2j+1)
+    if cfg.positions.rope_interleaved:                      # GPT-J: pairs (2j, 2j+1)
         a, b = x[..., 0::2], x[..., 1::2]
         out = np.empty_like(x)
         out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
@@ -177,24 +177,24 @@ def alibi_slopes(n):
 def attention(cfg, p, x, ctx, *, allowed, q_pos=None, k_pos=None, self_attn=True):
     """Multi-head / grouped-query attention; ``allowed [B, T, S]`` bool (False rows give zeros)."""
     # Shared projections (self-attention only): "qk" keys from W_q (Reformer), "qkv" values too.
-    share = cfg.qkv_sharing if self_attn else "none"
+    share = cfg.attention.qkv_sharing if self_attn else "none"
     wk, bk = ("w_q", "b_q") if share in ("qk", "qkv") else ("w_k", "b_k")
     wv, bv = ("w_q", "b_q") if share == "qkv" else ("w_v", "b_v")
     q = np.einsum("btd,dnh->btnh", x, p["w_q"])
     k = np.einsum("bsd,dkh->bskh", ctx, p[wk])
     v = np.einsum("bsd,dkh->bskh", ctx, p[wv])
-    if cfg.use_bias if cfg.qkv_bias is None else cfg.qkv_bias:   # Qwen2: q/k/v biases without use_bias
+    if cfg.use_bias if cfg.attention.qkv_bias is None else cfg.attention.qkv_bias:   # Qwen2: q/k/v biases without use_bias
         q, k, v = q + p["b_q"], k + p[bk], v + p[bv]
     N, K, H = q.shape[2], k.shape[2], q.shape[3]
-    assert (N, K) == (cfg.n_heads, cfg.n_kv_heads or cfg.n_heads)
-    if self_attn and cfg.position == "rope":
+    assert (N, K) == (cfg.attention.n_heads, cfg.attention.n_kv_heads or cfg.attention.n_heads)
+    if self_attn and cfg.positions.kind == "rope":
         q, k = rope(cfg, q, q_pos), rope(cfg, k, k_pos)
     # GQA: query head n reads kv head n // (N / K) (consecutive query heads share one kv head).
     k, v = np.repeat(k, N // K, axis=2), np.repeat(v, N // K, axis=2)
-    s = np.einsum("btnh,bsnh->bnts", q, k) * (1.0 / math.sqrt(H) if cfg.attn_scale is None else cfg.attn_scale)
-    if cfg.attn_softcap is not None:
-        s = cfg.attn_softcap * np.tanh(s / cfg.attn_softcap)
-    if self_attn and cfg.position == "alibi":
+    s = np.einsum("btnh,bsnh->bnts", q, k) * (1.0 / math.sqrt(H) if cfg.attention.scale is None else cfg.attention.scale)
+    if cfg.attention.softcap is not None:
+        s = cfg.attention.softcap * np.tanh(s / cfg.attention.softcap)
+    if self_attn and cfg.positions.kind == "alibi":
         # |i - j| in token positions. (The library measures ALiBi distance in row indices and
         # ignores `positions`; the two agree whenever positions are contiguous within a
         # document, as in every case here.)
@@ -212,8 +212,8 @@ def attention(cfg, p, x, ctx, *, allowed, q_pos=None, k_pos=None, self_attn=True
 
 
 def mlp(cfg, p, x):
-    act = ACT[cfg.activation]
-    if cfg.activation in ("swiglu", "geglu"):     # Shazeer 2020: act(x W) * (x V), then W2
+    act = ACT[cfg.ffn.activation]
+    if cfg.ffn.activation in ("swiglu", "geglu"):     # Shazeer 2020: act(x W) * (x V), then W2
         g, u = x @ p["w_gate"], x @ p["w_up"]
         if cfg.use_bias:
             g, u = g + p["b_gate"], u + p["b_up"]
@@ -229,14 +229,14 @@ def residual(cfg, p, x, branch, alpha):
     """pre: x + Lb(f(Ln x)); post: Ln(x + f(x)); deepnorm: Ln(alpha x + f(x)) (Lb: sandwich only)."""
     # residual=False (the residuals study): the same without the identity path
     keep = 1.0 if cfg.residual else 0.0
-    if cfg.norm_position == "pre":
+    if cfg.norm.placement == "pre":
         h = branch(norm(cfg, p["norm"], x))
-        if cfg.sandwich_norm:
+        if cfg.norm.sandwich:
             h = norm(cfg, p["branch_norm"], h)
         return keep * x + h
-    a = alpha if cfg.norm_position == "deepnorm" else 1.0
+    a = alpha if cfg.norm.placement == "deepnorm" else 1.0
     h = branch(x)
-    if cfg.sandwich_norm:
+    if cfg.norm.sandwich:
         h = norm(cfg, p["branch_norm"], h)
     return norm(cfg, p["norm"], keep * a * x + h)
 
@@ -269,44 +269,44 @@ def embed(cfg, P, tokens, pos, token_types=None):
     x = P["embed"]["embedding"][tokens]
     if cfg.scale_embeddings:
         x = x * math.sqrt(cfg.d_model)
-    if cfg.type_vocab_size:                       # BERT: word + position + token type, then LayerNorm
+    if cfg.hf_options.type_vocab_size:                       # BERT: word + position + token type, then LayerNorm
         types = np.zeros_like(tokens) if token_types is None else np.asarray(token_types)
         x = x + P["type_embed"]["embedding"][types]
-    if cfg.position == "sinusoidal":
-        x = x + sinusoid_table(pos.astype(np.float64), cfg.d_model, cfg.sinusoidal_layout)
-    elif cfg.position == "learned":
+    if cfg.positions.kind == "sinusoidal":
+        x = x + sinusoid_table(pos.astype(np.float64), cfg.d_model, cfg.positions.sinusoidal_layout)
+    elif cfg.positions.kind == "learned":
         x = x + P["pos_embed"]["embedding"][np.clip(pos, 0, cfg.max_seq_len - 1)]
-    if cfg.embed_norm:
+    if cfg.norm.embed:
         x = norm(cfg, P["embed_norm"], x)
     return x
 
 
 def has_final_norm(cfg):
-    return cfg.final_norm if cfg.final_norm is not None else cfg.norm_position == "pre"
+    return cfg.norm.final if cfg.norm.final is not None else cfg.norm.placement == "pre"
 
 
 def sparse_allowed(cfg, T):
     """Longformer / BigBird widening of the band: band OR global query OR global key (OR random)."""
-    if cfg.attention_window is None or cfg.attention_window == (None, None):
+    if cfg.sparsity.window is None or cfg.sparsity.window == (None, None):
         return np.ones((1, T, T), bool)
-    left, right = cfg.attention_window
+    left, right = cfg.sparsity.window
     i, j = np.arange(T)[:, None], np.arange(T)[None, :]
     ok = np.ones((T, T), bool)
     if left is not None:
         ok &= j >= i - left
     if right is not None:
         ok &= j <= i + right
-    g = np.isin(np.arange(T), cfg.global_tokens)
+    g = np.isin(np.arange(T), cfg.sparsity.global_tokens)
     ok |= g[:, None] | g[None, :]
-    if cfg.random_blocks is not None and cfg.random_blocks.num_blocks > 0:
-        assert cfg.random_blocks.num_blocks >= -(-T // cfg.random_blocks.block_size), \
+    if cfg.sparsity.random_blocks is not None and cfg.sparsity.random_blocks.num_blocks > 0:
+        assert cfg.sparsity.random_blocks.num_blocks >= -(-T // cfg.sparsity.random_blocks.block_size), \
             "the oracle only knows random blocks that cover every key block"
         ok[:] = True
     return ok[None]
 
 
 def stack(cfg, P, x, *, which, allowed, pos, ctx=None, cross_allowed=None):
-    alpha = deepnet_alpha(cfg, which) if cfg.norm_position == "deepnorm" else 1.0
+    alpha = deepnet_alpha(cfg, which) if cfg.norm.placement == "deepnorm" else 1.0
     n = cfg.n_layers if which == "decoder" or cfg.kind == "encoder" else cfg.n_encoder_layers
     for i in range(n):
         b = layer(P, i, n)
@@ -370,15 +370,15 @@ def oracle_logits(cfg, tree, tokens, tgt=None, *, positions=None, segment_ids=No
         allowed = (j <= i)[None] & (seg[:, :, None] == seg[:, None, :]) & sparse_allowed(cfg, T)
         x = stack(cfg, P["decoder"], embed(cfg, P, tokens, pos, token_types), which="decoder", allowed=allowed,
                   pos=pos, ctx=memory, cross_allowed=cross_allowed)
-    if cfg.head_transform:                        # BERT's cls.predictions.transform: LN(act(x W + b))
+    if cfg.hf_options.head_transform:                        # BERT's cls.predictions.transform: LN(act(x W + b))
         h = x @ P["head_transform"]["w"]
-        x = norm(cfg, P["head_transform"]["norm"], ACT[cfg.activation](h + P["head_transform"]["b"]
+        x = norm(cfg, P["head_transform"]["norm"], ACT[cfg.ffn.activation](h + P["head_transform"]["b"]
                                                                        if cfg.use_bias else h))
     if cfg.tie_embeddings:
         logits = x @ P["embed"]["embedding"].T
     else:
         logits = x @ P["head"]["kernel"]
-    if cfg.head_bias:                             # BERT's cls.predictions.bias, Marian's final_logits_bias
+    if cfg.hf_options.head_bias:                             # BERT's cls.predictions.bias, Marian's final_logits_bias
         logits = logits + P["logits_bias"]
     if cfg.logits_softcap is not None:
         logits = cfg.logits_softcap * np.tanh(logits / cfg.logits_softcap)

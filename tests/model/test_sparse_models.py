@@ -21,8 +21,8 @@ T = 200
 ATOL, RTOL = 2e-5, 1e-4
 
 # Every pattern at once in a decoder: causal band, a global position, per-head random blocks, GQA, RoPE.
-DECODER = dict(attention_window=(24, 0), global_tokens=(3,),
-               random_blocks=dict(num_blocks=1, block_size=16, seed=7, per_head=True))
+DECODER = dict(sparsity=dict(window=(24, 0), global_tokens=(3,),
+                             random_blocks=dict(num_blocks=1, block_size=16, seed=7, per_head=True)))
 
 
 def _config(name: str, **overrides) -> ModelConfig:
@@ -74,12 +74,12 @@ def test_one_layer_output_sees_only_window_globals_and_random_blocks(name):
     cfg = _config(name, n_layers=1, attention_impl="sparse")
     gd, st = random_model(cfg, seed=3)
     i = 150
-    left, right = cfg.attention_window
+    left, right = cfg.sparsity.window
     allowed = np.asarray(cfg.self_attention_mask(causal=False).dense(T, T))[0, i]
     band = (np.arange(T) >= i - left) & (np.arange(T) <= i + right)
     far = [j for j in range(1, T) if not allowed[j]]  # outside window, not global, not random
     rand = [j for j in range(1, T) if allowed[j] and not band[j]]  # only via a random block
-    assert far and bool(rand) == (cfg.random_blocks is not None)
+    assert far and bool(rand) == (cfg.sparsity.random_blocks is not None)
 
     base = np.asarray(tokens(5, (T,), vocab=cfg.vocab_size))
 
@@ -112,19 +112,25 @@ def test_presets_listed_and_random_blocks_convert():
     assert presets.get("gpt2_tiny").self_attention_mask(causal=True).window is None
 
 
+def sparsity(**kw) -> dict:
+    return dict(sparsity=kw)
+
+
 @pytest.mark.parametrize("kwargs,pattern", [
-    (dict(global_tokens=(0,)), r"global_tokens=\(0,\) needs a bounded attention_window"),
-    (dict(attention_window=(None, None), global_tokens=(0,)), r"global_tokens.*attention_window=\(None, None\)"),
-    (dict(random_blocks=dict(num_blocks=1, block_size=4)), r"random_blocks=.* needs a bounded attention_window"),
-    (dict(attention_window=(-1, 2)), r"attention_window=\(-1, 2\) sides must be >= 0"),
-    (dict(attention_window=(4,)), r"attention_window"),
-    (dict(attention_window=(4, 4), global_tokens=(0, 300), max_seq_len=256), r"global_tokens.*\[300\] outside"),
-    (dict(attention_window=(4, 4), global_tokens=(-1,)), r"global_tokens.*\[-1\] outside"),
-    (dict(attention_window=(4, 4), global_tokens=(2, 2)), r"global_tokens=\(2, 2\) has repeated"),
-    (dict(attention_window=(4, 4), random_blocks=dict(num_blocks=-1, block_size=4)), r"num_blocks"),
-    (dict(attention_window=(4, 4), random_blocks=dict(num_blocks=1, block_size=0)), r"block_size"),
-    (dict(attention_window=(4, 4), random_blocks=dict(num_blocks=1, block_size=4, seed=-2)), r"seed"),
-    (dict(attention_window=(4, 4), random_blocks=dict(num_blocks=1, block_size=4, heads=2)), r"heads"),
+    (sparsity(global_tokens=(0,)), r"sparsity\n.*global_tokens=\(0,\) needs a bounded window"),
+    (sparsity(window=(None, None), global_tokens=(0,)), r"global_tokens.*window=\(None, None\)"),
+    (sparsity(random_blocks=dict(num_blocks=1, block_size=4)), r"random_blocks=.* needs a bounded window"),
+    (sparsity(window=(-1, 2)), r"window=\(-1, 2\) sides must be >= 0"),
+    (sparsity(window=(4,)), r"sparsity.window"),
+    (dict(**sparsity(window=(4, 4), global_tokens=(0, 300)), max_seq_len=256),
+     r"sparsity.global_tokens.*\[300\] outside"),
+    (sparsity(window=(4, 4), global_tokens=(-1,)), r"global_tokens.*\[-1\] outside"),
+    (sparsity(window=(4, 4), global_tokens=(2, 2)), r"global_tokens=\(2, 2\) has repeated"),
+    (sparsity(window=(4, 4), random_blocks=dict(num_blocks=-1, block_size=4)), r"num_blocks"),
+    (sparsity(window=(4, 4), random_blocks=dict(num_blocks=1, block_size=0)), r"block_size"),
+    (sparsity(window=(4, 4), random_blocks=dict(num_blocks=1, block_size=4, seed=-2)), r"seed"),
+    (sparsity(window=(4, 4), random_blocks=dict(num_blocks=1, block_size=4, heads=2)), r"heads"),
+    (dict(global_tokens=(0,)), r"global_tokens=\(0,\) needs a bounded window"),  # flat keys, migrated
 ])
 def test_sparse_config_rejects(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -136,5 +142,5 @@ def test_kv_cache_refuses_global_tokens_and_random_blocks():
     gd, st = random_model(cfg, seed=0)
     toks = tokens(0, (2, 4), vocab=cfg.vocab_size)
     pos = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 4))
-    with pytest.raises(ValueError, match=r"KV cache takes no global_tokens=\(3,\).*cache owns the mask"):
+    with pytest.raises(ValueError, match=r"KV cache takes no sparsity.global_tokens=\(3,\).*cache owns the mask"):
         apply(gd, st, toks, positions=pos, cache=[object()] * cfg.n_layers)

@@ -237,8 +237,7 @@ def test_deepnorm_constants_and_init():
 @pytest.mark.parametrize("sharing", ["qk", "qkv"])
 def test_shared_projections_and_logit_scale_through_the_kv_cache(sharing, japply):
     """Shared W_q/W_k(/W_v) and attn_scale reach the cached path too: chunks equal the full forward."""
-    cfg = ModelConfig(**{**presets.get("llama_tiny").model_dump(), "n_kv_heads": None, "qkv_sharing": sharing,
-                         "attn_scale": 0.5})
+    cfg = presets.get("llama_tiny", n_kv_heads=None, qkv_sharing=sharing, attn_scale=0.5)
     gd, st = init(cfg, key(3))
     attn = nnx.to_pure_dict(st)["decoder"]["blocks"][0]["self_attn"]
     assert "w_k" not in attn and ("w_v" in attn) == (sharing == "qk")
@@ -299,7 +298,7 @@ def test_token_types_errors():
     bert = nnx.eval_shape(lambda: Transformer(ModelConfig(**BERT_TINY)))
     gpt = nnx.eval_shape(lambda: Transformer(presets.get("gpt2_tiny")))
     t = jax.ShapeDtypeStruct((2, 5), "int32")
-    with pytest.raises(ValueError, match=r"token_types given to a model with config.type_vocab_size=0"):
+    with pytest.raises(ValueError, match=r"token_types given to a model with config.hf_options.type_vocab_size=0"):
         nnx.eval_shape(lambda m, t, y: m(t, token_types=y), gpt, t, t)
     with pytest.raises(ValueError, match=r"token_types.shape=\(2, 4\) must be \[B, T\] for tokens.shape=\(2, 5\)"):
         nnx.eval_shape(lambda m, t, y: m(t, token_types=y), bert, t, jax.ShapeDtypeStruct((2, 4), "int32"))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.nn.builders import attention, gated_mlp, mlp
 from jaxformer.nn import Attention, GatedMLP
 from jaxformer.nn.lora import LoRA, LoRASpec, lora_delta, lora_scale
 from tests.nn.test_modules import ATOL, RTOL, run
@@ -53,7 +54,7 @@ def test_init_is_peft_kaiming_uniform_for_a_and_zero_for_b():
 
 
 def _attention(lora, seed):
-    return randomised(Attention(D, N, K, H, position="rope", use_bias=True, lora=lora, rngs=nnx.Rngs(0)), seed)
+    return randomised(attention(D, N, K, H, position="rope", use_bias=True, lora=lora, rngs=nnx.Rngs(0)), seed)
 
 
 @pytest.mark.parametrize("rslora", [False, True])
@@ -75,7 +76,7 @@ def test_attention_projections_add_the_scaled_low_rank_update(rslora):
                                                                     p["w_o_lora.b"])
     np.testing.assert_allclose(attn.w_o_lora(jnp.asarray(o, jnp.float32)) + np.einsum("btnh,nhd->btd", o, p["w_o"]),
                                o_ref, rtol=RTOL, atol=ATOL)
-    merged = Attention(D, N, K, H, position="rope", use_bias=True, rngs=nnx.Rngs(0))
+    merged = attention(D, N, K, H, position="rope", use_bias=True, rngs=nnx.Rngs(0))
     for name in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o"):
         value = getattr(attn, name)[...]
         lora = getattr(attn, name + "_lora", None)
@@ -87,7 +88,7 @@ def test_attention_projections_add_the_scaled_low_rank_update(rslora):
 
 def test_gated_mlp_adapters_and_their_gradients_follow_the_chain_rule_through_the_merged_kernel():
     spec = LoRASpec(frozenset({"w_gate", "w_up", "w_down"}), R, 8.0)
-    mlp = randomised(GatedMLP(D, F, "swiglu", lora=spec, rngs=nnx.Rngs(0)), seed=4)
+    mlp = randomised(gated_mlp(D, F, "swiglu", lora=spec, rngs=nnx.Rngs(0)), seed=4)
     p = np_params(mlp)
     x = np.random.default_rng(5).standard_normal((3, D))
     s = spec.scale
@@ -105,7 +106,7 @@ def test_gated_mlp_adapters_and_their_gradients_follow_the_chain_rule_through_th
     assert sorted(got) == [f"{w}_lora.{ab}" for w in ("w_down", "w_gate", "w_up") for ab in ("a", "b")]
     # the chain rule through the merged kernel W' = W + s A B (a plain GatedMLP, no adapter code):
     # dL/dA = s G B^T and dL/dB = s A^T G, with G = dL/dW' of the merged module
-    merged = GatedMLP(D, F, "swiglu", rngs=nnx.Rngs(0))
+    merged = gated_mlp(D, F, "swiglu", rngs=nnx.Rngs(0))
     for w in ("w_gate", "w_up", "w_down"):
         getattr(merged, w)[...] = jnp.asarray(p[w] + s * p[w + "_lora.a"] @ p[w + "_lora.b"], jnp.float32)
     mg, mstate = nnx.split(merged)
@@ -121,8 +122,8 @@ def test_gated_mlp_adapters_and_their_gradients_follow_the_chain_rule_through_th
 
 def test_a_zero_b_leaves_the_projection_exactly_as_it_was():
     spec = LoRASpec(frozenset({"w_q", "w_k", "w_v", "w_o"}), R, 16.0)
-    plain = randomised(Attention(D, N, K, H, position="rope", rngs=nnx.Rngs(0)), seed=6)
-    adapted = Attention(D, N, K, H, position="rope", lora=spec, rngs=nnx.Rngs(1))  # B = 0 as initialised
+    plain = randomised(attention(D, N, K, H, position="rope", rngs=nnx.Rngs(0)), seed=6)
+    adapted = attention(D, N, K, H, position="rope", lora=spec, rngs=nnx.Rngs(1))  # B = 0 as initialised
     for name in ("w_q", "w_k", "w_v", "w_o"):
         getattr(adapted, name)[...] = getattr(plain, name)[...]
     x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 6, D)), jnp.float32)
@@ -146,6 +147,6 @@ def test_dropout_acts_only_when_not_deterministic_and_keeps_the_mean():
 
 def test_targets_a_module_lacks_are_refused():
     with pytest.raises(ValueError, match=r"LoRA targets \['w_k'\]: share='qk'"):
-        Attention(D, N, position="rope", share="qk", lora=LoRASpec(frozenset({"w_k"}), R, 1.0), rngs=nnx.Rngs(0))
+        attention(D, N, position="rope", share="qk", lora=LoRASpec(frozenset({"w_k"}), R, 1.0), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"LoRA targets \['w_in'\]: a GatedMLP has only"):
-        GatedMLP(D, F, "swiglu", lora=LoRASpec(frozenset({"w_in"}), R, 1.0), rngs=nnx.Rngs(0))
+        gated_mlp(D, F, "swiglu", lora=LoRASpec(frozenset({"w_in"}), R, 1.0), rngs=nnx.Rngs(0))

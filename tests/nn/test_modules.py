@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.nn.builders import attention, gated_mlp, mlp
 from jaxformer.nn import (
     LOGICAL_AXES, Attention, Block, Embed, GatedMLP, HeadTransform, LayerNorm, LearnedPositions, LMHead, MLP,
     Residual, RMSNorm, make_mlp, param,
@@ -90,7 +91,7 @@ def ref_attention(xp, p, x, ctx=None, *, position="none", causal=False, softcap=
 ])
 def test_attention_matches_reference_forward_and_grad(position, N, K, causal, bias, softcap, qkv_bias):
     D, H, B, T = 16, 4, 2, 5
-    m = build(lambda: Attention(D, N, K, H, position=position, use_bias=bias, qkv_bias=qkv_bias, softcap=softcap,
+    m = build(lambda: attention(D, N, K, H, position=position, use_bias=bias, qkv_bias=qkv_bias, softcap=softcap,
                                 impl="xla", rngs=nnx.Rngs(0)), 1)
     has_qkv = bias if qkv_bias is None else qkv_bias
     assert {n for n in ("b_q", "b_k", "b_v", "b_o") if getattr(m, n) is not None} == (
@@ -125,7 +126,7 @@ def test_attention_matches_reference_forward_and_grad(position, N, K, causal, bi
 @pytest.mark.parametrize("qkv_bias", [None, True])
 def test_cross_attention_matches_reference(qkv_bias):
     D, Dkv, N, K, H, B, T, S = 16, 12, 4, 2, 4, 2, 3, 7
-    m = build(lambda: Attention(D, N, K, H, kv_dim=Dkv, impl="xla", qkv_bias=qkv_bias, rngs=nnx.Rngs(0)), 4)
+    m = build(lambda: attention(D, N, K, H, kv_dim=Dkv, impl="xla", qkv_bias=qkv_bias, rngs=nnx.Rngs(0)), 4)
     assert (m.b_k is not None) == bool(qkv_bias) and m.b_o is None
     x = jax.random.normal(jax.random.key(5), (B, T, D))
     ctx = jax.random.normal(jax.random.key(6), (B, S, Dkv))
@@ -137,8 +138,8 @@ def test_gqa_with_k_equal_n_is_mha_and_gqa_equals_mha_with_repeated_kv_weights()
     """A GQA layer equals an MHA layer whose W_k, W_v repeat each kv head for its G query heads."""
     D, N, K, H = 16, 4, 2, 4
     x = jax.random.normal(jax.random.key(7), (2, 6, D))
-    gqa = build(lambda: Attention(D, N, K, H, position="rope", impl="xla", rngs=nnx.Rngs(0)), 8)
-    mha = build(lambda: Attention(D, N, N, H, position="rope", impl="xla", rngs=nnx.Rngs(1)), 0)
+    gqa = build(lambda: attention(D, N, K, H, position="rope", impl="xla", rngs=nnx.Rngs(0)), 8)
+    mha = build(lambda: attention(D, N, N, H, position="rope", impl="xla", rngs=nnx.Rngs(1)), 0)
     mha.w_q[...] = gqa.w_q[...]
     mha.w_o[...] = gqa.w_o[...]
     mha.w_k[...] = jnp.repeat(gqa.w_k[...], N // K, axis=1)
@@ -153,13 +154,13 @@ def test_gqa_with_k_equal_n_is_mha_and_gqa_equals_mha_with_repeated_kv_weights()
 
 @pytest.mark.no_typecheck
 def test_attention_bad_input():
-    with pytest.raises(ValueError, match="heads 6 not divisible by kv heads 4"):
-        Attention(24, 6, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="n_heads=6 not divisible by n_kv_heads=4"):
+        attention(24, 6, 4, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="d_model 10 not divisible by heads 4"):
-        Attention(10, 4, rngs=nnx.Rngs(0))
+        attention(10, 4, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="even head dim.*head_dim=3"):
-        Attention(12, 4, position="rope", rngs=nnx.Rngs(0))
-    m = nnx.eval_shape(lambda: Attention(8, 2, rngs=nnx.Rngs(0)))
+        attention(12, 4, position="rope", rngs=nnx.Rngs(0))
+    m = nnx.eval_shape(lambda: attention(8, 2, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"x \[B, T, D\].*\(3, 8\)"):
         m(jnp.ones((3, 8)))
 
@@ -178,7 +179,7 @@ def _np_act(name, x):
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu", "swiglu", "geglu"])
 def test_mlp_matches_reference(activation):
     D, F = 8, 12
-    m = build(lambda: make_mlp(D, F, activation, use_bias=True, rngs=nnx.Rngs(0)), 9, std=0.5)
+    m = build(lambda: mlp(D, F, activation, use_bias=True, rngs=nnx.Rngs(0)), 9, std=0.5)
     x = jax.random.normal(jax.random.key(10), (2, 3, D))
     p, xn = params_np(m), np.asarray(x, np.float64)
     if activation in ("swiglu", "geglu"):
@@ -304,9 +305,9 @@ def _tiny_block(D=8, cross=False, seed=0):
     r = nnx.Rngs(seed)
     kw = dict(impl="xla", use_bias=True, rngs=r)
     return Block(
-        Attention(D, 2, 1, position="rope", **kw), Residual(RMSNorm(D, rngs=r)),
-        make_mlp(D, 16, "swiglu", rngs=r), Residual(RMSNorm(D, rngs=r)),
-        cross_attn=Attention(D, 2, **kw) if cross else None,
+        attention(D, 2, 1, position="rope", **kw), Residual(RMSNorm(D, rngs=r)),
+        mlp(D, 16, "swiglu", rngs=r), Residual(RMSNorm(D, rngs=r)),
+        cross_attn=attention(D, 2, **kw) if cross else None,
         cross_residual=Residual(RMSNorm(D, rngs=r)) if cross else None,
     )
 
@@ -363,7 +364,7 @@ def test_logical_axes_on_every_param():
     def make():
         r = nnx.Rngs(0)
         return [_tiny_block(8, cross=True), Embed(5, 8, rngs=r), LMHead(8, 5, rngs=r),
-                LearnedPositions(4, 8, rngs=r), LayerNorm(8, rngs=r), make_mlp(8, 16, "gelu", rngs=r),
+                LearnedPositions(4, 8, rngs=r), LayerNorm(8, rngs=r), mlp(8, 16, "gelu", rngs=r),
                 HeadTransform(8, "gelu", rngs=r)]
 
     mods = nnx.eval_shape(make)

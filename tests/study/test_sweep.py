@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxformer.cli import main
+from jaxformer.model.config import get_key
 from jaxformer.train import config as C
 from jaxformer.study.sweep import POINT_FILE, load_sweep, parse_shard, point_name, run_sweep, shard_points
 from tests.train.helpers import make_corpus, tiny_raw, write_config
@@ -52,8 +53,12 @@ def test_grid_is_the_product_of_axes_zip_groups_and_seeds(tmp_path):
     assert names[0] == "position-rope_norm-layernorm_n_heads-1_head_dim-16_seed-3"
     for p in sweep.points:
         m = p.config.model
-        assert (m.position, m.norm, m.n_heads, m.head_dim) == tuple(p.values[k] for k in sweep.spec.varied)
-        assert (m.n_heads, m.head_dim) in ((1, 16), (4, 8))  # zipped, never crossed
+        # flat axis keys of before the sections land in their sections; the point names keep them
+        assert (m.positions.kind, m.norm.kind, m.attention.n_heads, m.attention.head_dim) == tuple(
+            p.values[k] for k in sweep.spec.varied)
+        assert tuple(get_key(m, k.removeprefix("model.")) for k in sweep.spec.varied) == tuple(
+            p.values[k] for k in sweep.spec.varied)
+        assert (m.attention.n_heads, m.attention.head_dim) in ((1, 16), (4, 8))  # zipped, never crossed
         assert p.config.seed == p.seed and p.config.steps == 7 and m.n_layers == 1
         assert p.config.optimizer.lr == 0.01 and p.config.optimizer.b2 == 0.95  # nested override merges
     assert {p.seed for p in sweep.points} == {3, 5}
@@ -86,7 +91,7 @@ def test_bad_shard_is_refused(text):
     ({"zip": [{"model.n_heads": [1, 2], "model.head_dim": [8]}]}, r"sweep\.yaml: zip: .*one common"),
     ({"axes": {"model.norm": ["rmsnorm"]}, "report": {"x": "model.position"}}, r"report.x='model.position'"),
     ({"axes": {"model.position": ["rope", "spiral"]}},
-     r"sweep\.yaml \(point position-spiral_seed-0\): model.position: Input should be"),
+     r"sweep\.yaml \(point position-spiral_seed-0\): model.positions.kind: Input should be"),
     ({"axes": {"model.n_layerz": [1]}}, r"sweep\.yaml \(point n_layerz-1_seed-0\): model.n_layerz: unknown key"),
     ({"eval_lengths": [1, 64]}, r"sweep\.yaml: eval_lengths: .*>= 2"),
     ({"axes": {"seed": [1, 2]}}, r"`seeds:`"),

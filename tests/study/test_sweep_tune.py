@@ -21,8 +21,8 @@ BEST = {"rope": 3e-3, "alibi": 1e-2}  # the learning rate each arm does best at,
 
 def fake_metric(cfg: C.ExperimentConfig) -> float:
     """A made-up val_bpb: lowest at the arm's BEST rate, plus a per-seed offset shared by the arms."""
-    return 1.0 + abs(math.log(cfg.optimizer.lr / BEST[cfg.model.position])) + 0.01 * cfg.seed + (
-        0.05 if cfg.model.position == "alibi" else 0.0)
+    return 1.0 + abs(math.log(cfg.optimizer.lr / BEST[cfg.model.positions.kind])) + 0.01 * cfg.seed + (
+        0.05 if cfg.model.positions.kind == "alibi" else 0.0)
 
 
 @pytest.fixture

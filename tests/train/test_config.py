@@ -23,7 +23,7 @@ def test_preset_plus_overrides_resolves_to_model_config(tmp_path):
     want = presets.get("llama_tiny", n_layers=4)
     assert isinstance(cfg.model, ModelConfig)
     assert cfg.model == want
-    assert cfg.model.n_layers == 4 and cfg.model.n_kv_heads == want.n_kv_heads
+    assert cfg.model.n_layers == 4 and cfg.model.attention.n_kv_heads == want.attention.n_kv_heads
 
 
 def test_full_model_fields_without_preset(tmp_path):

@@ -136,7 +136,7 @@ def test_a_batch_training_refuses_info_refuses_with_the_same_message(tmp_path, t
 def test_preset_overrides_address_the_experiment_or_the_model():
     cfg = preset_config("llama_tiny", ["n_layers=3", "model.n_heads=2", "max_seq_len=64", "mesh.fsdp=2",
                                        "optimizer.name=muon", "optimizer.grad_accum=2"], 4)
-    assert (cfg.model.n_layers, cfg.model.n_heads, cfg.model.max_seq_len) == (3, 2, 64)
+    assert (cfg.model.n_layers, cfg.model.attention.n_heads, cfg.model.max_seq_len) == (3, 2, 64)
     assert cfg.mesh.fsdp == 2 and cfg.optimizer.name == "muon"
     assert cfg.seq_len == 64 and cfg.batch_size == 2 * 2 * 2  # min(max_seq_len, 2048); data*fsdp*grad_accum
     assert preset_config("llama_7b").seq_len == 2048 and preset_config("llama_7b", ["seq_len=512"]).seq_len == 512

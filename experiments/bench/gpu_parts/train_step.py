@@ -29,6 +29,7 @@ def part_d(p: Part) -> None:
 
     try:
         from jaxformer.model import ModelConfig, abstract_init, count_params, flops_per_token, init, presets
+        from jaxformer.model.config import merge
         from jaxformer.model.functional import apply
         from jaxformer.ops.losses import cross_entropy
     except Exception as e:  # noqa: BLE001 -- e.g. a flax too old for jaxformer
@@ -39,7 +40,7 @@ def part_d(p: Part) -> None:
     base = presets.gpt2_small().model_dump()
     if p.dry:
         B, T, steps = 2, 16, 2
-        base.update(d_model=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=T)
+        base = merge(base, dict(d_model=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=T))
     else:
         B, T, steps = 16, 1024, 10
     device = jax.devices()[0]
@@ -69,8 +70,8 @@ def part_d(p: Part) -> None:
     for impl in ("pallas", "xla"):
         if not p.room(impl):
             continue
-        cfg = ModelConfig(**{**base, "compute_dtype": "bfloat16", "param_dtype": "float32", "attention_impl": impl,
-                             "scan_layers": True})
+        cfg = ModelConfig(**merge(base, {"compute_dtype": "bfloat16", "param_dtype": "float32", "attention_impl": impl,
+                                         "scan_layers": True}))
         trace = p.tracing  # a dry run traces the step (a CPU compile of it would cost more than the rest of the part)
         try:
             def run():
