@@ -89,7 +89,14 @@ class GenerateOptions:
 
 
 def add_generate_options(a) -> None:
-    """The :class:`GenerateOptions` of a parser's ``add_argument`` ``a`` but ``window`` and ``chunk_size``."""
+    """``jaxformer generate``'s prompt and output arguments and the :class:`GenerateOptions` (all but
+    ``chunk_size``) on a parser's ``add_argument`` ``a``."""
+    a("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    a("--prompts-file", help='one request per line: text, or JSON {"prompt": ..., "temperature": ...}; writes '
+      "one JSON line per request")
+    a("--output", help="JSON lines output path (default: stdout)")
+    a("--window", type=int, help="sliding KV window W <= the model's context (RoPE/ALiBi models): generate past "
+      "the context, each new token seeing the last W positions")
     a("--max-new-tokens", type=int, default=200)
     a("--temperature", type=float, default=0.8)
     a("--top-k", type=int)

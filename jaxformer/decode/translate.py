@@ -252,3 +252,15 @@ def translate(model, src_tokens, src_lengths=None, *, num_beams: int = 1, **kw) 
     if num_beams > 1:
         return beam_translate(model, src_tokens, src_lengths, num_beams=num_beams, **kw)
     return greedy_translate(model, src_tokens, src_lengths, **kw)
+
+
+def add_translate_options(a) -> None:
+    """``jaxformer translate``'s arguments on a parser's ``add_argument`` ``a``."""
+    a("--hf", metavar="DIR", required=True, help="the checkpoint directory (config.json, model.safetensors, "
+      "source.spm / target.spm / vocab.json)")
+    a("--text", action="append", default=[], help="a source sentence (repeatable); one translation per line is "
+      "printed, in order")
+    a("--beams", type=int, help="beam search with N beams; 1: greedy (default: the checkpoint's "
+      "generation_config.json num_beams, else greedy)")
+    a("--max-new-tokens", type=int, help="default: the checkpoint's max_length - 1, at most the model's context - 1")
+    a("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))

@@ -17,10 +17,10 @@ HF names (``BertForMaskedLM``; ``{i}`` the layer)::
     cls.predictions.bias                                    [V]
     cls.predictions.decoder.{weight,bias}                   [V, D], [V]   (untied only)
 
-jaxformer: ``kind="encoder"``, ``norm_position="post"`` (no final norm), ``embed_norm``
-(``LayerNorm(word + token_type + position)``), ``position="learned"`` (``max_seq_len =
-max_position_embeddings``), ``use_bias``, ``type_vocab_size``, ``head_transform`` (dense + act +
-LayerNorm) and ``head_bias``; ``layer_norm_eps`` is ``norm_eps`` everywhere; ``hidden_act`` is the
+jaxformer: ``kind="encoder"``, ``norm.placement="post"`` (no final norm), ``norm.embed``
+(``LayerNorm(word + token_type + position)``), ``positions.kind="learned"`` (``max_seq_len =
+max_position_embeddings``), ``use_bias``, ``hf_options`` ``type_vocab_size``, ``head_transform`` (dense + act +
+LayerNorm) and ``head_bias``; ``layer_norm_eps`` is ``norm.eps`` everywhere; ``hidden_act`` is the
 MLP's and the head transform's activation (``"gelu"`` is the exact, erf GELU). Padding: HF's
 ``attention_mask`` is right padding, i.e. ``lengths = attention_mask.sum(-1)``;
 ``token_type_ids`` are ``token_types``.
@@ -38,7 +38,7 @@ Checkpoints:
   NSP head (``cls.seq_relationship.*``) and the pooler (``bert.pooler.*``) are not modelled and are
   skipped, as are the ``position_ids`` / ``token_type_ids`` buffers older versions saved.
 * ``BertModel`` (``architectures: ["BertModel"]``, names without ``bert.``, no ``cls.*``): the encoder
-  alone, as a config with ``head_transform=False, head_bias=False`` and a tied head: ``model.encode``
+  alone, as a config with ``hf_options.head_transform=False, head_bias=False`` and a tied head: ``model.encode``
   gives transformers' ``last_hidden_state`` exactly; ``model(...)``'s logits (hidden states times
   the word embedding) are no head transformers has. ``pooler.*`` (the pooled [CLS] output) is not
   modelled and skipped. Saving such a config writes a ``BertModel`` (transformers then initialises
@@ -122,28 +122,30 @@ class BertFamily(Family):
                                                  "output layer to untie")
         return ModelConfig(
             kind="encoder", vocab_size=r.need("vocab_size", int), d_model=D, n_layers=r.need("num_hidden_layers", int),
-            n_heads=N, d_ff=r.need("intermediate_size", int), activation=activation_from_hf(r, "hidden_act", "gelu"),
-            norm="layernorm", norm_position="post", norm_eps=float(r.get("layer_norm_eps", 1e-12)),
-            embed_norm=True, position="learned", max_seq_len=r.get("max_position_embeddings", 512, types=int),
-            type_vocab_size=types, use_bias=True, tie_embeddings=tie, head_transform=head, head_bias=head,
+            max_seq_len=r.get("max_position_embeddings", 512, types=int),
+            attention=dict(n_heads=N), positions=dict(kind="learned"),
+            ffn=dict(activation=activation_from_hf(r, "hidden_act", "gelu"), d_ff=r.need("intermediate_size", int)),
+            norm=dict(kind="layernorm", placement="post", eps=float(r.get("layer_norm_eps", 1e-12)), embed=True),
+            hf_options=dict(type_vocab_size=types, head_transform=head, head_bias=head),
+            use_bias=True, tie_embeddings=tie,
         )
 
     def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
         c = config
         problems = []
         if (c.kind, c.positions.kind, c.norm.kind, c.norm.placement) != ("encoder", "learned", "layernorm", "post"):
-            problems.append(f"kind={c.kind!r}, position={c.positions.kind!r}, norm={c.norm.kind!r}, norm_position="
+            problems.append(f"kind={c.kind!r}, positions.kind={c.positions.kind!r}, norm.kind={c.norm.kind!r}, norm.placement="
                             f"{c.norm.placement!r} (needs encoder, learned, layernorm, post)")
         if not c.norm.embed or not c.use_bias or not c.resolved_qkv_bias or c.norm.resolved_final:
-            problems.append(f"embed_norm={c.norm.embed}, use_bias={c.use_bias}, qkv_bias={c.attention.qkv_bias}, "
-                            f"final_norm={c.norm.final} (needs embed_norm, biases everywhere, no final norm)")
+            problems.append(f"norm.embed={c.norm.embed}, use_bias={c.use_bias}, attention.qkv_bias={c.attention.qkv_bias}, "
+                            f"norm.final={c.norm.final} (needs norm.embed, biases everywhere, no final norm)")
         if c.ffn.activation not in ACTIVATIONS_TO_HF:
-            problems.append(f"activation={c.ffn.activation!r} (supported: {sorted(ACTIVATIONS_TO_HF)})")
+            problems.append(f"ffn.activation={c.ffn.activation!r} (supported: {sorted(ACTIVATIONS_TO_HF)})")
         if c.resolved_kv_heads != c.attention.n_heads or c.resolved_head_dim * c.attention.n_heads != c.d_model:
-            problems.append(f"n_kv_heads={c.attention.n_kv_heads}, head_dim={c.attention.head_dim} (needs n_kv_heads = n_heads, "
+            problems.append(f"attention.n_kv_heads={c.attention.n_kv_heads}, attention.head_dim={c.attention.head_dim} (needs n_kv_heads = n_heads, "
                             "head_dim = d_model / n_heads)")
         if c.hf_options.type_vocab_size < 1:
-            problems.append("type_vocab_size=0 (BERT always has a token-type table: use 1)")
+            problems.append("hf_options.type_vocab_size=0 (BERT always has a token-type table: use 1)")
         if c.hf_options.head_transform and c.hf_options.head_bias:
             arch = MLM_ARCHS[0]
         elif not c.hf_options.head_transform and not c.hf_options.head_bias and c.tie_embeddings:

@@ -89,32 +89,33 @@ class BloomFamily(Family):
             raise r.error("apply_residual_connection_post_layernorm",
                           "True is not supported (the residual path would carry the normed hidden states)")
         return ModelConfig(
-            kind="decoder", vocab_size=r.get("vocab_size", 250880, types=int), d_model=D, n_layers=L, n_heads=N,
-            d_ff=4 * D, activation="gelu_tanh", norm="layernorm", norm_position="pre",
-            norm_eps=float(r.get("layer_norm_epsilon", 1e-5)), embed_norm=True, position="alibi",
-            max_seq_len=MAX_SEQ_LEN, tie_embeddings=bool(r.get("tie_word_embeddings", True)), use_bias=True,
+            kind="decoder", vocab_size=r.get("vocab_size", 250880, types=int), d_model=D, n_layers=L,
+            max_seq_len=MAX_SEQ_LEN, attention=dict(n_heads=N), positions=dict(kind="alibi"),
+            ffn=dict(activation="gelu_tanh", d_ff=4 * D),
+            norm=dict(kind="layernorm", placement="pre", eps=float(r.get("layer_norm_epsilon", 1e-5)), embed=True),
+            tie_embeddings=bool(r.get("tie_word_embeddings", True)), use_bias=True,
         )
 
     def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
         c = config
         problems = []
         if c.kind != "decoder" or c.positions.kind != "alibi" or c.norm.kind != "layernorm" or c.norm.placement != "pre":
-            problems.append(f"kind={c.kind!r}, position={c.positions.kind!r}, norm={c.norm.kind!r}, "
-                            f"norm_position={c.norm.placement!r} (needs decoder, alibi, layernorm, pre)")
+            problems.append(f"kind={c.kind!r}, positions.kind={c.positions.kind!r}, norm.kind={c.norm.kind!r}, "
+                            f"norm.placement={c.norm.placement!r} (needs decoder, alibi, layernorm, pre)")
         if c.ffn.activation != "gelu_tanh" or c.resolved_d_ff != 4 * c.d_model:
-            problems.append(f"activation={c.ffn.activation!r}, d_ff={c.resolved_d_ff} (needs gelu_tanh, 4 * d_model)")
+            problems.append(f"ffn.activation={c.ffn.activation!r}, ffn.d_ff={c.resolved_d_ff} (needs gelu_tanh, 4 * d_model)")
         if not c.norm.embed:
-            problems.append("embed_norm=False (BLOOM norms the embedding)")
+            problems.append("norm.embed=False (BLOOM norms the embedding)")
         if not c.use_bias or c.resolved_qkv_bias is not True:
-            problems.append(f"use_bias={c.use_bias}, qkv_bias={c.attention.qkv_bias} (BLOOM has every bias)")
+            problems.append(f"use_bias={c.use_bias}, attention.qkv_bias={c.attention.qkv_bias} (BLOOM has every bias)")
         if c.resolved_kv_heads != c.attention.n_heads or c.resolved_head_dim * c.attention.n_heads != c.d_model:
-            problems.append(f"n_kv_heads={c.attention.n_kv_heads}, head_dim={c.attention.head_dim} (needs MHA with head_dim = D / N)")
+            problems.append(f"attention.n_kv_heads={c.attention.n_kv_heads}, attention.head_dim={c.attention.head_dim} (needs MHA with head_dim = D / N)")
         for field in ("norm.sandwich", "scale_embeddings", "attention.softcap", "attention.scale", "logits_softcap",
                       "hf_options.head_transform", "hf_options.head_bias", "sparsity.window"):
             if get_key(c, field) not in (None, False):
                 problems.append(f"{field}={get_key(c, field)!r}")
         if c.attention.qkv_sharing != "none" or c.hf_options.type_vocab_size or not c.residual or not c.norm.resolved_final:
-            problems.append("qkv_sharing / type_vocab_size / residual=False / final_norm=False")
+            problems.append("attention.qkv_sharing / hf_options.type_vocab_size / residual=False / norm.final=False")
         if problems:
             raise HFConfigError("not expressible as a bloom config.json: " + "; ".join(problems))
         return dict(

@@ -19,7 +19,7 @@ Conv1D already computes ``x @ W`` (no transpose, unlike ``nn.Linear``). Older ch
 the causal-mask buffers ``h.{i}.attn.bias`` / ``h.{i}.attn.masked_bias``; they are skipped.
 
 Options: ``n_inner`` (None: 4D) is ``d_ff``; ``activation_function`` (``gelu_new`` = ``gelu_tanh``,
-``gelu``, ``relu``, ``silu``); ``scale_attn_weights=False`` is ``attn_scale=1.0``;
+``gelu``, ``relu``, ``silu``); ``scale_attn_weights=False`` is ``attention.scale=1.0``;
 ``reorder_and_upcast_attn`` only changes the precision of the attention scores (accepted).
 Refused: ``scale_attn_by_inverse_layer_idx`` (a per-layer scale), ``add_cross_attention``.
 """
@@ -96,35 +96,35 @@ class GPT2Family(Family):
                                                  "encoder-decoder's decoder)")
         d_ff = r.get("n_inner", types=int)
         return ModelConfig(
-            kind="decoder", vocab_size=r.need("vocab_size", int), d_model=D, n_layers=L, n_heads=N,
-            d_ff=4 * D if d_ff is None else d_ff,
-            activation=activation_from_hf(r, "activation_function", "gelu_new"),
-            norm="layernorm", norm_position="pre", norm_eps=float(r.get("layer_norm_epsilon", 1e-5)),
-            position="learned", max_seq_len=P,
+            kind="decoder", vocab_size=r.need("vocab_size", int), d_model=D, n_layers=L, max_seq_len=P,
+            attention=dict(n_heads=N, scale=None if r.get("scale_attn_weights", True) else 1.0),
+            positions=dict(kind="learned"),
+            ffn=dict(activation=activation_from_hf(r, "activation_function", "gelu_new"),
+                     d_ff=4 * D if d_ff is None else d_ff),
+            norm=dict(kind="layernorm", placement="pre", eps=float(r.get("layer_norm_epsilon", 1e-5))),
             tie_embeddings=bool(r.get("tie_word_embeddings", True)), use_bias=True,
-            attn_scale=None if r.get("scale_attn_weights", True) else 1.0,
         )
 
     def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
         c = config
         problems = []
         if c.kind != "decoder" or c.positions.kind != "learned" or c.norm.kind != "layernorm" or c.norm.placement != "pre":
-            problems.append(f"kind={c.kind!r}, position={c.positions.kind!r}, norm={c.norm.kind!r}, "
-                            f"norm_position={c.norm.placement!r} (needs decoder, learned, layernorm, pre)")
+            problems.append(f"kind={c.kind!r}, positions.kind={c.positions.kind!r}, norm.kind={c.norm.kind!r}, "
+                            f"norm.placement={c.norm.placement!r} (needs decoder, learned, layernorm, pre)")
         if c.ffn.activation not in ACTIVATIONS_TO_HF:
-            problems.append(f"activation={c.ffn.activation!r} (supported: {sorted(ACTIVATIONS_TO_HF)})")
+            problems.append(f"ffn.activation={c.ffn.activation!r} (supported: {sorted(ACTIVATIONS_TO_HF)})")
         if not c.use_bias or c.resolved_qkv_bias is not True:
-            problems.append(f"use_bias={c.use_bias}, qkv_bias={c.attention.qkv_bias} (GPT-2 has every bias)")
+            problems.append(f"use_bias={c.use_bias}, attention.qkv_bias={c.attention.qkv_bias} (GPT-2 has every bias)")
         if c.resolved_kv_heads != c.attention.n_heads or c.resolved_head_dim * c.attention.n_heads != c.d_model:
-            problems.append(f"n_kv_heads={c.attention.n_kv_heads}, head_dim={c.attention.head_dim} (needs MHA with head_dim = D / N)")
+            problems.append(f"attention.n_kv_heads={c.attention.n_kv_heads}, attention.head_dim={c.attention.head_dim} (needs MHA with head_dim = D / N)")
         if c.attention.scale not in (None, 1.0):
-            problems.append(f"attn_scale={c.attention.scale} (only the default 1/sqrt(head_dim), or 1.0)")
+            problems.append(f"attention.scale={c.attention.scale} (only the default 1/sqrt(head_dim), or 1.0)")
         for field in ("norm.sandwich", "norm.embed", "scale_embeddings", "attention.softcap", "logits_softcap",
                       "hf_options.head_transform", "hf_options.head_bias", "sparsity.window", "positions.rope_scaling"):
             if get_key(c, field) not in (None, False):
                 problems.append(f"{field}={get_key(c, field)!r}")
         if c.attention.qkv_sharing != "none" or c.hf_options.type_vocab_size or not c.residual or not c.norm.resolved_final:
-            problems.append("qkv_sharing / type_vocab_size / residual=False / final_norm=False")
+            problems.append("attention.qkv_sharing / hf_options.type_vocab_size / residual=False / norm.final=False")
         if problems:
             raise HFConfigError("not expressible as a gpt2 config.json: " + "; ".join(problems))
         return dict(

@@ -261,7 +261,7 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str = "float32", sharding
       shardings: optional state-shaped tree of ``jax.sharding.Sharding`` (each tensor is
         placed straight onto its devices).
       overrides: ``ModelConfig`` fields to change after the translation that do not touch the
-        weights (e.g. ``attention_impl="blockwise"``, ``remat=True``; ``max_seq_len=4096`` for RoPE,
+        weights (e.g. ``attention=dict(impl="blockwise")``, ``remat=True``; ``max_seq_len=4096`` for RoPE,
         ALiBi or sinusoidal positions: a learned table's size is fixed by its weights, and changing
         it fails the shape check; ``scan_layers=True``: the per-layer tensors are read, then stacked
         into the scanned state by :func:`jaxformer.model.stack_layers`, ``shardings`` then being

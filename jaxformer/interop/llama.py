@@ -14,12 +14,12 @@ HF names (``LlamaForCausalLM``; a bare ``LlamaModel`` lacks the ``model.`` prefi
 
 HF's q/k projections are already in ``rotate_half`` order (their conversion script
 permuted Meta's interleaved weights), which is jaxformer's default RoPE pairing
-(``rope_interleaved=False``), so no permutation is needed here.
+(``positions.rope_interleaved=False``), so no permutation is needed here.
 
 RoPE: ``rope_theta`` / ``rope_scaling`` at the top level (the form most published
 checkpoints carry) or ``rope_parameters`` (what transformers >= 5 writes); types
 ``default``, ``linear`` and ``llama3``. Sliding window ``W`` (each token sees itself
-and the ``W - 1`` before it) becomes ``attention_window = (W - 1, 0)``.
+and the ``W - 1`` before it) becomes ``sparsity.window = (W - 1, 0)``.
 """
 
 from __future__ import annotations
@@ -144,33 +144,33 @@ class LlamaFamily(Family):
             use_bias, qkv_bias = attn_bias, None
         window = window_from_hf(r, model_type, L)
         return ModelConfig(
-            kind="decoder", vocab_size=r.need("vocab_size", int), d_model=D, n_layers=L, n_heads=N,
-            n_kv_heads=r.get("num_key_value_heads", N, types=int), head_dim=r.get("head_dim", types=int),
-            d_ff=r.need("intermediate_size", int),
-            activation=activation_from_hf(r, "hidden_act", "silu", gated=True),
-            norm="rmsnorm", norm_position="pre", norm_eps=float(r.get("rms_norm_eps", 1e-6)),
-            position="rope", rope_base=theta, rope_scaling=scaling,
+            kind="decoder", vocab_size=r.need("vocab_size", int), d_model=D, n_layers=L,
             max_seq_len=r.get("max_position_embeddings", 2048, types=int),
-            tie_embeddings=bool(r.get("tie_word_embeddings", False)),
-            use_bias=use_bias, qkv_bias=qkv_bias,
-            attention_window=None if window is None else (window - 1, 0),
+            attention=dict(n_heads=N, n_kv_heads=r.get("num_key_value_heads", N, types=int),
+                           head_dim=r.get("head_dim", types=int), qkv_bias=qkv_bias),
+            positions=dict(kind="rope", rope_base=theta, rope_scaling=scaling),
+            ffn=dict(activation=activation_from_hf(r, "hidden_act", "silu", gated=True),
+                     d_ff=r.need("intermediate_size", int)),
+            norm=dict(kind="rmsnorm", placement="pre", eps=float(r.get("rms_norm_eps", 1e-6))),
+            sparsity=dict(window=None if window is None else (window - 1, 0)),
+            tie_embeddings=bool(r.get("tie_word_embeddings", False)), use_bias=use_bias,
         )
 
     def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
         c = config
         problems = []
         if c.kind != "decoder" or c.positions.kind != "rope" or c.norm.kind != "rmsnorm" or c.norm.placement != "pre":
-            problems.append(f"kind={c.kind!r}, position={c.positions.kind!r}, norm={c.norm.kind!r}, "
-                            f"norm_position={c.norm.placement!r} (needs decoder, rope, rmsnorm, pre)")
+            problems.append(f"kind={c.kind!r}, positions.kind={c.positions.kind!r}, norm.kind={c.norm.kind!r}, "
+                            f"norm.placement={c.norm.placement!r} (needs decoder, rope, rmsnorm, pre)")
         if c.ffn.activation not in ("swiglu", "geglu"):
-            problems.append(f"activation={c.ffn.activation!r} (needs swiglu, or geglu: hidden_act gelu)")
+            problems.append(f"ffn.activation={c.ffn.activation!r} (needs swiglu, or geglu: hidden_act gelu)")
         if c.positions.rope_interleaved:
-            problems.append("rope_interleaved=True")
+            problems.append("positions.rope_interleaved=True")
         window = None
         if c.sparsity.window is not None:
             left, _ = c.sparsity.window
             if c.sparsity.global_tokens or c.sparsity.random_blocks is not None or left is None:
-                problems.append(f"attention_window={c.sparsity.window} with global/random blocks")
+                problems.append(f"sparsity.window={c.sparsity.window} with global/random blocks")
             else:
                 window = left + 1
         qkv_bias = c.use_bias if c.attention.qkv_bias is None else c.attention.qkv_bias
@@ -181,7 +181,7 @@ class LlamaFamily(Family):
         else:
             model_type = "llama"
         if qkv_bias != c.use_bias and model_type != "qwen2":
-            problems.append(f"qkv_bias={c.attention.qkv_bias} with use_bias={c.use_bias}")
+            problems.append(f"attention.qkv_bias={c.attention.qkv_bias} with use_bias={c.use_bias}")
         if model_type == "mistral" and c.use_bias:
             problems.append("use_bias=True with a sliding window (Mistral has no biases; Qwen2 only q/k/v biases)")
         for field in ("norm.sandwich", "norm.embed", "scale_embeddings", "attention.softcap", "attention.scale",

@@ -21,8 +21,8 @@ table in halves (``sin`` in ``pe[:, :D/2]``, ``cos`` in ``pe[:, D/2:]``, frequen
 ``10000^(-2i/D)``: ``MarianSinusoidalPositionalEmbedding``); post-LN blocks (``x = LN(x + f(x))``,
 LayerNorm eps 1e-5), biases everywhere, no embedding norm and no final norm (MBart has both: not this
 family); attention scaled by ``head_dim^-0.5``; logits ``x @ shared.T + final_logits_bias``. In
-jaxformer: ``kind="encoder_decoder"``, ``norm_position="post"``, ``position="sinusoidal"``,
-``sinusoidal_layout="halves"``, ``use_bias``, ``head_bias``.
+jaxformer: ``kind="encoder_decoder"``, ``norm.placement="post"``, ``positions.kind="sinusoidal"``,
+``positions.sinusoidal_layout="halves"``, ``use_bias``, ``hf_options.head_bias``.
 
 Loading checks what no rule loads but the model relies on: a stored position table must be the
 sinusoid jaxformer computes (a learnt or interleaved table would otherwise be silently replaced), and
@@ -129,24 +129,23 @@ class MarianFamily(Family):
             r.expect(key, [value], default=value)
         D = r.need("d_model", int)
         pairs = {}
-        for ours, enc, dec in (("n_heads", "encoder_attention_heads", "decoder_attention_heads"),
+        for ours, enc, dec in (("heads", "encoder_attention_heads", "decoder_attention_heads"),
                                ("d_ff", "encoder_ffn_dim", "decoder_ffn_dim")):
             a, b = r.need(enc, int), r.need(dec, int)
             if a != b:
                 raise r.error(dec, f"{b} != {enc}={a}: the encoder and decoder must have the same shape")
             pairs[ours] = a
-        if D % pairs["n_heads"] or D % 2:
-            raise r.error("d_model", f"{D} must be even and divisible by the heads ({pairs['n_heads']})")
+        if D % pairs["heads"] or D % 2:
+            raise r.error("d_model", f"{D} must be even and divisible by the heads ({pairs['heads']})")
         return ModelConfig(
             kind="encoder_decoder", vocab_size=V, d_model=D, n_layers=r.need("decoder_layers", int),
-            n_encoder_layers=r.need("encoder_layers", int), **pairs,
-            activation=activation_from_hf(r, "activation_function", "gelu"),
-            norm="layernorm", norm_position="post", norm_eps=LN_EPS,
-            position="sinusoidal", sinusoidal_layout="halves",
+            n_encoder_layers=r.need("encoder_layers", int),
             max_seq_len=r.get("max_position_embeddings", 1024, types=int),
+            attention=dict(n_heads=pairs["heads"]), positions=dict(kind="sinusoidal", sinusoidal_layout="halves"),
+            ffn=dict(activation=activation_from_hf(r, "activation_function", "gelu"), d_ff=pairs["d_ff"]),
+            norm=dict(kind="layernorm", placement="post", eps=LN_EPS), hf_options=dict(head_bias=True),
             scale_embeddings=bool(r.expect("scale_embedding", [True, False], default=False)),
-            tie_embeddings=bool(r.expect("tie_word_embeddings", [True, False], default=True)),
-            use_bias=True, head_bias=True,
+            tie_embeddings=bool(r.expect("tie_word_embeddings", [True, False], default=True)), use_bias=True,
         )
 
     def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
@@ -157,17 +156,17 @@ class MarianFamily(Family):
                 "hf_options.head_bias": True, "norm.eps": LN_EPS}
         problems += [f"{k}={get_key(c, k)!r} (needs {v!r})" for k, v in want.items() if get_key(c, k) != v]
         if c.ffn.activation not in ACTIVATIONS_TO_MARIAN:
-            problems.append(f"activation={c.ffn.activation!r} (needs one of {sorted(ACTIVATIONS_TO_MARIAN)})")
+            problems.append(f"ffn.activation={c.ffn.activation!r} (needs one of {sorted(ACTIVATIONS_TO_MARIAN)})")
         if c.attention.qkv_bias is False:
-            problems.append("qkv_bias=False")
+            problems.append("attention.qkv_bias=False")
         if c.resolved_kv_heads != c.attention.n_heads or c.resolved_head_dim * c.attention.n_heads != c.d_model:
-            problems.append(f"n_kv_heads={c.attention.n_kv_heads}, head_dim={c.attention.head_dim} (needs MHA with head_dim = D / N)")
+            problems.append(f"attention.n_kv_heads={c.attention.n_kv_heads}, attention.head_dim={c.attention.head_dim} (needs MHA with head_dim = D / N)")
         for field in ("norm.sandwich", "norm.embed", "attention.softcap", "attention.scale", "logits_softcap",
                       "hf_options.head_transform", "sparsity.window", "sparsity.random_blocks", "norm.final"):
             if get_key(c, field) not in (None, False):
                 problems.append(f"{field}={get_key(c, field)!r}")
         if c.sparsity.global_tokens or c.attention.qkv_sharing != "none" or c.hf_options.type_vocab_size or not c.residual:
-            problems.append("global_tokens / qkv_sharing / type_vocab_size / residual=False")
+            problems.append("sparsity.global_tokens / attention.qkv_sharing / hf_options.type_vocab_size / residual=False")
         if problems:
             raise HFConfigError("not expressible as a marian config.json: " + "; ".join(problems))
         F = c.resolved_d_ff

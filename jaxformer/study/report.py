@@ -174,3 +174,32 @@ def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str], *, out: Pa
         lines += [""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
 
+
+def add_sweep_options(a) -> None:
+    """``jaxformer sweep``'s arguments on a parser's ``add_argument`` ``a``."""
+    a("sweep_file", help="a sweep YAML, e.g. experiments/studies/positions.yaml")
+    a("--out", help="default: runs/sweeps/<sweep name> (with --quick: <sweep name>-quick)")
+    a("--shard", help="I/N: run points I, I+N, I+2N, ... (a job array); --report gathers all shards")
+    a("--dry-run", action="store_true", help="list the points and their resolved configs; run nothing")
+    a("--quick", action="store_true", help="each point for a few steps with tiny evaluations (smoke test)")
+    a("--report", action="store_true", help="only gather what the points wrote into the report")
+
+
+def sweep_command(args) -> int:
+    """``jaxformer sweep FILE``: run the points (or one shard of them, or none: ``--dry-run``, ``--report``),
+    then write the report."""
+    from jaxformer.study.sweep import default_out, dry_run_text, load_sweep, parse_shard, run_sweep
+
+    sweep = load_sweep(args.sweep_file)
+    out = Path(args.out) if args.out else default_out(sweep, args.quick)
+    if args.dry_run:
+        print(dry_run_text(sweep, out, shard=args.shard, quick=args.quick), end="")
+        return 0
+    if not args.report:
+        run_sweep(sweep, out, shard=parse_shard(args.shard) if args.shard else (0, 1), quick=args.quick)
+        if args.shard:  # shards may finish together: one report, by --report, once all of them are done
+            print(f"shard {args.shard} done; when every shard is, gather them: jaxformer sweep {args.sweep_file} "
+                  f"--out {out} --report")
+            return 0
+    print(f"report: {write_report(sweep, out)}")
+    return 0

@@ -287,7 +287,9 @@ class EvalOptions:
 
 
 def add_eval_options(a) -> None:
-    """The :class:`EvalOptions` of a parser's ``add_argument`` ``a`` but ``adapter`` and ``dtype``."""
+    """The :class:`EvalOptions` of a parser's ``add_argument`` ``a`` but ``adapter`` and ``dtype``, and
+    ``--json``."""
+    a("--json", action="store_true", help="print the results as one JSON line (default: readable)")
     a("--text", metavar="FILE", help="with --hf: the UTF-8 text file to score")
     a("--batch-size", type=int, default=8, help="with --hf: windows per batch")
     a("--max-tokens", type=int, default=-1, help="validation tokens (default: the config's final eval; with --hf: "
@@ -331,3 +333,13 @@ def _refuse(*why) -> None:
     for message in why:
         if message:
             raise ValueError(message)
+
+
+def eval_command(args) -> int:
+    """``jaxformer eval (RUN_DIR | --hf DIR --text FILE)``: print :func:`evaluate_source`'s results."""
+    import json
+
+    ev = evaluate_source(args.run_dir, args.hf, EvalOptions.from_args(args))
+    print(json.dumps(ev) if args.json else format_eval(ev))
+    return 0
+

@@ -104,8 +104,8 @@ def export_peft(run_dir: str | Path, out: str | Path) -> dict:
     return {"step": int(meta["step"]), "path": str(out), "base": cfg.hf_source, "tensors": n}
 
 
-def export_command(run_dir: str | Path, *, hf: str | Path | None = None, peft: str | Path | None = None,
-                   dtype: str | None = None) -> str:
+def export_text(run_dir: str | Path, *, hf: str | Path | None = None, peft: str | Path | None = None,
+                dtype: str | None = None) -> str:
     """``jaxformer export RUN (--hf OUT | --peft OUT)``: export, and say what was written and how to load it."""
     if (hf is None) == (peft is None):
         raise ValueError("export: give --hf OUT (a Hugging Face checkpoint) or --peft OUT (a LoRA run's adapter), "
@@ -124,3 +124,20 @@ def export_command(run_dir: str | Path, *, hf: str | Path | None = None, peft: s
     return (f"exported step {out['step']} of {run_dir} as a {out['model_type']} checkpoint: {out['path']} ({files})\n"
             f"  next  jaxformer generate --hf {out['path']} --prompt '...'  ·  "
             f"transformers: AutoModelForCausalLM.from_pretrained({out['path']!r})")
+
+
+def add_export_options(a) -> None:
+    """``jaxformer export``'s arguments on a parser's ``add_argument`` ``a``."""
+    a("run_dir")
+    a("--hf", metavar="OUT", help="the directory to write (config.json, model.safetensors, tokenizer files)")
+    a("--peft", metavar="OUT", help="a LoRA run: the directory to write its adapter to (adapter_config.json, "
+      "adapter_model.safetensors), as peft's save_pretrained does")
+    a("--dtype", choices=("float32", "bfloat16", "float16"), help="the saved tensors' dtype (default: the run's "
+      "model.param_dtype)")
+
+
+def export_command(args) -> int:
+    """``jaxformer export RUN (--hf OUT | --peft OUT)``: :func:`export_text`'s lines printed."""
+    print(export_text(args.run_dir, hf=args.hf, peft=args.peft, dtype=args.dtype))
+    return 0
+

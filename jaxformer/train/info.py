@@ -281,3 +281,24 @@ def target_config(target: str, overrides=(), n_devices: int | None = None) -> Ex
     close = difflib.get_close_matches(target, presets.names(), n=5)
     which = f"closest presets: {', '.join(close)}" if close else f"presets: {', '.join(presets.names())}"
     raise FileNotFoundError(f"no such file or preset: {target!r}; {which}")
+
+
+def add_info_options(a) -> None:
+    """``jaxformer info``'s arguments on a parser's ``add_argument`` ``a``."""
+    a("target", help="an experiment YAML, a run directory (its config.yaml) or a preset name")
+    a("overrides", nargs="*", help="key.sub=value overrides; for a preset, experiment keys (mesh.fsdp=8, "
+      "batch_size=64, seq_len=4096) or model keys (n_layers=4, model.n_layers=4, model.attention.n_heads=8)")
+    a("--devices", type=int, help="plan for this many devices, none need be present (default: those present); "
+      "the mesh must use all of them")
+    a("--compile", action="store_true", help="also compile the train step on the devices present and show XLA's "
+      "memory analysis beside the estimate (seconds for small models)")
+
+
+def info_command(args) -> int:
+    """``jaxformer info TARGET``: parameters, FLOPs/token and memory per device (and XLA's, ``--compile``)."""
+    cfg = target_config(args.target, args.overrides, args.devices)
+    info = describe_experiment(cfg, args.devices)
+    if args.compile:
+        info["xla"] = compiled_memory(cfg, args.devices)
+    print(format_info(args.target, info))
+    return 0

@@ -470,3 +470,29 @@ def sample_text(trainer: Trainer, params, tokenizer, *, prompt: str, max_new_tok
 
 
 __all__ = ["Interrupted", "NonFiniteError", "sample_text", "start_line", "train"]
+
+
+def add_train_options(a) -> None:
+    """``jaxformer train``'s arguments on a parser's ``add_argument`` ``a``."""
+    a("config", help="experiment YAML, e.g. experiments/configs/stdlib_bytes.yaml")
+    a("overrides", nargs="*", help="key.sub=value overrides (values parsed as YAML)")
+    a("--run-dir", help="default: runs/<config name>; an existing run directory resumes")
+    a("--steps", type=int, help="total number of steps (overrides the config)")
+    a("--json", action="store_true", help="end with the final metrics as one JSON line")
+
+
+def train_command(args) -> int:
+    """``jaxformer train CONFIG``: train (or resume) and print the summary (:func:`train`)."""
+    import json
+    import shlex
+
+    from jaxformer.train.run_dir import format_summary
+
+    steps = [] if args.steps is None else ["--steps", str(args.steps)]
+    cfg = C.load(args.config, list(args.overrides) + ([] if args.steps is None else [f"steps={args.steps}"]))
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / Path(args.config).stem
+    again = shlex.join(["jaxformer", "train", args.config, "--run-dir", str(run_dir), *args.overrides, *steps])
+    summary = train(cfg, run_dir, resume_command=again, exit_on_signal=True)  # Interrupted: 130 / 143
+    print(json.dumps({k: v for k, v in summary.items() if k != "sample"}) if args.json
+          else format_summary(summary, run_dir))
+    return 0

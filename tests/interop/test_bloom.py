@@ -162,7 +162,7 @@ def test_tensor_parallel_options_are_accepted(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(embed_norm=False), "embed_norm=False"),
+    (dict(embed_norm=False), "norm.embed=False"),
     (dict(d_ff=96), "d_ff=96"),
     (dict(activation="gelu"), "activation='gelu'"),
 ])

@@ -265,5 +265,5 @@ def test_export_of_a_model_no_family_expresses_is_refused(tmp_path, capsys):
     C.dump(C.from_dict(raw), tmp_path / "run" / "config.yaml")
     assert main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("jaxformer export: error: not expressible as a llama config.json: activation='gelu'"), err
+    assert err.startswith("jaxformer export: error: not expressible as a llama config.json: ffn.activation='gelu'"), err
     assert not (tmp_path / "out").exists()

@@ -159,6 +159,6 @@ def test_harmless_options_are_accepted(gpt2, tmp_path):
 
 
 def test_config_to_hf_refuses_what_gpt2_cannot_express(tmp_path):
-    with pytest.raises(HFConfigError, match="not expressible as a gpt2 config.json.*position='rope'"):
+    with pytest.raises(HFConfigError, match="not expressible as a gpt2 config.json.*positions.kind='rope'"):
         save_pretrained(tmp_path, presets.get("llama_tiny"), None, model_type="gpt2")
     assert not any(tmp_path.iterdir())  # refused before writing anything

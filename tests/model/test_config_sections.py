@@ -13,7 +13,7 @@ import yaml
 
 from jaxformer.cli import main
 from jaxformer.model import ModelConfig, Transformer, presets
-from jaxformer.model.config import FLAT_KEYS, SECTIONS, get_key, merge, migrate
+from jaxformer.model.config import FLAT_KEYS, SECTIONS, AttentionConfig, get_key, merge, migrate
 from jaxformer.model.transformer import DecoderLM, Encoder, EncoderDecoder
 from jaxformer.train import config as C
 
@@ -47,6 +47,9 @@ def test_every_flat_key_lands_in_its_section():
 def test_a_value_given_flat_and_in_its_section_is_refused_naming_both():
     with pytest.raises(ValueError, match=r"attention\.n_heads given twice.*\['n_heads'\]"):
         ModelConfig(n_heads=2, attention={"n_heads": 4})
+    # different fields of one section, some flat and some in it, join
+    assert ModelConfig(n_kv_heads=3, attention={"n_heads": 6}, d_model=48).attention == AttentionConfig(n_heads=6,
+                                                                                       n_kv_heads=3)
 
 
 def test_norm_as_a_string_is_the_old_flat_key_and_as_a_mapping_the_section():
