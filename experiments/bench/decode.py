@@ -66,7 +66,7 @@ from jaxformer.decode.block_manager import BlockManager, OutOfPages
 from jaxformer.decode.engine import Engine
 from jaxformer.decode.generate import decode_step, generate, prefill_step
 from jaxformer.decode.kv_cache import init_caches
-from jaxformer.decode.sampling import SamplingParams
+from jaxformer.decode.sampling import RowSampling, SamplingParams
 from jaxformer.model import ModelConfig, apply, init
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -109,17 +109,16 @@ def bench_cache_vs_recompute(context: int = 1024, new: int = 16):
                       norm="rmsnorm", position="rope", max_seq_len=context + new + 16)
     graphdef, state = init(cfg, jax.random.key(0))
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(1, context)), jnp.int32)
-    samp = dict(seeds=jnp.zeros(1, jnp.uint32), temperature=jnp.zeros(1), top_k=jnp.zeros(1, jnp.int32),
-                top_p=jnp.ones(1))
+    samp = RowSampling.of([SamplingParams()])  # greedy
 
     def decode(tok, caches):
         for i in range(new):
-            tok, caches = decode_step(graphdef, state, caches, tok, jnp.full((1,), i + 1), **samp)
+            tok, caches = decode_step(graphdef, state, caches, tok, jnp.full((1,), i + 1), samp)
         return tok
 
     def cached():
         caches = init_caches(cfg, 1, context + new)
-        tok, caches = prefill_step(graphdef, state, caches, prompt, jnp.asarray([context]), **samp)
+        tok, caches = prefill_step(graphdef, state, caches, prompt, jnp.asarray([context]), samp)
         return timed(decode, jax.block_until_ready(tok), caches)[1]
 
     width = context + new

@@ -18,34 +18,30 @@ import numpy as np
 from flax import nnx
 
 from jaxformer.decode.kv_cache import init_caches, set_lengths
-from jaxformer.decode.sampling import SamplingParams, request_keys, sample
+from jaxformer.decode.sampling import RowSampling, SamplingParams
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
 
-def _next_tokens(logits, seeds, steps, temperature, top_k, top_p):
-    return sample(logits, request_keys(seeds, steps), temperature, top_k, top_p)
-
-
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def prefill_step(graphdef, state, caches, tokens, prompt_lengths, seeds, temperature, top_k, top_p):
+def prefill_step(graphdef, state, caches, tokens, prompt_lengths, sampling: RowSampling):
     """Run right-padded prompts ``tokens [B, T]`` through the model; sample each first token."""
     TRACE_COUNTS["prefill"] += 1
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T))
     logits, caches = nnx.merge(graphdef, state)(tokens, positions=positions, cache=caches,
                                                 logits_at=prompt_lengths - 1)  # the head at the last token only
-    nxt = _next_tokens(logits[:, 0], seeds, jnp.zeros_like(prompt_lengths), temperature, top_k, top_p)
+    nxt = sampling.sample(logits[:, 0], jnp.zeros_like(prompt_lengths))
     return nxt, set_lengths(caches, prompt_lengths)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def decode_step(graphdef, state, caches, tokens, steps, seeds, temperature, top_k, top_p):
+def decode_step(graphdef, state, caches, tokens, steps, sampling: RowSampling):
     """Feed ``tokens [B]`` at each sequence's cached length; sample token number ``steps [B]``."""
     TRACE_COUNTS["decode"] += 1
     positions = caches[0].lengths[:, None]
     logits, caches = nnx.merge(graphdef, state)(tokens[:, None], positions=positions, cache=caches)
-    return _next_tokens(logits[:, 0], seeds, steps, temperature, top_k, top_p), caches
+    return sampling.sample(logits[:, 0], steps), caches
 
 
 def _per_request(value, B: int, name: str) -> list:
@@ -98,15 +94,10 @@ def generate(graphdef, state, config, prompt_tokens: Sequence[Sequence[int]], *,
     tokens = np.zeros((B, T), np.int32)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = p
-    sampling = dict(
-        seeds=jnp.asarray([p.seed for p in params], jnp.uint32),
-        temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
-        top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
-        top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
-    )
+    sampling = RowSampling.of(params)
     budget = np.minimum(max_new_tokens, config.max_seq_len - lens + 1)  # the last token is never fed back
     caches = init_caches(config, B, S)
-    nxt, caches = prefill_step(graphdef, state, caches, jnp.asarray(tokens), jnp.asarray(lens), **sampling)
+    nxt, caches = prefill_step(graphdef, state, caches, jnp.asarray(tokens), jnp.asarray(lens), sampling)
     stop = set(params[0].stop_tokens)
     out: list[list[int]] = [[] for _ in range(B)]
     done = budget <= 0
@@ -118,5 +109,5 @@ def generate(graphdef, state, config, prompt_tokens: Sequence[Sequence[int]], *,
         if done.all():
             break
         steps = jnp.full((B,), i + 1, jnp.int32)
-        nxt, caches = decode_step(graphdef, state, caches, nxt, steps, **sampling)
+        nxt, caches = decode_step(graphdef, state, caches, nxt, steps, sampling)
     return out

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +54,28 @@ class SamplingParams:
             if not isinstance(s, int) or s < 0 or (vocab_size is not None and s >= vocab_size):
                 raise ValueError(f"stop_tokens={self.stop_tokens!r}: {s!r} is not a token id in [0, {vocab_size})")
         return self
+
+
+class RowSampling(NamedTuple):
+    """The sampling of a batch's rows as arrays ``[B]`` (a pytree, traced by the jitted steps): ``seeds``
+    uint32, ``temperature`` float32, ``top_k`` int32, ``top_p`` float32."""
+
+    seeds: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams]) -> RowSampling:
+        """The rows of ``params``, one request each."""
+        return cls(seeds=jnp.asarray([p.seed for p in params], jnp.uint32),
+                   temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+                   top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+                   top_p=jnp.asarray([p.top_p for p in params], jnp.float32))
+
+    def sample(self, logits, steps):
+        """Token number ``steps [B]`` of each row from ``logits [B, V]`` (:func:`sample` with the rows' keys)."""
+        return sample(logits, request_keys(self.seeds, steps), self.temperature, self.top_k, self.top_p)
 
 
 def request_keys(seeds, steps):

@@ -34,6 +34,7 @@ shorter rows padded with ``pad_id`` (as ``generate`` returns them).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,34 +51,51 @@ def _encode(graphdef, state, src, lengths):
     return nnx.merge(graphdef, state).encode(src, lengths=lengths)
 
 
-def _log_probs(graphdef, state, caches, memory, memory_lengths, tokens, position, banned, force_eos, eos_id):
+class _Source(NamedTuple):
+    """What every step of one translation reads unchanged: the encoder's ``memory [B, S, D]`` and its
+    ``lengths [B]``, the ``banned [V]`` tokens and ``eos_id``."""
+
+    memory: jax.Array
+    lengths: jax.Array
+    banned: jax.Array
+    eos_id: int
+
+
+class _Beams(NamedTuple):
+    """The running beams of a step: each one's last ``tokens [B*K]``, the flat beam it continues
+    (``origin [B*K]``) and its summed log-probability (``scores [B, K]``)."""
+
+    tokens: jax.Array
+    origin: jax.Array
+    scores: jax.Array
+
+
+def _log_probs(graphdef, state, caches, source: _Source, tokens, position, force_eos):
     """Feed ``tokens [B]`` at ``position``; processed next-token log-probabilities ``[B, V]`` and caches."""
     B = tokens.shape[0]
     positions = jnp.full((B, 1), position, jnp.int32)
-    logits, caches = nnx.merge(graphdef, state).decode(tokens[:, None], memory, positions=positions,
-                                                       memory_lengths=memory_lengths, cache=caches)
+    logits, caches = nnx.merge(graphdef, state).decode(tokens[:, None], source.memory, positions=positions,
+                                                       memory_lengths=source.lengths, cache=caches)
     logp = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
-    logp = jnp.where(banned[None, :], -jnp.inf, logp)
-    only_eos = jnp.where(jnp.arange(logp.shape[-1]) == eos_id, 0.0, -jnp.inf)
+    logp = jnp.where(source.banned[None, :], -jnp.inf, logp)
+    only_eos = jnp.where(jnp.arange(logp.shape[-1]) == source.eos_id, 0.0, -jnp.inf)
     return jnp.where(force_eos, only_eos[None, :], logp), caches
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _greedy_step(graphdef, state, caches, memory, memory_lengths, tokens, position, banned, force_eos, eos_id):
-    logp, caches = _log_probs(graphdef, state, caches, memory, memory_lengths, tokens, position, banned,
-                              force_eos, eos_id)
+def _greedy_step(graphdef, state, caches, source: _Source, tokens, position, force_eos):
+    logp, caches = _log_probs(graphdef, state, caches, source, tokens, position, force_eos)
     return jnp.argmax(logp, axis=-1).astype(jnp.int32), caches
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
-def _beam_step(graphdef, keep, state, caches, memory, memory_lengths, tokens, origin, running_scores, position,
-               banned, force_eos, eos_id):
-    """Reorder the caches to the running beams (``origin [B*K]``: the flat beam each continues), feed
+def _beam_step(graphdef, keep, state, caches, source: _Source, beams: _Beams, position, force_eos):
+    """Reorder the caches to the running beams (``beams.origin [B*K]``: the flat beam each continues), feed
     their last tokens, and return the top ``keep`` continuations ``[B, keep]`` of all beams: summed
     log-probability and flat index ``beam * V + token``."""
-    caches = jax.tree.map(lambda a: a[origin], caches)
-    logp, caches = _log_probs(graphdef, state, caches, memory, memory_lengths, tokens, position, banned,
-                              force_eos, eos_id)
+    caches = jax.tree.map(lambda a: a[beams.origin], caches)
+    logp, caches = _log_probs(graphdef, state, caches, source, beams.tokens, position, force_eos)
+    running_scores = beams.scores
     B, K = running_scores.shape
     total = (logp.reshape(B, K, -1) + running_scores[:, :, None]).reshape(B, -1)
     values, index = jax.lax.top_k(total, keep)
@@ -85,7 +103,7 @@ def _beam_step(graphdef, keep, state, caches, memory, memory_lengths, tokens, or
 
 
 def _prepare(model, src_tokens, src_lengths, max_new_tokens, repeat, suppress_ids, eos_id):
-    """``(graphdef, state, memory, lengths, caches, banned)`` with each row repeated ``repeat`` times."""
+    """``(graphdef, state, source, caches)`` (:class:`_Source`) with each row repeated ``repeat`` times."""
     cfg = model.config
     if cfg.kind != "encoder_decoder":
         raise ValueError(f"translation needs an encoder_decoder model; got config.kind={cfg.kind!r}")
@@ -114,7 +132,7 @@ def _prepare(model, src_tokens, src_lengths, max_new_tokens, repeat, suppress_id
               for _ in range(cfg.n_layers)]
     banned = np.zeros(cfg.vocab_size, bool)
     banned[list(suppress_ids)] = True
-    return graphdef, state, memory, lengths, caches, jnp.asarray(banned)
+    return graphdef, state, _Source(memory, lengths, jnp.asarray(banned), eos_id), caches
 
 
 def greedy_translate(model, src_tokens, src_lengths=None, *, start_id: int, eos_id: int, max_new_tokens: int,
@@ -132,15 +150,14 @@ def greedy_translate(model, src_tokens, src_lengths=None, *, start_id: int, eos_
       int32 ``[B, 1 + n]``: start token, then the generated tokens (see the module docstring).
     """
     pad_id = eos_id if pad_id is None else pad_id
-    graphdef, state, memory, lengths, caches, banned = _prepare(model, src_tokens, src_lengths, max_new_tokens, 1,
-                                                                suppress_ids, eos_id)
-    B = memory.shape[0]
+    graphdef, state, source, caches = _prepare(model, src_tokens, src_lengths, max_new_tokens, 1, suppress_ids,
+                                               eos_id)
+    B = source.memory.shape[0]
     out = [np.full(B, start_id, np.int32)]
     running = np.ones(B, bool)
     for step in range(max_new_tokens):
         force = force_eos and step == max_new_tokens - 1
-        nxt, caches = _greedy_step(graphdef, state, caches, memory, lengths, jnp.asarray(out[-1]), step, banned,
-                                   force, eos_id)
+        nxt, caches = _greedy_step(graphdef, state, caches, source, jnp.asarray(out[-1]), step, force)
         nxt = np.where(running, np.asarray(nxt), pad_id).astype(np.int32)
         out.append(nxt)
         running &= nxt != eos_id
@@ -164,9 +181,9 @@ def beam_translate(model, src_tokens, src_lengths=None, *, start_id: int, eos_id
         raise ValueError(f"early_stopping={early_stopping!r} must be False, True or 'never'")
     pad_id = eos_id if pad_id is None else pad_id
     K = num_beams
-    graphdef, state, memory, lengths, caches, banned = _prepare(model, src_tokens, src_lengths, max_new_tokens, K,
-                                                                suppress_ids, eos_id)
-    B = memory.shape[0] // K
+    graphdef, state, source, caches = _prepare(model, src_tokens, src_lengths, max_new_tokens, K, suppress_ids,
+                                               eos_id)
+    B = source.memory.shape[0] // K
     V = model.config.vocab_size
     L = 1 + max_new_tokens          # transformers' max_length; the prompt is the start token alone
     keep = 2 * K                    # max(2, 1 + number of eos ids) * num_beams
@@ -188,10 +205,9 @@ def beam_translate(model, src_tokens, src_lengths=None, *, start_id: int, eos_id
     cur = 1
     while True:
         force = force_eos and cur == L - 1
-        values, index, caches = _beam_step(
-            graphdef, keep, state, caches, memory, lengths, jnp.asarray(running_seq[:, :, cur - 1].reshape(-1),
-                                                                        jnp.int32),
-            jnp.asarray(origin), jnp.asarray(running_scores), cur - 1, banned, force, eos_id)
+        beams = _Beams(jnp.asarray(running_seq[:, :, cur - 1].reshape(-1), jnp.int32), jnp.asarray(origin),
+                       jnp.asarray(running_scores))
+        values, index, caches = _beam_step(graphdef, keep, state, caches, source, beams, cur - 1, force)
         values = np.asarray(values, np.float32)
         index = np.asarray(index, np.int64)
         beam, token = index // V, index % V

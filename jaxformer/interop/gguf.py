@@ -534,8 +534,8 @@ def gguf_tokenizer_fields(path: str | os.PathLike) -> dict[str, Any]:
     special_ids |= {i for i in ids.values() if i is not None}
     return dict(
         path=g.path, vocab=tok.get_vocab(with_added_tokens=True), specials=specials,
-        encode_fn=lambda s: tok.encode(s, add_special_tokens=False).ids,
-        decode_fn=lambda i: tok.decode(i, skip_special_tokens=True),
-        prompt_fn=lambda s: tok.encode(s, add_special_tokens=True).ids,
+        codec=(lambda s: tok.encode(s, add_special_tokens=False).ids,  # a Codec's encode, decode, prompt
+               lambda i: tok.decode(i, skip_special_tokens=True),
+               lambda s: tok.encode(s, add_special_tokens=True).ids),
         byte_level=kind == "gpt2", special_ids=special_ids,
         chat_template=g.get("tokenizer.chat_template", types=str))

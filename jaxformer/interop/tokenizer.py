@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -46,18 +48,28 @@ def _piece_bytes(piece: str, byte_level: bool, decoder: dict[str, int]) -> int:
     return len(piece.replace("\u2581", " ").encode("utf-8"))
 
 
+class Codec(NamedTuple):
+    """What a tokenizer library does for :class:`HFTokenizer`: ``encode(text) -> ids`` with no special
+    tokens, ``decode(ids) -> text`` skipping them, ``prompt(text) -> ids`` with the specials the checkpoint
+    adds to an input."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    prompt: Callable[[str], list[int]]
+
+
 class HFTokenizer:
     """A Hugging Face checkpoint's tokenizer behind jaxformer's tokenizer interface."""
 
     name = "hf"
 
-    def __init__(self, *, path: Path, vocab: dict[str, int], specials: dict[str, str | None], encode_fn,
-                 decode_fn, prompt_fn, byte_level: bool, special_ids: set[int], chat_template: str | None = None):
+    def __init__(self, *, path: Path, vocab: dict[str, int], specials: dict[str, str | None], codec: Codec,
+                 byte_level: bool, special_ids: set[int], chat_template: str | None = None):
         self.path = path
         self.chat_template = chat_template
         self._specials = specials
         self._vocab = vocab
-        self._encode, self._decode, self._prompt = encode_fn, decode_fn, prompt_fn
+        self._encode, self._decode, self._prompt = codec
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
         self.bos_id, self.eos_id, self.pad_id, self.unk_id = (
             vocab.get(specials.get(k)) if specials.get(k) is not None else None
@@ -154,9 +166,9 @@ def _from_tokenizer_json(path: Path) -> HFTokenizer:
     added = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
     return HFTokenizer(
         path=path, vocab=vocab, specials=specials,
-        encode_fn=lambda s: tok.encode(s, add_special_tokens=False).ids,
-        decode_fn=lambda ids: tok.decode(ids, skip_special_tokens=True),
-        prompt_fn=lambda s: tok.encode(s, add_special_tokens=True).ids,
+        codec=Codec(encode=lambda s: tok.encode(s, add_special_tokens=False).ids,
+                    decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                    prompt=lambda s: tok.encode(s, add_special_tokens=True).ids),
         byte_level='"ByteLevel"' in kinds, special_ids=added, chat_template=_chat_template(path))
 
 
@@ -180,8 +192,9 @@ def _from_sentencepiece(path: Path, model_file: Path) -> HFTokenizer:
             return sp.decode_pieces([inverse[i] for i in ids if i in inverse])
 
         eos = vocab[specials["eos"]]
-        tok = HFTokenizer(path=path, vocab=vocab, specials=specials, encode_fn=encode, decode_fn=decode,
-                          prompt_fn=lambda s: encode(s) + [eos], byte_level=False, special_ids=set())
+        tok = HFTokenizer(path=path, vocab=vocab, specials=specials,
+                          codec=Codec(encode=encode, decode=decode, prompt=lambda s: encode(s) + [eos]),
+                          byte_level=False, special_ids=set())
         return tok
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     for k, pid in (("bos", sp.bos_id()), ("eos", sp.eos_id()), ("pad", sp.pad_id()), ("unk", sp.unk_id())):
@@ -189,9 +202,9 @@ def _from_sentencepiece(path: Path, model_file: Path) -> HFTokenizer:
             specials[k] = sp.id_to_piece(pid)
     bos = sp.bos_id()
     controls = {i for i in range(sp.get_piece_size()) if sp.is_control(i)}
-    return HFTokenizer(path=path, vocab=vocab, specials=specials, encode_fn=lambda s: sp.encode(s),
-                       decode_fn=lambda ids: sp.decode(ids),
-                       prompt_fn=lambda s: ([bos] if bos >= 0 else []) + sp.encode(s),
+    return HFTokenizer(path=path, vocab=vocab, specials=specials,
+                       codec=Codec(encode=lambda s: sp.encode(s), decode=lambda ids: sp.decode(ids),
+                                   prompt=lambda s: ([bos] if bos >= 0 else []) + sp.encode(s)),
                        byte_level=False, special_ids=controls)
 
 
@@ -207,7 +220,8 @@ def load_tokenizer(path: str | os.PathLike, *, side: str = "source") -> HFTokeni
     if side not in ("source", "target"):
         raise ValueError(f"side={side!r} must be 'source' or 'target'")
     if is_gguf(path):
-        return HFTokenizer(**gguf_tokenizer_fields(path))
+        fields = gguf_tokenizer_fields(path)
+        return HFTokenizer(**{**fields, "codec": Codec(*fields["codec"])})
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: not a directory")
     if (path / "tokenizer.json").is_file():

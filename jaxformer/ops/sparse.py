@@ -140,7 +140,7 @@ def _blocked(q, k, v, mask: MaskSpec, slopes, plan: BlockedPlan):
     if slopes is not None:
         dist = jnp.abs(qpos - kpos).astype(jnp.float32)
         s = s - slopes.reshape(-1, K, G, 1, 1, 1) * dist
-    allowed = _blocked_allowed(mask, qpos, kpos, qpos_np, kpos_np, idx, bs, T, S)
+    allowed = _blocked_allowed(mask, qpos_np, kpos_np, plan, T, S)
     wts = masked_softmax(s, allowed).astype(v.dtype)
     if Nh == 1:
         out = jnp.einsum("BKGQCW,BKQWH->BQCKGH", wts, vg, preferred_element_type=jnp.float32)
@@ -149,11 +149,14 @@ def _blocked(q, k, v, mask: MaskSpec, slopes, plan: BlockedPlan):
     return out.reshape(B, nq * bs, N, H)[:, :T].astype(q.dtype)
 
 
-def _blocked_allowed(mask: MaskSpec, qpos, kpos, qpos_np, kpos_np, idx, bs: int, T: int, S: int):
-    """Bool ``[B|1, Kh, Gh, nq, bs, W]``: the mask rule of :meth:`MaskSpec.dense_heads` on the gathered keys.
+def _blocked_allowed(mask: MaskSpec, qpos_np, kpos_np, plan: BlockedPlan, T: int, S: int):
+    """Bool ``[B|1, Kh, Gh, nq, bs, W]``: the mask rule of :meth:`MaskSpec.dense_heads` on the gathered keys
+    (at the query and key positions ``qpos_np``, ``kpos_np`` of :func:`_blocked`).
 
     The rule's ``q_global`` term is left out: :func:`_global_rows` writes over every global query row.
     """
+    idx, bs = plan.idx, plan.block_size
+    kpos, qpos = jnp.asarray(kpos_np, jnp.int32), jnp.asarray(qpos_np, jnp.int32)
     qseg = kseg = None
     if mask.q_segment_ids is not None:
         B = np.shape(mask.q_segment_ids)[0]

@@ -194,23 +194,26 @@ def evaluate_run_at_length(run_dir: str | Path, seq_len: int, *, max_tokens: int
     return out
 
 
-def evaluate_hf_text(path: str | Path, text_file: str | Path, *, seq_len: int | None = None,
-                     max_tokens: int | None = None, stride: int | None = None, batch_size: int = 8,
-                     dtype: str = "float32", compressors: bool = False, adapter: str | Path | None = None) -> dict:
-    """Loss and bits per byte of a Hugging Face checkpoint (``jaxformer eval --hf DIR --text FILE``), with the
-    peft adapter ``adapter`` merged in if given (``--adapter PEFT_DIR``).
+def evaluate_hf_text(path: str | Path, options: EvalOptions) -> dict:
+    """Loss and bits per byte of a Hugging Face checkpoint on ``options.text`` (``jaxformer eval --hf DIR
+    --text FILE``), with the peft adapter ``options.adapter`` merged in if given (``--adapter PEFT_DIR``),
+    its parameters in ``options.dtype``.
 
     The file is one document tokenized with the checkpoint's tokenizer (its BOS first, if it has
-    one), cut into windows of ``seq_len`` tokens (default: the model's context, at most 1024) as the
-    validation windows of a run (:func:`eval_windows`: ``stride`` for sliding windows, ``max_tokens``
-    for evenly spaced windows scoring about that many tokens; None: all of it). Every token after the
-    first is scored once. Bits per byte divide the nats by the UTF-8 bytes the scored tokens stand
-    for (the tokenizer's ``token_bytes``); ``text_bytes`` is the file's size.
+    one), cut into windows of ``options.seq_len`` tokens (default: the model's context, at most 1024) as
+    the validation windows of a run (:func:`eval_windows`: ``stride`` for sliding windows, ``max_tokens``
+    for evenly spaced windows scoring about that many tokens; None or -1: all of it), ``batch_size`` at a
+    time. Every token after the first is scored once. Bits per byte divide the nats by the UTF-8 bytes the
+    scored tokens stand for (the tokenizer's ``token_bytes``); ``text_bytes`` is the file's size;
+    ``compressors`` adds gzip's and xz's.
     """
-    text_file = Path(text_file)
+    o = options
+    adapter, stride = o.adapter, o.stride
+    max_tokens = None if o.max_tokens == -1 else o.max_tokens
+    text_file = Path(o.text)
     data = text_file.read_bytes()  # FileNotFoundError names the file
-    config, graphdef, state, tok, _ = load_decoder(None, hf=path, adapter=adapter, dtype=dtype, command="eval")
-    seq_len = min(config.max_seq_len, 1024) if seq_len is None else seq_len
+    config, graphdef, state, tok, _ = load_decoder(None, hf=path, adapter=adapter, dtype=o.dtype, command="eval")
+    seq_len = min(config.max_seq_len, 1024) if o.seq_len is None else o.seq_len
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} must be >= 2")
     refusal = learned_table_refusal(config, seq_len)
@@ -225,7 +228,7 @@ def evaluate_hf_text(path: str | Path, text_file: str | Path, *, seq_len: int | 
     evalset = eval_windows(stream, seq_len=seq_len, tokenizer=tok, max_tokens=max_tokens, stride=stride)
     token_bytes = tok.token_bytes
     nats, count, nbytes = 0.0, 0, 0
-    for b in evalset.batches(batch_size):
+    for b in evalset.batches(o.batch_size):
         nll = np.asarray(_token_nll(graphdef, state, b), np.float64)
         where = b.loss_mask
         nats += float(nll[where].sum())
@@ -236,7 +239,7 @@ def evaluate_hf_text(path: str | Path, text_file: str | Path, *, seq_len: int | 
            "text_bytes": len(data)}
     if adapter is not None:
         out["adapter"] = str(adapter)
-    if compressors:
+    if o.compressors:
         out.update(compressor_bpb(data))
     return out
 
@@ -316,9 +319,7 @@ def evaluate_source(run_dir: str | Path | None, hf: str | Path | None = None,
     if hf is not None:
         _refuse(o.text is None and "eval --hf DIR needs --text FILE (the text to score)",
                 o.bucket is not None and "eval: --bucket goes with a run directory, not --hf")
-        return evaluate_hf_text(hf, o.text, seq_len=o.seq_len, max_tokens=None if limit == -1 else limit,
-                                stride=o.stride, batch_size=o.batch_size, dtype=o.dtype, compressors=o.compressors,
-                                adapter=o.adapter)
+        return evaluate_hf_text(hf, o)
     _refuse(o.text is not None and "eval: --text FILE goes with --hf DIR (a run is evaluated on its validation split)")
     if o.seq_len is None:
         _refuse((o.stride, o.bucket) != (None, None) and "eval: --stride and --bucket go with --seq-len N")

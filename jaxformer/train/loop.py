@@ -17,6 +17,7 @@ line, leaving a directory that the same command resumes or starts cleanly (:clas
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -25,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -242,8 +244,8 @@ def train(cfg: C.ExperimentConfig, run_dir: str | Path, *, on_step: Callable[[in
                 state = initial_state(cfg, trainer)
             else:
                 state = trainer.init_state(cfg.seed)
-            return _run(cfg, run_dir, trainer, corpus, it, ckpt, state, start, on_step=on_step, console=console,
-                        resumed=restored is not None, t0=t0, stop=stop)
+            job = _Job(cfg, run_dir, trainer, ckpt, stop, on_step=on_step, console=console, t0=t0)
+            return _run(job, corpus, it, state, start, resumed=restored is not None)
         finally:
             ckpt.close()
 
@@ -270,10 +272,26 @@ def _say_finished(cfg: C.ExperimentConfig, run_dir: Path, step: int, console) ->
             highlight=False)
 
 
-def _run(cfg: C.ExperimentConfig, run_dir: Path, trainer: Trainer, corpus: Corpus, it, ckpt: Checkpointer, state,
-         start: int, *, on_step, console, resumed: bool, t0: float, stop: _Signals) -> dict:
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What one :func:`train` call runs with: its config and directory, the trainer, the checkpointer, the
+    signal watch, and the caller's ``on_step`` / ``console`` and start time ``t0``."""
+
+    cfg: C.ExperimentConfig
+    run_dir: Path
+    trainer: Trainer
+    ckpt: Checkpointer
+    stop: _Signals
+    on_step: Callable[[int, dict], None] | None = None
+    console: Any = None
+    t0: float = 0.0
+
+
+def _run(job: _Job, corpus: Corpus, it, state, start: int, *, resumed: bool) -> dict:
     """Steps ``start .. cfg.steps``, periodic evaluations and checkpoints, the final evaluation and sample;
-    a signal (``stop``) ends the steps early, checkpointed."""
+    a signal (``job.stop``) ends the steps early, checkpointed."""
+    cfg, run_dir, trainer, ckpt, stop = job.cfg, job.run_dir, job.trainer, job.ckpt, job.stop
+    on_step, console, t0 = job.on_step, job.console, job.t0
     main = jax.process_index() == 0
     tok = corpus.tokenizer
     with stop.writing():  # drops the rows an interrupted run wrote after its checkpoint: not to be cut
@@ -325,11 +343,7 @@ def _run(cfg: C.ExperimentConfig, run_dir: Path, trainer: Trainer, corpus: Corpu
             summary.update(final)
             bar.print(eval_line(summary["step"], final))
         if cfg.eval.sample is not None and (tok.bos_id is not None or hasattr(tok, "encode_prompt")):
-            sp = cfg.eval.sample
-            n_new = cfg.model.max_seq_len if sp.max_new_tokens is None else sp.max_new_tokens  # None: fill it
-            summary["sample"] = sample_text(trainer, trainer.model_params(state), tok, prompt=sp.prompt,
-                                            max_new_tokens=n_new, temperature=sp.temperature,
-                                            top_k=sp.top_k, top_p=sp.top_p, seed=cfg.seed)
+            summary["sample"] = sample_text(trainer, trainer.model_params(state), tok, cfg.eval.sample, cfg.seed)
             bar.print("--- sample ---\n" + summary["sample"] + "\n--------------")
         summary["wall_s"] = time.perf_counter() - t0
         return summary
@@ -456,20 +470,19 @@ class _Reprobe:
             log.peak_flops, self.note = device_peak(self.devices, self.override)
 
 
-def sample_text(trainer: Trainer, params, tokenizer, *, prompt: str, max_new_tokens: int,
-                temperature: float, top_k: int | None, top_p: float | None, seed: int) -> str:
-    """Prompt + a continuation generated with the contiguous KV cache (``jaxformer.decode``)."""
+def sample_text(trainer: Trainer, params, tokenizer, sample: C.SampleConfig, seed: int) -> str:
+    """``sample.prompt`` + a continuation generated with the contiguous KV cache (``jaxformer.decode``), as
+    ``eval.sample`` asks (``max_new_tokens`` None: until the model's context is full)."""
     from jaxformer.decode.generate import generate
     from jaxformer.decode.prompts import encode_prompt
 
-    ids = encode_prompt(tokenizer, prompt)
-    out = generate(trainer.graphdef, params, trainer.spec.model, [ids], max_new_tokens=max_new_tokens,
-                   temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0, seed=seed,
+    model = trainer.spec.model
+    ids = encode_prompt(tokenizer, sample.prompt)
+    n_new = model.max_seq_len if sample.max_new_tokens is None else sample.max_new_tokens
+    out = generate(trainer.graphdef, params, model, [ids], max_new_tokens=n_new,
+                   temperature=sample.temperature, top_k=sample.top_k or 0, top_p=sample.top_p or 1.0, seed=seed,
                    stop_tokens=[] if tokenizer.eos_id is None else [tokenizer.eos_id])[0]
-    return prompt + tokenizer.decode(out)
-
-
-__all__ = ["Interrupted", "NonFiniteError", "sample_text", "start_line", "train"]
+    return sample.prompt + tokenizer.decode(out)
 
 
 def add_train_options(a) -> None:
@@ -496,3 +509,6 @@ def train_command(args) -> int:
     print(json.dumps({k: v for k, v in summary.items() if k != "sample"}) if args.json
           else format_summary(summary, run_dir))
     return 0
+
+
+__all__ = ["Interrupted", "NonFiniteError", "add_train_options", "sample_text", "start_line", "train", "train_command"]
