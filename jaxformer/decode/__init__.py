@@ -4,7 +4,7 @@
 is the module :mod:`jaxformer.decode.prompts`."""
 
 from jaxformer.decode.block_manager import BlockManager, OutOfPages
-from jaxformer.decode.engine import Engine, Result, serve
+from jaxformer.decode.engine import Engine, EngineOptions, Result, serve
 from jaxformer.decode.generate import generate
 from jaxformer.decode.kv_cache import KVCache, init_caches, set_lengths
 from jaxformer.decode.paged_cache import PagedKVCache, copy_pages, init_page_pools
@@ -12,7 +12,7 @@ from jaxformer.decode.sampling import SamplingParams, sample
 from jaxformer.decode.translate import beam_translate, greedy_translate
 
 __all__ = [
-    "BlockManager", "Engine", "KVCache", "OutOfPages", "PagedKVCache", "Result", "SamplingParams",
+    "BlockManager", "Engine", "EngineOptions", "KVCache", "OutOfPages", "PagedKVCache", "Result", "SamplingParams",
     "beam_translate", "copy_pages", "generate", "greedy_translate", "init_caches", "init_page_pools", "sample",
     "serve", "set_lengths",
 ]

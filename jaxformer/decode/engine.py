@@ -34,7 +34,7 @@ all lie behind its next token's window go back to the free list, so in decode it
 holds at most ``ceil(W / L) + 1`` pages, however long it runs. A preempted sequence is
 recomputed the same way (windowed prefill, dropping pages as it goes). A model trained with a
 sliding window (``attention_window=(W - 1, 0)``: Mistral, Qwen2) brings its own
-``config.causal_window`` W, which the engine always uses (a ``window=`` given too must equal it).
+``config.sparsity.causal_window`` W, which the engine always uses (a ``window=`` given too must equal it).
 
 A bad request (empty prompt, prompt longer than the context, out-of-vocabulary
 ids, invalid sampling parameters, more pages than the pool has) gets a
@@ -191,14 +191,15 @@ def table_width(pages: int, capacity: int, page_size: int) -> int:
 def check_window(window: int | None, config) -> int | None:
     """The sliding KV window to decode ``config``'s model with, given the requested ``window``.
 
-    A model with its own sliding window (``config.causal_window``) always uses it; a requested
+    A model with its own sliding window (``config.sparsity.causal_window``) always uses it; a requested
     ``window`` must then equal it. Otherwise ``window`` (or None): an int in [1, max_seq_len].
     Either way a window needs relative positions (RoPE, ALiBi). ValueError naming the reason."""
     model = config.sparsity.causal_window
     if model is not None:
         if window is not None and window != model:
-            raise ValueError(f"window={window!r} differs from the model's own sliding window causal_window={model} "
-                             f"(attention_window={config.sparsity.window}); omit window or pass {model}")
+            raise ValueError(f"window={window!r} differs from the model's own sliding window "
+                             f"sparsity.causal_window={model} (sparsity.window={config.sparsity.window}); omit "
+                             f"window or pass {model}")
         window = model
     elif window is None:
         return None
@@ -206,10 +207,37 @@ def check_window(window: int | None, config) -> int | None:
         raise ValueError(f"window={window!r} must be an int in [1, max_seq_len={config.max_seq_len}] "
                          "(the model was trained on no longer distances)")
     if config.positions.kind not in RELATIVE_POSITIONS:
-        own = f" (its own, attention_window={config.sparsity.window})" if model is not None else ""
+        own = f" (its own, sparsity.window={config.sparsity.window})" if model is not None else ""
         raise ValueError(f"a sliding window{own} needs relative positions (rope or alibi); this model has "
-                         f"position={config.positions.kind!r}, which stops at its {config.max_seq_len}-token context")
+                         f"positions.kind={config.positions.kind!r}, which stops at its {config.max_seq_len}-token "
+                         "context")
     return window
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """An :class:`Engine`'s sizes and choices.
+
+    num_pages, page_size: the page pool per layer (``P``, ``L``); ``num_pages`` None: room for ``max_batch``
+      sequences of ``max_context`` (of the window, with one).
+    max_batch: sequences run together per step. chunk_size: prefill tokens per sequence per step.
+    max_context: longest sequence (default ``config.max_seq_len``).
+    prefix_sharing: reuse computed pages of equal prompt prefixes.
+    backend, interpret: passed to ``paged_attention`` for decode steps.
+    window: a sliding KV window of this many positions (see the module docstring); ``max_context`` then
+      bounds prompts only. Default: the model's own ``config.sparsity.causal_window`` (None for a model
+      without one).
+    """
+
+    num_pages: int | None = None
+    page_size: int = 16
+    max_batch: int = 8
+    chunk_size: int = 64
+    max_context: int | None = None
+    prefix_sharing: bool = True
+    backend: str = "auto"
+    interpret: bool = False
+    window: int | None = None
 
 
 class Engine:
@@ -217,36 +245,28 @@ class Engine:
 
     Args:
       graphdef, state, config: the model (``jaxformer.model.init`` or a restored checkpoint).
-      num_pages, page_size: the page pool per layer (``P``, ``L``).
-      max_batch: sequences run together per step.
-      chunk_size: prefill tokens per sequence per step.
-      max_context: longest sequence (default ``config.max_seq_len``).
-      prefix_sharing: reuse computed pages of equal prompt prefixes.
-      backend, interpret: passed to ``paged_attention`` for decode steps.
-      window: a sliding KV window of this many positions (see the module docstring);
-        ``max_context`` then bounds prompts only. Default: the model's own ``config.causal_window``
-        (None for a model without one).
+      options: the engine's sizes and choices (:class:`EngineOptions`), ``changes`` (its fields by name,
+        ``Engine(g, s, c, num_pages=64, max_batch=4)``) over them.
     """
 
-    def __init__(self, graphdef, state, config, *, num_pages: int | None = None, page_size: int = 16, max_batch: int = 8,
-                 chunk_size: int = 64, max_context: int | None = None, prefix_sharing: bool = True,
-                 backend: str = "auto", interpret: bool = False, window: int | None = None):
+    def __init__(self, graphdef, state, config, options: EngineOptions | None = None, **changes):
+        o = dataclasses.replace(EngineOptions() if options is None else options, **changes)
+        self.engine_options = o
         self.graphdef, self.state, self.config = graphdef, state, config
         leaves, treedef = jax.tree.flatten(state)
         self._model, self._leaves = StaticModel.of(graphdef, treedef), leaves
-        self.max_context = config.max_seq_len if max_context is None else max_context
+        self.max_context = config.max_seq_len if o.max_context is None else o.max_context
         if not 0 < self.max_context <= config.max_seq_len:
-            raise ValueError(f"max_context={max_context} must be in [1, config.max_seq_len={config.max_seq_len}]")
-        if max_batch < 1 or chunk_size < 2:
-            raise ValueError(f"max_batch={max_batch} must be >= 1 and chunk_size={chunk_size} >= 2")
-        self.max_batch, self.chunk_size = max_batch, chunk_size
-        self.window = check_window(window, config)
-        self.options = StepOptions(backend, interpret, self.window)
-        self.max_pages_per_seq = pages_per_sequence(self.max_context, page_size, self.window)
-        if num_pages is None:  # room for max_batch sequences of max_context (of the window, with one)
-            num_pages = max_batch * self.max_pages_per_seq
-        self.manager = BlockManager(num_pages, page_size, prefix_sharing=prefix_sharing)
-        self.pools = init_page_pools(config, num_pages, page_size)
+            raise ValueError(f"max_context={o.max_context} must be in [1, config.max_seq_len={config.max_seq_len}]")
+        if o.max_batch < 1 or o.chunk_size < 2:
+            raise ValueError(f"max_batch={o.max_batch} must be >= 1 and chunk_size={o.chunk_size} >= 2")
+        self.max_batch, self.chunk_size = o.max_batch, o.chunk_size
+        self.window = check_window(o.window, config)
+        self.options = StepOptions(o.backend, o.interpret, self.window)
+        self.max_pages_per_seq = pages_per_sequence(self.max_context, o.page_size, self.window)
+        num_pages = o.max_batch * self.max_pages_per_seq if o.num_pages is None else o.num_pages
+        self.manager = BlockManager(num_pages, o.page_size, prefix_sharing=o.prefix_sharing)
+        self.pools = init_page_pools(config, num_pages, o.page_size)
         self.waiting: collections.deque[_Req] = collections.deque()
         self.running: list[_Req] = []
         self.results: dict[Hashable, Result] = {}

@@ -8,7 +8,7 @@ Rows past a sequence's length may hold stale values; the mask hides them, and a
 right-padded chunk is handled by resetting ``lengths`` afterwards
 (:func:`set_lengths`). The caller keeps ``lengths + T <= S``.
 
-``window`` W (static; a sliding-window model, ``ModelConfig.causal_window``): each query
+``window`` W (static; a sliding-window model, ``ModelConfig.sparsity.causal_window``): each query
 also sees only itself and the W - 1 keys before it, ``MaskSpec(window=(W - 1, 0))``. The
 storage stays ``S`` rows (no ring buffer): the window changes the mask, not the memory.
 """
@@ -68,7 +68,8 @@ class KVCache:
 
 
 def init_caches(config, batch: int, max_len: int, dtype=None) -> list[KVCache]:
-    """One empty :class:`KVCache` per decoder layer of a ``ModelConfig`` (``window``: its ``causal_window``)."""
+    """One empty :class:`KVCache` per decoder layer of a ``ModelConfig`` (``window``: its
+    ``sparsity.causal_window``)."""
     if config.kind != "decoder":
         raise ValueError(f"KV-cached decoding needs a decoder-only model; got config.kind={config.kind!r}")
     dtype = jnp.dtype(config.compute_dtype if dtype is None else dtype)

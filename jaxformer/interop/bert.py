@@ -70,11 +70,13 @@ from jaxformer.interop.rules import (
     Rule,
     activation_from_hf,
     linear,
+    mha_problems,
     reshaped,
     same,
+    set_options,
     transposed,
 )
-from jaxformer.model.config import ModelConfig, get_key
+from jaxformer.model.config import ModelConfig
 
 MLM_ARCHS = ("BertForMaskedLM", "BertForPreTraining")
 BARE_ARCH = "BertModel"
@@ -134,16 +136,15 @@ class BertFamily(Family):
         c = config
         problems = []
         if (c.kind, c.positions.kind, c.norm.kind, c.norm.placement) != ("encoder", "learned", "layernorm", "post"):
-            problems.append(f"kind={c.kind!r}, positions.kind={c.positions.kind!r}, norm.kind={c.norm.kind!r}, norm.placement="
-                            f"{c.norm.placement!r} (needs encoder, learned, layernorm, post)")
+            problems.append(f"kind={c.kind!r}, positions.kind={c.positions.kind!r}, norm.kind={c.norm.kind!r}, "
+                            f"norm.placement={c.norm.placement!r} (needs encoder, learned, layernorm, post)")
         if not c.norm.embed or not c.use_bias or not c.resolved_qkv_bias or c.norm.resolved_final:
-            problems.append(f"norm.embed={c.norm.embed}, use_bias={c.use_bias}, attention.qkv_bias={c.attention.qkv_bias}, "
-                            f"norm.final={c.norm.final} (needs norm.embed, biases everywhere, no final norm)")
+            problems.append(f"norm.embed={c.norm.embed}, use_bias={c.use_bias}, "
+                            f"attention.qkv_bias={c.attention.qkv_bias}, norm.final={c.norm.final} (needs "
+                            "norm.embed, biases everywhere, no final norm)")
         if c.ffn.activation not in ACTIVATIONS_TO_HF:
             problems.append(f"ffn.activation={c.ffn.activation!r} (supported: {sorted(ACTIVATIONS_TO_HF)})")
-        if c.resolved_kv_heads != c.attention.n_heads or c.resolved_head_dim * c.attention.n_heads != c.d_model:
-            problems.append(f"attention.n_kv_heads={c.attention.n_kv_heads}, attention.head_dim={c.attention.head_dim} (needs n_kv_heads = n_heads, "
-                            "head_dim = d_model / n_heads)")
+        problems += mha_problems(c)
         if c.hf_options.type_vocab_size < 1:
             problems.append("hf_options.type_vocab_size=0 (BERT always has a token-type table: use 1)")
         if c.hf_options.head_transform and c.hf_options.head_bias:
@@ -152,13 +153,11 @@ class BertFamily(Family):
             arch = BARE_ARCH
         else:
             arch = None
-            problems.append(f"head_transform={c.hf_options.head_transform}, head_bias={c.hf_options.head_bias}, tie_embeddings="
-                            f"{c.tie_embeddings} (needs both head options (BertForMaskedLM), or neither with "
-                            "tied embeddings (BertModel))")
-        for field in ("norm.sandwich", "scale_embeddings", "attention.softcap", "attention.scale", "logits_softcap",
-                      "sparsity.window", "sparsity.random_blocks"):
-            if get_key(c, field) not in (None, False):
-                problems.append(f"{field}={get_key(c, field)!r}")
+            problems.append(f"hf_options.head_transform={c.hf_options.head_transform}, hf_options.head_bias="
+                            f"{c.hf_options.head_bias}, tie_embeddings={c.tie_embeddings} (needs both head options "
+                            "(BertForMaskedLM), or neither with tied embeddings (BertModel))")
+        problems += set_options(c, ("norm.sandwich", "scale_embeddings", "attention.softcap", "attention.scale",
+                                    "logits_softcap", "sparsity.window", "sparsity.random_blocks"))
         if c.sparsity.global_tokens or c.attention.qkv_sharing != "none" or not c.residual:
             problems.append(f"global_tokens={c.sparsity.global_tokens}, qkv_sharing={c.attention.qkv_sharing!r}, "
                             f"residual={c.residual}")
@@ -168,7 +167,8 @@ class BertFamily(Family):
             model_type="bert", architectures=[arch], vocab_size=c.vocab_size, hidden_size=c.d_model,
             num_hidden_layers=c.n_layers, num_attention_heads=c.attention.n_heads, intermediate_size=c.resolved_d_ff,
             hidden_act=ACTIVATIONS_TO_HF[c.ffn.activation], max_position_embeddings=c.max_seq_len,
-            type_vocab_size=c.hf_options.type_vocab_size, layer_norm_eps=c.norm.eps, tie_word_embeddings=c.tie_embeddings,
+            type_vocab_size=c.hf_options.type_vocab_size, layer_norm_eps=c.norm.eps,
+            tie_word_embeddings=c.tie_embeddings,
             position_embedding_type="absolute", is_decoder=False, add_cross_attention=False,
         )
 
@@ -219,7 +219,9 @@ class BertFamily(Family):
                 "cls.predictions.decoder.bias": "cls.predictions.bias"}
 
     def optional(self, config: ModelConfig) -> tuple[str, ...]:
-        return () if config.tie_embeddings or not config.hf_options.head_transform else ("cls.predictions.decoder.bias",)
+        if config.tie_embeddings or not config.hf_options.head_transform:
+            return ()
+        return ("cls.predictions.decoder.bias",)
 
     def fill(self, name: str, present: Mapping[str, Any]):
         if name == "cls.predictions.decoder.bias" and "cls.predictions.bias" in present:

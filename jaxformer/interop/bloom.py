@@ -35,8 +35,19 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxformer.interop.rules import Family, HFConfigError, Reader, Rule, linear, same, transposed, xp
-from jaxformer.model.config import ModelConfig, get_key
+from jaxformer.interop.rules import (
+    Family,
+    HFConfigError,
+    Reader,
+    Rule,
+    linear,
+    mha_problems,
+    same,
+    set_options,
+    transposed,
+    xp,
+)
+from jaxformer.model.config import ModelConfig
 
 ARCH = "BloomForCausalLM"
 MAX_SEQ_LEN = 2048
@@ -99,22 +110,22 @@ class BloomFamily(Family):
     def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
         c = config
         problems = []
-        if c.kind != "decoder" or c.positions.kind != "alibi" or c.norm.kind != "layernorm" or c.norm.placement != "pre":
+        if (c.kind, c.positions.kind, c.norm.kind, c.norm.placement) != ("decoder", "alibi", "layernorm", "pre"):
             problems.append(f"kind={c.kind!r}, positions.kind={c.positions.kind!r}, norm.kind={c.norm.kind!r}, "
                             f"norm.placement={c.norm.placement!r} (needs decoder, alibi, layernorm, pre)")
         if c.ffn.activation != "gelu_tanh" or c.resolved_d_ff != 4 * c.d_model:
-            problems.append(f"ffn.activation={c.ffn.activation!r}, ffn.d_ff={c.resolved_d_ff} (needs gelu_tanh, 4 * d_model)")
+            problems.append(f"ffn.activation={c.ffn.activation!r}, ffn.d_ff={c.resolved_d_ff} (needs gelu_tanh, "
+                            "4 * d_model)")
         if not c.norm.embed:
             problems.append("norm.embed=False (BLOOM norms the embedding)")
         if not c.use_bias or c.resolved_qkv_bias is not True:
             problems.append(f"use_bias={c.use_bias}, attention.qkv_bias={c.attention.qkv_bias} (BLOOM has every bias)")
-        if c.resolved_kv_heads != c.attention.n_heads or c.resolved_head_dim * c.attention.n_heads != c.d_model:
-            problems.append(f"attention.n_kv_heads={c.attention.n_kv_heads}, attention.head_dim={c.attention.head_dim} (needs MHA with head_dim = D / N)")
-        for field in ("norm.sandwich", "scale_embeddings", "attention.softcap", "attention.scale", "logits_softcap",
-                      "hf_options.head_transform", "hf_options.head_bias", "sparsity.window"):
-            if get_key(c, field) not in (None, False):
-                problems.append(f"{field}={get_key(c, field)!r}")
-        if c.attention.qkv_sharing != "none" or c.hf_options.type_vocab_size or not c.residual or not c.norm.resolved_final:
+        problems += mha_problems(c)
+        problems += set_options(c, ("norm.sandwich", "scale_embeddings", "attention.softcap", "attention.scale",
+                                    "logits_softcap", "hf_options.head_transform", "hf_options.head_bias",
+                                    "sparsity.window"))
+        if (c.attention.qkv_sharing != "none" or c.hf_options.type_vocab_size or not c.residual
+                or not c.norm.resolved_final):
             problems.append("attention.qkv_sharing / hf_options.type_vocab_size / residual=False / norm.final=False")
         if problems:
             raise HFConfigError("not expressible as a bloom config.json: " + "; ".join(problems))

@@ -38,11 +38,13 @@ from jaxformer.interop.rules import (
     Rule,
     activation_from_hf,
     conv1d,
+    mha_problems,
     same,
+    set_options,
     transposed,
     xp,
 )
-from jaxformer.model.config import ModelConfig, get_key
+from jaxformer.model.config import ModelConfig
 
 ARCH = "GPT2LMHeadModel"
 
@@ -108,22 +110,21 @@ class GPT2Family(Family):
     def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
         c = config
         problems = []
-        if c.kind != "decoder" or c.positions.kind != "learned" or c.norm.kind != "layernorm" or c.norm.placement != "pre":
+        if (c.kind, c.positions.kind, c.norm.kind, c.norm.placement) != ("decoder", "learned", "layernorm", "pre"):
             problems.append(f"kind={c.kind!r}, positions.kind={c.positions.kind!r}, norm.kind={c.norm.kind!r}, "
                             f"norm.placement={c.norm.placement!r} (needs decoder, learned, layernorm, pre)")
         if c.ffn.activation not in ACTIVATIONS_TO_HF:
             problems.append(f"ffn.activation={c.ffn.activation!r} (supported: {sorted(ACTIVATIONS_TO_HF)})")
         if not c.use_bias or c.resolved_qkv_bias is not True:
             problems.append(f"use_bias={c.use_bias}, attention.qkv_bias={c.attention.qkv_bias} (GPT-2 has every bias)")
-        if c.resolved_kv_heads != c.attention.n_heads or c.resolved_head_dim * c.attention.n_heads != c.d_model:
-            problems.append(f"attention.n_kv_heads={c.attention.n_kv_heads}, attention.head_dim={c.attention.head_dim} (needs MHA with head_dim = D / N)")
+        problems += mha_problems(c)
         if c.attention.scale not in (None, 1.0):
             problems.append(f"attention.scale={c.attention.scale} (only the default 1/sqrt(head_dim), or 1.0)")
-        for field in ("norm.sandwich", "norm.embed", "scale_embeddings", "attention.softcap", "logits_softcap",
-                      "hf_options.head_transform", "hf_options.head_bias", "sparsity.window", "positions.rope_scaling"):
-            if get_key(c, field) not in (None, False):
-                problems.append(f"{field}={get_key(c, field)!r}")
-        if c.attention.qkv_sharing != "none" or c.hf_options.type_vocab_size or not c.residual or not c.norm.resolved_final:
+        problems += set_options(c, ("norm.sandwich", "norm.embed", "scale_embeddings", "attention.softcap",
+                                    "logits_softcap", "hf_options.head_transform", "hf_options.head_bias",
+                                    "sparsity.window", "positions.rope_scaling"))
+        if (c.attention.qkv_sharing != "none" or c.hf_options.type_vocab_size or not c.residual
+                or not c.norm.resolved_final):
             problems.append("attention.qkv_sharing / hf_options.type_vocab_size / residual=False / norm.final=False")
         if problems:
             raise HFConfigError("not expressible as a gpt2 config.json: " + "; ".join(problems))

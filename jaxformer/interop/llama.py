@@ -37,6 +37,7 @@ from jaxformer.interop.rules import (
     linear,
     reshaped,
     same,
+    set_options,
     transposed,
 )
 from jaxformer.model.config import ModelConfig, get_key
@@ -159,7 +160,7 @@ class LlamaFamily(Family):
     def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
         c = config
         problems = []
-        if c.kind != "decoder" or c.positions.kind != "rope" or c.norm.kind != "rmsnorm" or c.norm.placement != "pre":
+        if (c.kind, c.positions.kind, c.norm.kind, c.norm.placement) != ("decoder", "rope", "rmsnorm", "pre"):
             problems.append(f"kind={c.kind!r}, positions.kind={c.positions.kind!r}, norm.kind={c.norm.kind!r}, "
                             f"norm.placement={c.norm.placement!r} (needs decoder, rope, rmsnorm, pre)")
         if c.ffn.activation not in ("swiglu", "geglu"):
@@ -184,11 +185,11 @@ class LlamaFamily(Family):
             problems.append(f"attention.qkv_bias={c.attention.qkv_bias} with use_bias={c.use_bias}")
         if model_type == "mistral" and c.use_bias:
             problems.append("use_bias=True with a sliding window (Mistral has no biases; Qwen2 only q/k/v biases)")
-        for field in ("norm.sandwich", "norm.embed", "scale_embeddings", "attention.softcap", "attention.scale",
-                      "logits_softcap", "hf_options.head_transform", "hf_options.head_bias"):
-            if get_key(c, field) not in (None, False):
-                problems.append(f"{field}={get_key(c, field)!r}")
-        for field, ok in (("attention.qkv_sharing", c.attention.qkv_sharing == "none"), ("hf_options.type_vocab_size", not c.hf_options.type_vocab_size),
+        problems += set_options(c, ("norm.sandwich", "norm.embed", "scale_embeddings", "attention.softcap",
+                                    "attention.scale", "logits_softcap", "hf_options.head_transform",
+                                    "hf_options.head_bias"))
+        for field, ok in (("attention.qkv_sharing", c.attention.qkv_sharing == "none"),
+                          ("hf_options.type_vocab_size", not c.hf_options.type_vocab_size),
                           ("residual", c.residual), ("norm.final", c.norm.resolved_final)):
             if not ok:
                 problems.append(f"{field}={get_key(c, field)!r}")
@@ -221,7 +222,8 @@ class LlamaFamily(Family):
                       max_window_layers=0 if window is not None else c.n_layers,
                       layer_types=["sliding_attention" if window is not None else "full_attention"] * c.n_layers)
         # transformers >= 5 reads rope_parameters first: write it too, so a stale one (from hf_config) never wins
-        hf["rope_parameters"] = {"rope_theta": c.positions.rope_base, "rope_type": "default", **(hf["rope_scaling"] or {})}
+        hf["rope_parameters"] = {"rope_theta": c.positions.rope_base, "rope_type": "default",
+                                 **(hf["rope_scaling"] or {})}
         return hf
 
     def rules(self, config: ModelConfig) -> list[Rule]:

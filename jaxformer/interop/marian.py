@@ -62,8 +62,10 @@ from jaxformer.interop.rules import (
     Rule,
     activation_from_hf,
     linear,
+    mha_problems,
     reshaped,
     same,
+    set_options,
     transposed,
 )
 from jaxformer.model.config import ModelConfig, get_key
@@ -159,14 +161,14 @@ class MarianFamily(Family):
             problems.append(f"ffn.activation={c.ffn.activation!r} (needs one of {sorted(ACTIVATIONS_TO_MARIAN)})")
         if c.attention.qkv_bias is False:
             problems.append("attention.qkv_bias=False")
-        if c.resolved_kv_heads != c.attention.n_heads or c.resolved_head_dim * c.attention.n_heads != c.d_model:
-            problems.append(f"attention.n_kv_heads={c.attention.n_kv_heads}, attention.head_dim={c.attention.head_dim} (needs MHA with head_dim = D / N)")
-        for field in ("norm.sandwich", "norm.embed", "attention.softcap", "attention.scale", "logits_softcap",
-                      "hf_options.head_transform", "sparsity.window", "sparsity.random_blocks", "norm.final"):
-            if get_key(c, field) not in (None, False):
-                problems.append(f"{field}={get_key(c, field)!r}")
-        if c.sparsity.global_tokens or c.attention.qkv_sharing != "none" or c.hf_options.type_vocab_size or not c.residual:
-            problems.append("sparsity.global_tokens / attention.qkv_sharing / hf_options.type_vocab_size / residual=False")
+        problems += mha_problems(c)
+        problems += set_options(c, ("norm.sandwich", "norm.embed", "attention.softcap", "attention.scale",
+                                    "logits_softcap", "hf_options.head_transform", "sparsity.window",
+                                    "sparsity.random_blocks", "norm.final"))
+        if (c.sparsity.global_tokens or c.attention.qkv_sharing != "none" or c.hf_options.type_vocab_size
+                or not c.residual):
+            problems.append("sparsity.global_tokens / attention.qkv_sharing / hf_options.type_vocab_size / "
+                            "residual=False")
         if problems:
             raise HFConfigError("not expressible as a marian config.json: " + "; ".join(problems))
         F = c.resolved_d_ff

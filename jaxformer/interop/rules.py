@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxformer.model.config import ModelConfig
+from jaxformer.model.config import ModelConfig, get_key
 
 Path_ = tuple[str | int, ...]  # a parameter's path in the nnx.State, e.g. ("decoder", "blocks", 0, "mlp", "w_in")
 
@@ -219,6 +219,21 @@ ACTIVATIONS_FROM_HF = {
     "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": None,
     "relu": "relu", "silu": "silu", "swish": "silu",
 }
+
+
+def mha_problems(c: ModelConfig) -> list[str]:
+    """The export refusal of a config whose attention is not multi-head with ``head_dim = d_model / n_heads``
+    (what GPT-2, BLOOM, BERT and Marian store); empty when it is."""
+    if c.resolved_kv_heads == c.attention.n_heads and c.resolved_head_dim * c.attention.n_heads == c.d_model:
+        return []
+    return [f"attention.n_kv_heads={c.attention.n_kv_heads}, attention.head_dim={c.attention.head_dim} "
+            "(needs MHA with head_dim = D / N)"]
+
+
+def set_options(c: ModelConfig, keys: Sequence[str]) -> list[str]:
+    """``key=value`` for each of ``keys`` (a top-level field or ``section.field``) that ``c`` sets to other
+    than None or False: options a family's ``config.json`` cannot hold."""
+    return [f"{k}={get_key(c, k)!r}" for k in keys if get_key(c, k) not in (None, False)]
 
 
 def activation_from_hf(r: Reader, key: str, default: str, *, gated: bool = False) -> str:

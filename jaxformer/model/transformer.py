@@ -27,7 +27,7 @@ Self-attention (encoder and decoder) follows the config's sparse pattern
 (``sparsity.window``, ``global_tokens``, ``random_blocks``): global positions
 are absolute row positions, so in a packed row only the first document sees
 position 0 as global. A KV cache owns its mask: a decoder band ``(W-1, right)`` is a sliding
-window a cache applies (its ``window`` must be ``config.causal_window``); global tokens and random
+window a cache applies (its ``window`` must be ``config.sparsity.causal_window``); global tokens and random
 blocks refuse a cache.
 """
 
@@ -93,8 +93,8 @@ def _check_cache_window(cfg: ModelConfig, cache: Sequence) -> None:
         if got != want:
             raise ValueError(
                 f"cache[{i}].window={got} but config.sparsity.window={sp.window} is a sliding window "
-                f"of causal_window={want} positions; build the caches from this config (init_caches(config, ...), "
-                "or an Engine, which takes the window from the config)")
+                f"of sparsity.causal_window={want} positions; build the caches from this config "
+                "(init_caches(config, ...), or an Engine, which takes the window from the config)")
 
 
 class _ByKind(type(nnx.Module)):

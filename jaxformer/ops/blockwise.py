@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,24 @@ class _Cfg:
         return -(-self.S // self.bk)
 
 
-def _mask_operands(mask: MaskSpec, cfg: _Cfg):
+class _MaskOperands(NamedTuple):
+    """Padded per-position mask operands: q positions ``[B|1, Tp]``, q and kv segment ids, kv lengths."""
+
+    q_pos: jax.Array
+    q_seg: jax.Array | None
+    kv_seg: jax.Array | None
+    lengths: jax.Array | None
+
+
+class _QBlock(NamedTuple):
+    """One q block: its queries ``[B, bq, K, G, H]``, positions ``[B|1, bq]`` and segment ids (or None)."""
+
+    q: jax.Array
+    pos: jax.Array
+    seg: jax.Array | None
+
+
+def _mask_operands(mask: MaskSpec, cfg: _Cfg) -> _MaskOperands:
     """Padded per-position operands: q positions ``[B|1, Tp]``, segment ids, lengths."""
     Tp = cfg.nq * cfg.bq
     qpos = mask.q_positions(cfg.T, cfg.S)[:, :1] + jnp.arange(Tp, dtype=jnp.int32)[None, :]
@@ -65,7 +83,7 @@ def _mask_operands(mask: MaskSpec, cfg: _Cfg):
     q_seg = None if mask.q_segment_ids is None else pad_axis(jnp.asarray(mask.q_segment_ids), 1, Tp)
     kv_seg = None if kv_seg is None else pad_axis(jnp.asarray(kv_seg), 1, cfg.nk * cfg.bk)
     lengths = None if mask.kv_lengths is None else jnp.asarray(mask.kv_lengths, jnp.int32)
-    return qpos, q_seg, kv_seg, lengths
+    return _MaskOperands(qpos, q_seg, kv_seg, lengths)
 
 
 def _tile_allowed(mask: MaskSpec, cfg: _Cfg, qp, kp, qs, ks, lengths):
@@ -79,11 +97,14 @@ def _tile_allowed(mask: MaskSpec, cfg: _Cfg, qp, kp, qs, ks, lengths):
                      kv_length=None if lengths is None else lengths[:, None, None], num_keys=cfg.S)
 
 
-def _block(mask, cfg, slopes, qb, qp, qs, kp_all, vp_all, ks_all, lengths, j):
-    """Logits tile of q block ``qb [B,bq,K,G,H]`` against kv block ``j``.
+def _block(mask, cfg, slopes, qblock: _QBlock, kp_all, vp_all, ops: _MaskOperands, j):
+    """Logits tile of q block ``qblock.q [B,bq,K,G,H]`` against kv block ``j`` of the padded ``kp_all``,
+    ``vp_all``.
 
     Returns (masked fp32 logits ``[B,K,G,bq,bk]``, d logits / d qk, k block, v block).
     """
+    qb, qp, qs = qblock
+    ks_all, lengths = ops.kv_seg, ops.lengths
     start = j * cfg.bk
     kb = jax.lax.dynamic_slice_in_dim(kp_all, start, cfg.bk, axis=1)
     vb = jax.lax.dynamic_slice_in_dim(vp_all, start, cfg.bk, axis=1)
@@ -109,12 +130,12 @@ def _kv_range(cfg: _Cfg, i):
     return jnp.asarray(cfg.kv_lo, jnp.int32)[i], jnp.asarray(cfg.kv_hi, jnp.int32)[i]
 
 
-def _q_slices(cfg, i, qg, qpos, q_seg):
+def _q_slices(cfg, i, qg, qpos, q_seg) -> _QBlock:
     start = i * cfg.bq
     qb = jax.lax.dynamic_slice_in_dim(qg, start, cfg.bq, axis=1)
     qp = jax.lax.dynamic_slice_in_dim(qpos, start, cfg.bq, axis=1)
     qs = None if q_seg is None else jax.lax.dynamic_slice_in_dim(q_seg, start, cfg.bq, axis=1)
-    return qb, qp, qs
+    return _QBlock(qb, qp, qs)
 
 
 def _grouped(q, k, v, cfg: _Cfg):
@@ -129,14 +150,14 @@ def _forward(q, k, v, mask, slopes, cfg: _Cfg):
     K = k.shape[2]
     G = N // K
     qg, kp, vp = _grouped(q, k, v, cfg)
-    qpos, q_seg, kv_seg, lengths = _mask_operands(mask, cfg)
+    ops = _mask_operands(mask, cfg)
 
     def q_block(i):
-        qb, qp, qs = _q_slices(cfg, i, qg, qpos, q_seg)
+        qblock = _q_slices(cfg, i, qg, ops.q_pos, ops.q_seg)
 
         def body(j, carry):
             acc, m, l = carry
-            s, _, _, vb = _block(mask, cfg, slopes, qb, qp, qs, kp, vp, kv_seg, lengths, j)
+            s, _, _, vb = _block(mask, cfg, slopes, qblock, kp, vp, ops, j)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp(m - m_safe)
@@ -180,21 +201,22 @@ def _blockwise_bwd(cfg, mask_def, res, do):
     G = N // K
     Tp = cfg.nq * cfg.bq
     qg, kp, vp = _grouped(q, k, v, cfg)
-    qpos, q_seg, kv_seg, lengths = _mask_operands(mask, cfg)
+    ops = _mask_operands(mask, cfg)
     dog = pad_axis(do.astype(q.dtype), 1, Tp).reshape(B, Tp, K, G, H)
     delta = jnp.einsum("BTNH,BTNH->BTN", do.astype(_F32), o.astype(_F32))
     delta = jnp.transpose(pad_axis(delta, 1, Tp).reshape(B, cfg.nq, cfg.bq, K, G), (1, 0, 3, 4, 2))
 
     def q_block(i, carry):
         dq, dk, dv = carry
-        qb, qp, qs = _q_slices(cfg, i, qg, qpos, q_seg)
+        qblock = _q_slices(cfg, i, qg, ops.q_pos, ops.q_seg)
+        qb = qblock.q
         dob = jax.lax.dynamic_slice_in_dim(dog, i * cfg.bq, cfg.bq, axis=1)
         lse_i = lse[i][..., None]
         delta_i = delta[i][..., None]
 
         def body(j, c):
             dq_i, dk, dv = c
-            s, dscale, kb, vb = _block(mask, cfg, slopes, qb, qp, qs, kp, vp, kv_seg, lengths, j)
+            s, dscale, kb, vb = _block(mask, cfg, slopes, qblock, kp, vp, ops, j)
             p = jnp.exp(s - lse_i)
             dv_j = jnp.einsum("BKGTS,BTKGH->BSKH", p.astype(dob.dtype), dob, preferred_element_type=_F32)
             dp = jnp.einsum("BTKGH,BSKH->BKGTS", dob, vb, preferred_element_type=_F32)

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -414,7 +414,7 @@ class MaskSpec:
             if not global_rows:
                 keep = ~in_all
         shared = _mark(np.concatenate(rows), np.concatenate(los), np.concatenate(his), keep,
-                       1, nq, nk, block_q, block_k)
+                       _BlockGrid(1, nq, nk, block_q, block_k))
         live = shared
         if self.random_blocks is not None and self.patterns_active:
             R = self.random_blocks.block_size
@@ -426,7 +426,7 @@ class MaskSpec:
             rlo, rhi = kb * R, np.minimum(kb * R + R - 1, top[None, :, None])
             trow = np.broadcast_to(np.arange(T)[None, :, None], kb.shape)
             hid = np.broadcast_to(np.arange(heads)[:, None, None], kb.shape)
-            rand = _mark(trow.ravel(), rlo.ravel(), rhi.ravel(), keep, heads, nq, nk, block_q, block_k,
+            rand = _mark(trow.ravel(), rlo.ravel(), rhi.ravel(), keep, _BlockGrid(heads, nq, nk, block_q, block_k),
                          head=hid.ravel()) if r else np.zeros((heads, nq, nk), bool)
             live = shared | rand
         if not per_head:
@@ -468,8 +468,19 @@ class MaskSpec:
         return dataclasses.replace(mask, **ops)
 
 
-def _mark(rows, lo, hi, keep, nheads, nq, nk, bq, bk, head=None):
+class _BlockGrid(NamedTuple):
+    """A block map's shape: ``nheads`` heads of ``nq`` q blocks of ``bq`` rows by ``nk`` kv blocks of ``bk``."""
+
+    nheads: int
+    nq: int
+    nk: int
+    bq: int
+    bk: int
+
+
+def _mark(rows, lo, hi, keep, grid: _BlockGrid, head=None):
     """OR of key intervals ``[lo, hi]`` of query ``rows`` (of head ``head``) into a bool ``[nheads, nq, nk]``."""
+    nheads, nq, nk, bq, bk = grid
     hid = np.zeros_like(rows) if head is None else head
     lo = np.maximum(lo, 0)
     ok = (lo <= hi) & keep[rows]

@@ -195,7 +195,7 @@ def test_block_manager_drop_before():
 @pytest.mark.parametrize("position", ["learned", "sinusoidal", "none"])
 def test_window_refused_for_absolute_or_no_positions(position):
     cfg = presets.get("llama_tiny", position=position, max_seq_len=40)
-    with pytest.raises(ValueError, match=f"relative positions.*position='{position}'"):
+    with pytest.raises(ValueError, match=f"relative positions.*positions.kind='{position}'"):
         eng.Engine(None, None, cfg, num_pages=4, window=40)
     rope = presets.get("llama_tiny", max_seq_len=40)
     for bad in (0, 41, 2.5):
@@ -222,9 +222,9 @@ def test_model_band_is_the_engine_window(llama, llama_banded_reference):
     assert e.stats["pages_dropped"] > 0
     assert eng.check_window(W, cfg_w) == W and eng.check_window(None, cfg_w) == W
     with pytest.raises(ValueError, match=rf"window={W + 1} differs from the model's own sliding window "
-                                         rf"causal_window={W} \(attention_window=\({W - 1}, 0\)\)"):
+                                         rf"sparsity.causal_window={W} \(sparsity.window=\({W - 1}, 0\)\)"):
         eng.Engine(graphdef_w, state, cfg_w, num_pages=4, window=W + 1)
-    with pytest.raises(ValueError, match=r"sliding window \(its own, attention_window=.*position='learned'"):
+    with pytest.raises(ValueError, match=r"sliding window \(its own, sparsity.window=.*positions.kind='learned'"):
         eng.Engine(None, None, cfg_w.replace(position="learned"), num_pages=4)
 
 
