@@ -82,7 +82,7 @@ MUTATIONS = [
              "band = None if self.window is None else (self.window - 1, 0)", "band = None",
              (HF + "test_llama.py", "tests/decode/test_kv_cache.py"), "the contiguous cache drops the sliding window"),
     Mutation("marian_prompt_without_eos", "jaxformer/interop/tokenizer.py",
-             "prompt_fn=lambda s: encode(s) + [eos]", "prompt_fn=lambda s: encode(s)",
+             "prompt=lambda s: encode(s) + [eos]", "prompt=lambda s: encode(s)",
              (HF + "test_marian.py",), "Marian source text encoded without its closing </s>"),
     # -- GGUF files: llama.cpp's Q/K permutation, the metadata, the tokenizer (the tiny-file tests: no download)
     Mutation("gguf_llama_not_unpermuted", "jaxformer/interop/gguf.py",

@@ -76,7 +76,7 @@ def sparse_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec | Non
     idx, _ = block_lists(live, pad=live.shape[-1])
     out = _blocked(q, k, v, mask, slopes, BlockedPlan(idx, bs, offset, scale, softcap))
     if mask.global_tokens is not None and mask.patterns_active:
-        out = _global_rows(out, q, k, v, mask, slopes, offset, scale, softcap)
+        out = _global_rows(out, (q, k, v), mask, slopes, offset, (scale, softcap))
     return out
 
 
@@ -211,10 +211,14 @@ def global_query_rows(out: Float[ArrayLike, "B T N H"], q: Query, k: KeyValue, v
     if mask.global_tokens is None or not mask.patterns_active:
         return out
     scale = 1.0 / math.sqrt(H) if scale is None else scale
-    return _global_rows(out, q, k, v, mask, check_slopes(alibi_slopes, B, N), offset, scale, softcap)
+    return _global_rows(out, (q, k, v), mask, check_slopes(alibi_slopes, B, N), offset, (scale, softcap))
 
 
-def _global_rows(out, q, k, v, mask: MaskSpec, slopes, offset: int, scale, softcap):
+def _global_rows(out, qkv, mask: MaskSpec, slopes, offset: int, logit: tuple[float, float | None]):
+    """:func:`global_query_rows` of checked inputs: ``qkv`` the ``(q, k, v)`` triple, ``logit`` the
+    ``(scale, softcap)`` of :func:`_logits`."""
+    q, k, v = qkv
+    scale, softcap = logit
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K

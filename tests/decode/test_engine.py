@@ -125,6 +125,20 @@ def test_engine_argument_errors(llama):
         eng.Engine(graphdef, state, cfg, num_pages=4, max_context=41)
     with pytest.raises(ValueError, match="chunk_size"):
         eng.Engine(graphdef, state, cfg, num_pages=4, chunk_size=1)
+    with pytest.raises(TypeError, match="num_page"):  # a misspelt option is refused by name
+        eng.Engine(graphdef, state, cfg, num_page=4)
+
+
+def test_engine_options_object_and_keywords_agree(llama):
+    """``Engine(g, s, c, EngineOptions(...))``, the same as keywords, and keywords over an options object."""
+    cfg, graphdef, state = llama
+    opts = eng.EngineOptions(**GEOMETRY)
+    by_object, by_keywords = eng.Engine(graphdef, state, cfg, opts), eng.Engine(graphdef, state, cfg, **GEOMETRY)
+    assert by_object.engine_options == by_keywords.engine_options == opts
+    mixed = eng.Engine(graphdef, state, cfg, opts, max_batch=2)
+    assert mixed.engine_options == eng.EngineOptions(**{**GEOMETRY, "max_batch": 2}) and mixed.max_batch == 2
+    assert (mixed.manager.num_pages, mixed.manager.page_size) == (GEOMETRY["num_pages"], GEOMETRY["page_size"])
+    assert eng.EngineOptions().max_batch == 8 and eng.Engine(graphdef, state, cfg, num_pages=4).chunk_size == 64
 
 
 @pytest.mark.slow

@@ -232,6 +232,14 @@ def test_model_hf_errors_name_the_file_and_key(hf_llama_dir, tmp_path, capsys):
     raw["model"] = {"hf": str(hf_llama_dir), "n_layers": 3}
     assert main(["train", str(write_config(cfg, raw))]) == 2
     assert f"{cfg}: model.n_layers: is fixed by the checkpoint's config.json (model.hf)" in capsys.readouterr().err
+    # the attention section: impl may be set, nothing else; a flat key of before the sections is refused too
+    ok = C.from_dict({**raw, "model": {"hf": str(hf_llama_dir), "attention": {"impl": "xla"}}}, str(cfg))
+    assert ok.model.attention.impl == "xla"
+    assert C.from_dict({**raw, "model": {"hf": str(hf_llama_dir), "attention_impl": "xla"}}, str(cfg)) == ok
+    for model, key in (({"attention": {"impl": "xla", "n_heads": 2}}, "model.attention.n_heads"),
+                       ({"n_heads": 2}, "model.n_heads")):
+        with pytest.raises(C.ConfigError, match=rf"{key}: is fixed by the checkpoint's config.json"):
+            C.from_dict({**raw, "model": {"hf": str(hf_llama_dir), **model}}, str(cfg))
 
     raw["model"] = {"hf": str(hf_llama_dir)}
     raw["data"]["tokenizer"] = "bpe"

@@ -47,7 +47,9 @@ def test_every_flat_key_lands_in_its_section():
 def test_a_value_given_flat_and_in_its_section_is_refused_naming_both():
     with pytest.raises(ValueError, match=r"attention\.n_heads given twice.*\['n_heads'\]"):
         ModelConfig(n_heads=2, attention={"n_heads": 4})
-    # different fields of one section, some flat and some in it, join
+    # different fields of one section, some flat and some in it, join (the section a mapping or an object)
+    assert ModelConfig(n_kv_heads=3, attention=AttentionConfig(n_heads=6), d_model=48).attention == AttentionConfig(
+        n_heads=6, n_kv_heads=3)
     assert ModelConfig(n_kv_heads=3, attention={"n_heads": 6}, d_model=48).attention == AttentionConfig(n_heads=6,
                                                                                        n_kv_heads=3)
 
@@ -82,6 +84,9 @@ def test_overrides_and_yaml_take_either_spelling(tmp_path):
                        ).model.attention.n_heads == 4
     with pytest.raises(C.ConfigError, match=r"x.yaml: model.attention: n_heads=2 not divisible by n_kv_heads=3"):
         C.from_dict(raw, "x.yaml", ["model.n_kv_heads=3"])
+    both = {**raw, "model": {**raw["model"], "attention": {"n_heads": 4}}}  # n_heads flat and in the section
+    with pytest.raises(C.ConfigError, match=r"override 'model.n_layers=1': model: attention.n_heads given twice"):
+        C.from_dict(both, "x.yaml", ["model.n_layers=1"])
 
 
 def test_the_model_classes_by_kind():
