@@ -60,7 +60,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import median_seconds, timed
+from timing import cpu_line, median_seconds, timed  # cpu_line: the CPU model, ISA flags, cores, load
 
 from jaxformer.decode.block_manager import BlockManager, OutOfPages
 from jaxformer.decode.engine import Engine
@@ -188,26 +188,6 @@ def bench_engine(n_requests: int = 32, new: int = 32, slots: int = 32):
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True,
                     max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-
-
-def cpu_line() -> str:
-    """The CPU model, its vector ISA flags, the cores and the load average, for every table."""
-    model, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model == "unknown CPU":
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = " ".join(f for f in ISA_FLAGS if f in flags) or "none of " + " ".join(ISA_FLAGS)
-    return (f"CPU: {model}, {os.cpu_count()} cores, ISA {isa}; load average "
-            f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1 / 5 / 15 min)")
-
-
 class IdTokenizer:
     """A prompt written as its token ids ("5 17 302"): the bench times generation, not text; no EOS,
     so every request runs its ``max_new_tokens``."""

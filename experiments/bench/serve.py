@@ -42,7 +42,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import cpu_line  # noqa: E402  (the CPU model, ISA flags, cores and load average)
+from timing import cpu_line  # noqa: E402  (the CPU model, ISA flags, cores and load average)
 
 SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
                     intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,

@@ -7,6 +7,7 @@ import this module and :mod:`procmem` as ``from timing import ...``.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -30,3 +31,23 @@ def wall_times(fn, *args, warmup: int = 1, repeats: int = 5) -> list[float]:
 def median_seconds(fn, *args, warmup: int = 1, repeats: int = 5) -> float:
     """Median of :func:`wall_times`."""
     return statistics.median(wall_times(fn, *args, warmup=warmup, repeats=repeats))
+
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def cpu_line() -> str:
+    """The CPU model, its vector ISA flags, the cores and the load average, for every table."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model == "unknown CPU":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = " ".join(f for f in ISA_FLAGS if f in flags) or "none of " + " ".join(ISA_FLAGS)
+    return (f"CPU: {model}, {os.cpu_count()} cores, ISA {isa}; load average "
+            f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1 / 5 / 15 min)")

@@ -48,6 +48,7 @@ from jaxformer.train.metrics import device_peak
 from jaxformer.train.optim import decay_mask, make_schedule
 from jaxformer.train.pipeline import TrainIterator
 from jaxformer.train.step import make_trainer
+from timing import cpu_line  # the CPU model, its ISA flags, the cores and the load average
 
 
 def experiment(args) -> C.ExperimentConfig:
@@ -396,6 +397,7 @@ def main(argv=None):
     tokens = cfg.batch_size * cfg.seq_len
     fpt = flops_per_token(cfg.model, cfg.seq_len)
     peak, peak_src = device_peak(mesh.devices.flat, args.peak_tflops)
+    print(cpu_line())
     print(f"device {jax.devices()[0].device_kind}; model d={args.d_model} L={args.layers} H={cfg.model.attention.n_heads} "
           f"T={cfg.seq_len} B={cfg.batch_size} {args.dtype}; {fpt / 1e6:.1f} MFLOP/token; MFU vs {peak_src}")
     print(f"{'step':<16}{'ms/step':>10}{'tokens/s':>14}{'MFU':>8}{'CPU ms/step':>13}")
