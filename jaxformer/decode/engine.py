@@ -33,7 +33,7 @@ context; positions keep counting. Before each step a sequence's pages whose toke
 all lie behind its next token's window go back to the free list, so in decode it
 holds at most ``ceil(W / L) + 1`` pages, however long it runs. A preempted sequence is
 recomputed the same way (windowed prefill, dropping pages as it goes). A model trained with a
-sliding window (``attention_window=(W - 1, 0)``: Mistral, Qwen2) brings its own
+sliding window (``sparsity.window=(W - 1, 0)``: Mistral, Qwen2) brings its own
 ``config.sparsity.causal_window`` W, which the engine always uses (a ``window=`` given too must equal it).
 
 A bad request (empty prompt, prompt longer than the context, out-of-vocabulary

@@ -227,7 +227,7 @@ def report_records(records: Sequence[dict], config, *, window: int | None = None
         if r["stopped_by"] == "context":
             hint = (f"pass --window N (N <= {ctx}) to continue with a sliding window"
                     if config.positions.kind in RELATIVE_POSITIONS else
-                    f"this model's position={config.positions.kind!r} cannot go past it")
+                    f"this model's positions.kind={config.positions.kind!r} cannot go past it")
             print(f"note: {name} stopped at the model's {ctx}-token context after {len(r['tokens'])} new tokens; "
                   f"{hint}", file=sys.stderr)
     if any(r["error"] for r in records):

@@ -172,7 +172,11 @@ def merge(base: dict, changes: dict) -> dict:
     """``base`` (a ModelConfig mapping) with ``changes`` applied: both migrated (:func:`migrate`), then
     each section merged field by field, so ``merge(preset, {"n_heads": 8})`` keeps the preset's other
     attention fields."""
-    out, changes = migrate(base), migrate(changes)
+    def plain(d: dict) -> dict:  # a section given as an object merges as the fields it set
+        return {k: v.model_dump(exclude_unset=True) if k in SECTIONS and isinstance(v, BaseModel) else v
+                for k, v in d.items()}
+
+    out, changes = plain(migrate(base)), plain(migrate(changes))
     for key, value in changes.items():
         if key in SECTIONS and isinstance(out.get(key), dict) and isinstance(value, dict):
             out[key] = {**out[key], **value}
@@ -333,7 +337,7 @@ class ModelConfig(BaseModel):
 
 def get_key(config: ModelConfig, key: str):
     """The value at ``key``: a top-level field, a dotted ``section.field``, or a flat key of before the
-    sections (``attention_impl`` -> ``config.attention_impl``)."""
+    sections (``attention_impl`` -> ``config.attention.impl``)."""
     where = FLAT_KEYS.get(key)
     parts = key.split(".") if where is None else where
     value = config

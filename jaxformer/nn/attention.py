@@ -61,7 +61,7 @@ class KVCacheLayer(Protocol):
     tokens' position in the cache); the model passes no ``MaskSpec``. ``out``
     is ``[B, T, N, H]`` in ``q.dtype``. ``alibi_slopes`` is ``[N]`` float32 or
     None; ``scale`` is a float (``1/sqrt(H)``); ``softcap`` a float or None;
-    ``impl`` the model's ``attention_impl`` string. The cache is treated as a
+    ``impl`` the model's ``attention.impl`` string. The cache is treated as a
     value: the updated one is returned, never mutated in place (a pytree is
     the natural choice so it can cross ``jax.jit``).
     """
@@ -143,7 +143,7 @@ class Attention(nnx.Module):
         self.b_o = bias((d_model,), ("embed",), use_bias)
         missing = lora.targets & {n for n in ("w_k", "w_v") if getattr(self, n) is None} if lora else ()
         if missing:
-            raise ValueError(f"LoRA targets {sorted(missing)}: share={share!r} has no such projection")
+            raise ValueError(f"LoRA targets {sorted(missing)}: qkv_sharing={share!r} has no such projection")
         kv = ((kv_dim,), (K, H), ("embed",), ("kv_heads", "head_dim"))
         shapes = {"w_q": ((d_model,), (N, H), ("embed",), ("heads", "head_dim")), "w_k": kv, "w_v": kv,
                   "w_o": ((N, H), (d_model,), ("heads", "head_dim"), ("embed",))}

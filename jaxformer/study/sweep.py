@@ -213,9 +213,12 @@ def _set(raw: dict, dotted: str, value: Any, where: str) -> None:
 
 
 def _merge(raw: dict, overrides: dict, where: str, prefix: str = "") -> None:
-    """Apply ``overrides`` (nested sections merge key by key; dotted keys set one value)."""
+    """Apply ``overrides`` (nested sections merge key by key; dotted keys set one value; a model key of
+    before the sections lands in its section, the base's own flat keys moved there first)."""
+    if not prefix:
+        C.migrate_model(raw, where)
     for k, v in overrides.items():
-        key = f"{prefix}{k}"
+        key = ".".join(C.model_key(f"{prefix}{k}".split("."), v))
         if isinstance(v, dict) and "." not in k and isinstance(_get(raw, key), dict):
             _merge(raw, v, where, prefix=f"{key}.")
         else:

@@ -280,7 +280,7 @@ class HFModelConfig(_Section):
         changes = {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
         if model.positions.kind == "learned" and changes.get("max_seq_len", model.max_seq_len) != model.max_seq_len:
             raise ValidationError.from_exception_data("HFModelConfig", [{"type": PydanticCustomError(
-                "hf_fixed", "position='learned': the checkpoint's position table has {n} rows; it cannot change",
+                "hf_fixed", "positions.kind='learned': the checkpoint's position table has {n} rows; it cannot change",
                 {"n": model.max_seq_len}), "loc": ("max_seq_len",), "input": self.max_seq_len}])
         if self.adapter is not None:
             if self.lora is not None:
@@ -476,7 +476,19 @@ def model_key(parts: list[str], value: Any = None) -> list[str]:
     (``model.n_heads`` -> ``model.attention.n_heads``; see :data:`jaxformer.model.config.FLAT_KEYS`)."""
     if len(parts) == 2 and parts[0] == "model" and (where := flat_key(parts[1], value)) is not None:
         return ["model", *where]
+    if len(parts) > 2 and parts[0] == "model" and parts[1] != "norm" and parts[1] in FLAT_KEYS:
+        return ["model", *FLAT_KEYS[parts[1]], *parts[2:]]  # model.rope_scaling.factor, ...
     return list(parts)
+
+
+def migrate_model(raw: dict, where: str) -> None:
+    """Move the flat keys of before the sections in ``raw["model"]`` (a raw experiment mapping) into their
+    sections, in place; ConfigError starting with ``where`` for a value given both ways."""
+    if isinstance(raw.get("model"), dict):
+        try:
+            raw["model"] = migrate(raw["model"])
+        except ValueError as e:
+            raise ConfigError(f"{where}: model: {e}") from None
 
 
 def set_key(raw: dict, parts: list[str], value: Any, where: str) -> None:
@@ -484,11 +496,8 @@ def set_key(raw: dict, parts: list[str], value: Any, where: str) -> None:
     model key in its section, with the raw model's flat keys moved first, so old and new spellings mix);
     ``where`` starts the error message."""
     parts = model_key(parts, value)
-    if parts[0] == "model" and len(parts) > 1 and isinstance(raw.get("model"), dict):
-        try:
-            raw["model"] = migrate(raw["model"])
-        except ValueError as e:
-            raise ConfigError(f"{where}: model: {e}") from None
+    if parts[0] == "model" and len(parts) > 1:
+        migrate_model(raw, where)
     node = raw
     for p in parts[:-1]:
         child = node.get(p)

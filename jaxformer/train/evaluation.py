@@ -121,7 +121,7 @@ def _token_nll(graphdef, params, batch):
 def learned_table_refusal(model_cfg, seq_len: int) -> str | None:
     """Why a model cannot be run on ``seq_len``-token windows (learned positions past their table), or None."""
     if model_cfg.positions.kind == "learned" and seq_len > model_cfg.max_seq_len:
-        return (f"position='learned' has a table of max_seq_len={model_cfg.max_seq_len} positions: it has no "
+        return (f"positions.kind='learned' has a table of max_seq_len={model_cfg.max_seq_len} positions: it has no "
                 f"embedding for positions beyond it, so it cannot be evaluated at seq_len={seq_len}")
     return None
 

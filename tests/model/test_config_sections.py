@@ -68,6 +68,10 @@ def test_replace_and_presets_merge_sections_field_by_field():
     assert presets.get("llama_tiny", n_heads=8, norm={"eps": 1e-3}) == changed
     assert merge({"attention": {"n_heads": 4, "head_dim": 8}}, {"n_kv_heads": 2}) == {
         "attention": {"n_heads": 4, "head_dim": 8, "n_kv_heads": 2}}
+    # a section given as an object merges as the fields it set
+    assert merge({"attention": AttentionConfig(n_heads=8, n_kv_heads=2)}, {"n_heads": 4}) == {
+        "attention": {"n_heads": 4, "n_kv_heads": 2}}
+    assert base.replace(attention=AttentionConfig(n_heads=4)).attention.n_kv_heads == 2
 
 
 def test_overrides_and_yaml_take_either_spelling(tmp_path):
@@ -84,6 +88,9 @@ def test_overrides_and_yaml_take_either_spelling(tmp_path):
                        ).model.attention.n_heads == 4
     with pytest.raises(C.ConfigError, match=r"x.yaml: model.attention: n_heads=2 not divisible by n_kv_heads=3"):
         C.from_dict(raw, "x.yaml", ["model.n_kv_heads=3"])
+    # a deeper flat key lands in its section, beside what the file set there
+    scaled = {**raw, "model": {**raw["model"], "rope_scaling": {"kind": "linear", "factor": 2.0}}}
+    assert C.from_dict(scaled, "x.yaml", ["model.rope_scaling.factor=4"]).model.positions.rope_scaling.factor == 4
     both = {**raw, "model": {**raw["model"], "attention": {"n_heads": 4}}}  # n_heads flat and in the section
     with pytest.raises(C.ConfigError, match=r"override 'model.n_layers=1': model: attention.n_heads given twice"):
         C.from_dict(both, "x.yaml", ["model.n_layers=1"])

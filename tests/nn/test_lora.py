@@ -146,7 +146,7 @@ def test_dropout_acts_only_when_not_deterministic_and_keeps_the_mean():
 
 
 def test_targets_a_module_lacks_are_refused():
-    with pytest.raises(ValueError, match=r"LoRA targets \['w_k'\]: share='qk'"):
+    with pytest.raises(ValueError, match=r"LoRA targets \['w_k'\]: qkv_sharing='qk'"):
         attention(D, N, position="rope", share="qk", lora=LoRASpec(frozenset({"w_k"}), R, 1.0), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"LoRA targets \['w_in'\]: a GatedMLP has only"):
         gated_mlp(D, F, "swiglu", lora=LoRASpec(frozenset({"w_in"}), R, 1.0), rngs=nnx.Rngs(0))

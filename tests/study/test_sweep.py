@@ -40,6 +40,17 @@ def write_sweep(tmp: Path, spec: dict, base: dict | None = None) -> Path:
 
 # -- expansion and names ------------------------------------------------------------------------
 
+def test_a_sectioned_override_merges_with_a_flat_base(tmp_path):
+    """The base file written with flat keys, the sweep's override in sections: the section merges field by
+    field (the base's n_kv_heads stays), whatever the order of the keys."""
+    base = tiny_raw(make_corpus(tmp_path / "corpus"))
+    base["model"] = {**base["model"], "n_heads": 4, "n_kv_heads": 4}
+    for overrides in ({"model": {"attention": {"n_heads": 8}}}, {"model": {"n_layers": 1, "attention": {"n_heads": 8}}}):
+        path = write_sweep(tmp_path, {"overrides": overrides, "axes": {"model.d_model": [64]}}, base=base)
+        m = load_sweep(path).points[0].config.model
+        assert (m.attention.n_heads, m.attention.n_kv_heads) == (8, 4), overrides
+
+
 def test_grid_is_the_product_of_axes_zip_groups_and_seeds(tmp_path):
     path = write_sweep(tmp_path, {
         "overrides": {"steps": 7, "model.n_layers": 1, "model.n_kv_heads": 1, "optimizer": {"lr": 0.01}},
@@ -397,7 +408,7 @@ def test_learned_positions_beyond_their_table_are_a_clear_error(tmp_path, capsys
     capsys.readouterr()
     assert main(["eval", str(run), "--seq-len", "64"]) == 2
     err = capsys.readouterr().err
-    assert "position='learned' has a table of max_seq_len=32 positions" in err and "seq_len=64" in err
+    assert "positions.kind='learned' has a table of max_seq_len=32 positions" in err and "seq_len=64" in err
 
 
 # -- the study files ----------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def part_d(p: Part) -> None:
     t_mm, _ = bench(jax.jit(lambda a, b: a @ b), a, b, dry=p.dry)
     mm_tflops = 2 * n_mm ** 3 / t_mm / 1e12
     del a, b
-    p.line(f"gpt2_small shape: {base['n_layers']} layers, d_model {base['d_model']}, {base['n_heads']} heads, "
+    p.line(f"gpt2_small shape: {base['n_layers']} layers, d_model {base['d_model']}, {base['attention']['n_heads']} heads, "
            f"vocab {base['vocab_size']}, B={B}, T={T}; params fp32, compute bf16, scan_layers, AdamW; "
            f"tokens/s from the median of {steps} steps after a warm-up (compile excluded). FLOPs: "
            "jaxformer.model.flops_per_token (6 * matmul params + 12 * T * d_attn per layer, attention counted "
