@@ -200,7 +200,9 @@ class EvalConfig(_Section):
     sample: SampleConfig | None = None
 
 
-HF_MODEL_OVERRIDES = ("attention.impl", "remat", "scan_layers", "max_seq_len", "compute_dtype", "param_dtype")
+HF_TOP_OVERRIDES = ("remat", "scan_layers", "max_seq_len", "compute_dtype", "param_dtype")
+"""The top-level ModelConfig fields a ``model: {hf: DIR}`` block may set (they leave the weights as they are)."""
+HF_MODEL_OVERRIDES = ("attention.impl", *HF_TOP_OVERRIDES)
 """The ModelConfig fields ``model: {hf: DIR, ...}`` may set: none of them changes the checkpoint's weights
 (``scan_layers`` only their layout). ``attention.impl`` is :class:`HFModelConfig`'s ``attention_impl``."""
 
@@ -276,7 +278,7 @@ class HFModelConfig(_Section):
 
         model = config_from_hf(read_config(self.hf), str(Path(self.hf) / "config.json"),
                                dtype=self.param_dtype or "float32")
-        fields = ("attention_impl", *HF_MODEL_OVERRIDES[1:])
+        fields = ("attention_impl", *HF_TOP_OVERRIDES)
         changes = {k: getattr(self, k) for k in fields if getattr(self, k) is not None}
         if model.positions.kind == "learned" and changes.get("max_seq_len", model.max_seq_len) != model.max_seq_len:
             raise ValidationError.from_exception_data("HFModelConfig", [{"type": PydanticCustomError(
@@ -572,8 +574,8 @@ def dump(cfg: ExperimentConfig, path: str | Path) -> None:
     os.replace(tmp, path)
 
 
-def diff(a: ExperimentConfig, b: ExperimentConfig) -> list[tuple[str, Any, Any]]:
-    """``(dotted key, value in a, value in b)`` wherever two configs differ, keys sorted."""
+def diff(a: BaseModel, b: BaseModel) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, value in a, value in b)`` wherever two configs (experiment or model) differ, keys sorted."""
     out: list[tuple[str, Any, Any]] = []
 
     def walk(x, y, prefix):
@@ -583,5 +585,5 @@ def diff(a: ExperimentConfig, b: ExperimentConfig) -> list[tuple[str, Any, Any]]
         elif x != y:
             out.append((prefix, x, y))
 
-    walk(to_dict(a), to_dict(b), "")
+    walk(a.model_dump(mode="json"), b.model_dump(mode="json"), "")
     return out

@@ -25,11 +25,10 @@ def load_checkpoint(cfg: C.ExperimentConfig, model, shardings: dict):
     _, placed = abstract_init(model)
     nnx.replace_by_pure_dict(placed, shardings)
     overrides = {"attention": {"impl": model.attention.impl},
-                 **{k: getattr(model, k) for k in C.HF_MODEL_OVERRIDES[1:] if k != "param_dtype"}}
+                 **{k: getattr(model, k) for k in C.HF_TOP_OVERRIDES if k != "param_dtype"}}
     loaded, _, state = load_pretrained(cfg.hf_source, dtype=model.param_dtype, shardings=placed, **overrides)
     if loaded != model:
-        ours, theirs = model.model_dump(), loaded.model_dump()
-        diff = ", ".join(f"{k} (config {ours[k]!r}, checkpoint {theirs[k]!r})" for k in ours if ours[k] != theirs[k])
+        diff = ", ".join(f"{k} (config {a!r}, checkpoint {b!r})" for k, a, b in C.diff(model, loaded))
         raise ValueError(f"{config_where(cfg.hf_source)} describes another model than this run's config: {diff}")
     return state
 
