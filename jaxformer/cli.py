@@ -46,7 +46,7 @@ def cmd_translate(args) -> int:
     """Translate each ``--text`` with a Marian checkpoint (greedy or beam search, its own settings)."""
     from flax import nnx
 
-    from jaxformer.decode.translate import pad_sources, translate
+    from jaxformer.decode.translate import TranslationConfig, pad_sources, translate
     from jaxformer.interop.hf import check_kind, load_pretrained
     from jaxformer.interop.marian import translation_settings
     from jaxformer.interop.tokenizer import load_tokenizer
@@ -55,10 +55,11 @@ def cmd_translate(args) -> int:
         raise ValueError("translate: give --text TEXT (repeatable)")
     check_kind(args.hf, "encoder-decoder", "translate")
     config, graphdef, state = load_pretrained(args.hf, dtype=args.dtype)
-    kw = translation_settings(args.hf, config.max_seq_len, beams=args.beams, max_new_tokens=args.max_new_tokens)
+    settings = TranslationConfig(**translation_settings(args.hf, config.max_seq_len, beams=args.beams,
+                                                        max_new_tokens=args.max_new_tokens))
     src_tok, tgt_tok = load_tokenizer(args.hf, side="source"), load_tokenizer(args.hf, side="target")
-    src, lengths = pad_sources([src_tok.encode_prompt(t) for t in args.text], kw["pad_id"])
-    for row in translate(nnx.merge(graphdef, state), src, lengths, **kw):
+    src, lengths = pad_sources([src_tok.encode_prompt(t) for t in args.text], settings.pad)
+    for row in translate(nnx.merge(graphdef, state), src, lengths, config=settings):
         print(tgt_tok.decode(row[1:]), flush=True)
     return 0
 

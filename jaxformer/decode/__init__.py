@@ -9,10 +9,10 @@ from jaxformer.decode.generate import generate
 from jaxformer.decode.kv_cache import KVCache, init_caches, set_lengths
 from jaxformer.decode.paged_cache import PagedKVCache, copy_pages, init_page_pools
 from jaxformer.decode.sampling import SamplingParams, sample
-from jaxformer.decode.translate import beam_translate, greedy_translate
+from jaxformer.decode.translate import TranslationConfig, beam_translate, greedy_translate
 
 __all__ = [
     "BlockManager", "Engine", "EngineOptions", "KVCache", "OutOfPages", "PagedKVCache", "Result", "SamplingParams",
-    "beam_translate", "copy_pages", "generate", "greedy_translate", "init_caches", "init_page_pools", "sample",
-    "serve", "set_lengths",
+    "TranslationConfig", "beam_translate", "copy_pages", "generate", "greedy_translate", "init_caches",
+    "init_page_pools", "sample", "serve", "set_lengths",
 ]

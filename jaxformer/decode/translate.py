@@ -8,7 +8,9 @@ The model computes on the device; the search bookkeeping (a few ``[B, beams]`` a
 
 The semantics are those of ``transformers``' ``generate`` for an encoder-decoder (e.g.
 ``MarianMTModel``), so a checkpoint loaded with :mod:`jaxformer.interop` gives the same tokens (ties
-aside); :func:`jaxformer.interop.marian.translation_kwargs` reads a checkpoint's settings:
+aside). The settings travel as one :class:`TranslationConfig` (``transformers``' ``GenerationConfig``, the
+part of it translation implements); ``TranslationConfig(**jaxformer.interop.marian.translation_kwargs(path))``
+is a checkpoint's:
 
 * the target starts with ``start_id`` (Marian: ``<pad>``) and holds at most ``1 + max_new_tokens``
   tokens (transformers' ``max_length``);
@@ -33,6 +35,7 @@ shorter rows padded with ``pad_id`` (as ``generate`` returns them).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -44,6 +47,54 @@ from flax import nnx
 from jaxformer.decode.kv_cache import KVCache
 
 NEG = np.float32(-1.0e9)  # transformers' "impossible" score in beam search (finite, unlike -inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class TranslationConfig:
+    """How to decode a translation (see the module docstring for the rules).
+
+    Attributes:
+      start_id: the target's first token (``decoder_start_token_id``).
+      eos_id: ends a row.
+      max_new_tokens: tokens generated at most (the start token not counted); None: unset, which
+        translating refuses (``config.replace(max_new_tokens=N)``).
+      pad_id: fills rows after their ``eos_id`` (None: ``eos_id``).
+      suppress_ids: tokens never generated.
+      force_eos: the last allowed token is ``eos_id``.
+      num_beams: 1 greedy, more: beam search.
+      length_penalty: beam search's hypothesis score = summed log-probability / generated length **
+        length_penalty.
+      early_stopping: beam search's stopping rule: ``False``, ``True`` or ``"never"``.
+    """
+
+    start_id: int
+    eos_id: int
+    max_new_tokens: int | None = None
+    pad_id: int | None = None
+    suppress_ids: tuple[int, ...] = ()
+    force_eos: bool = False
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "suppress_ids", tuple(int(i) for i in self.suppress_ids))
+        if self.num_beams < 1:
+            raise ValueError(f"TranslationConfig.num_beams={self.num_beams} must be >= 1")
+        if self.early_stopping not in (False, True, "never"):
+            raise ValueError(f"TranslationConfig.early_stopping={self.early_stopping!r} must be False, True or "
+                             "'never'")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"TranslationConfig.max_new_tokens={self.max_new_tokens} must be >= 1")
+
+    def replace(self, **changes) -> "TranslationConfig":
+        """A copy with ``changes`` (field names) applied."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def pad(self) -> int:
+        """The id that fills finished rows: ``pad_id``, else ``eos_id``."""
+        return self.eos_id if self.pad_id is None else self.pad_id
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -102,8 +153,18 @@ def _beam_step(graphdef, keep, state, caches, source: _Source, beams: _Beams, po
     return values, index, caches
 
 
-def _prepare(model, src_tokens, src_lengths, max_new_tokens, repeat, suppress_ids, eos_id):
+def _checked(config) -> TranslationConfig:
+    if not isinstance(config, TranslationConfig):
+        raise TypeError(f"config must be a jaxformer.decode.TranslationConfig; got {type(config).__name__} "
+                        "(TranslationConfig(**jaxformer.interop.marian.translation_kwargs(path)) is a checkpoint's)")
+    return config
+
+
+def _prepare(model, src_tokens, src_lengths, settings: TranslationConfig, repeat: int):
     """``(graphdef, state, source, caches)`` (:class:`_Source`) with each row repeated ``repeat`` times."""
+    max_new_tokens, suppress_ids, eos_id = settings.max_new_tokens, settings.suppress_ids, settings.eos_id
+    if max_new_tokens is None:
+        raise ValueError("TranslationConfig.max_new_tokens is unset: give it (config.replace(max_new_tokens=N))")
     cfg = model.config
     if cfg.kind != "encoder_decoder":
         raise ValueError(f"translation needs an encoder_decoder model; got config.kind={cfg.kind!r}")
@@ -114,8 +175,6 @@ def _prepare(model, src_tokens, src_lengths, max_new_tokens, repeat, suppress_id
     lengths = jnp.full((B,), S, jnp.int32) if src_lengths is None else jnp.asarray(src_lengths, jnp.int32)
     if lengths.shape != (B,):
         raise ValueError(f"src_lengths.shape={lengths.shape} must be [B]={(B,)}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
     if 1 + max_new_tokens > cfg.max_seq_len or S > cfg.max_seq_len:
         raise ValueError(f"source length {S} / target length 1 + max_new_tokens = {1 + max_new_tokens} exceed "
                          f"the model's max_seq_len={cfg.max_seq_len}")
@@ -135,23 +194,21 @@ def _prepare(model, src_tokens, src_lengths, max_new_tokens, repeat, suppress_id
     return graphdef, state, _Source(memory, lengths, jnp.asarray(banned), eos_id), caches
 
 
-def greedy_translate(model, src_tokens, src_lengths=None, *, start_id: int, eos_id: int, max_new_tokens: int,
-                     pad_id: int | None = None, suppress_ids=(), force_eos: bool = False) -> np.ndarray:
-    """Greedy decoding of ``model`` (an encoder-decoder ``Transformer``) from ``src_tokens [B, S]``.
+def greedy_translate(model, src_tokens, src_lengths=None, *, config: TranslationConfig) -> np.ndarray:
+    """Greedy decoding of ``model`` (an :class:`~jaxformer.model.EncoderDecoder`) from ``src_tokens [B, S]``.
 
     Args:
       src_lengths: ``[B]`` valid source tokens per row (right padding); None: all ``S``.
-      start_id: the target's first token (``decoder_start_token_id``).
-      eos_id: ends a row.
-      max_new_tokens: tokens generated at most (the start token not counted).
-      pad_id: fills rows after their ``eos_id`` (default ``eos_id``).
-      suppress_ids: tokens never generated. force_eos: the last allowed token is ``eos_id``.
+      config: the settings (``num_beams`` must be 1: :func:`beam_translate` or :func:`translate` searches).
     Returns:
       int32 ``[B, 1 + n]``: start token, then the generated tokens (see the module docstring).
     """
-    pad_id = eos_id if pad_id is None else pad_id
-    graphdef, state, source, caches = _prepare(model, src_tokens, src_lengths, max_new_tokens, 1, suppress_ids,
-                                               eos_id)
+    if _checked(config).num_beams != 1:
+        raise ValueError(f"greedy_translate: TranslationConfig.num_beams={config.num_beams}; use beam_translate "
+                         "or translate for beam search")
+    graphdef, state, source, caches = _prepare(model, src_tokens, src_lengths, config, 1)
+    start_id, eos_id, pad_id = config.start_id, config.eos_id, config.pad
+    max_new_tokens, force_eos = config.max_new_tokens, config.force_eos
     B = source.memory.shape[0]
     out = [np.full(B, start_id, np.int32)]
     running = np.ones(B, bool)
@@ -166,23 +223,13 @@ def greedy_translate(model, src_tokens, src_lengths=None, *, start_id: int, eos_
     return np.stack(out, axis=1)
 
 
-def beam_translate(model, src_tokens, src_lengths=None, *, start_id: int, eos_id: int, max_new_tokens: int,
-                   num_beams: int, length_penalty: float = 1.0, early_stopping: bool | str = False,
-                   pad_id: int | None = None, suppress_ids=(), force_eos: bool = False) -> np.ndarray:
-    """Beam search (transformers' rules, see the module docstring): the best hypothesis per row.
-
-    Arguments as :func:`greedy_translate`, plus ``num_beams``, ``length_penalty`` (hypothesis score =
-    summed log-probability / generated length ** length_penalty) and ``early_stopping`` (``False``,
-    ``True`` or ``"never"``). Returns int32 ``[B, 1 + n]``.
-    """
-    if num_beams < 1:
-        raise ValueError(f"num_beams={num_beams} must be >= 1")
-    if early_stopping not in (False, True, "never"):
-        raise ValueError(f"early_stopping={early_stopping!r} must be False, True or 'never'")
-    pad_id = eos_id if pad_id is None else pad_id
-    K = num_beams
-    graphdef, state, source, caches = _prepare(model, src_tokens, src_lengths, max_new_tokens, K, suppress_ids,
-                                               eos_id)
+def beam_translate(model, src_tokens, src_lengths=None, *, config: TranslationConfig) -> np.ndarray:
+    """Beam search (transformers' rules, see the module docstring) with ``config.num_beams`` beams: the best
+    hypothesis per row. Arguments as :func:`greedy_translate`; returns int32 ``[B, 1 + n]``."""
+    graphdef, state, source, caches = _prepare(model, src_tokens, src_lengths, config, _checked(config).num_beams)
+    K, start_id, eos_id, pad_id = config.num_beams, config.start_id, config.eos_id, config.pad
+    max_new_tokens, force_eos = config.max_new_tokens, config.force_eos
+    length_penalty, early_stopping = config.length_penalty, config.early_stopping
     B = source.memory.shape[0] // K
     V = model.config.vocab_size
     L = 1 + max_new_tokens          # transformers' max_length; the prompt is the start token alone
@@ -263,11 +310,10 @@ def pad_sources(rows, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     return src, lengths
 
 
-def translate(model, src_tokens, src_lengths=None, *, num_beams: int = 1, **kw) -> np.ndarray:
-    """:func:`beam_translate` with ``num_beams`` > 1, else :func:`greedy_translate` (same keywords)."""
-    if num_beams > 1:
-        return beam_translate(model, src_tokens, src_lengths, num_beams=num_beams, **kw)
-    return greedy_translate(model, src_tokens, src_lengths, **kw)
+def translate(model, src_tokens, src_lengths=None, *, config: TranslationConfig) -> np.ndarray:
+    """:func:`beam_translate` when ``config.num_beams`` > 1, else :func:`greedy_translate`."""
+    search = beam_translate if _checked(config).num_beams > 1 else greedy_translate
+    return search(model, src_tokens, src_lengths, config=config)
 
 
 def add_translate_options(a) -> None:

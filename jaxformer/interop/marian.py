@@ -39,8 +39,7 @@ encoder/decoder widths or head counts, and the legacy keys for variants jaxforme
 ``layernorm_embedding``, ``static_position_embeddings: false``).
 
 Generation: :func:`translation_kwargs` reads ``config.json`` / ``generation_config.json`` into the
-keyword arguments of :func:`jaxformer.decode.translate.greedy_translate` / ``beam_translate`` that
-reproduce ``MarianMTModel.generate``.
+fields of a :class:`jaxformer.decode.TranslationConfig` that reproduce ``MarianMTModel.generate``.
 """
 
 from __future__ import annotations
@@ -271,8 +270,9 @@ class MarianFamily(Family):
 
 
 def translation_kwargs(path: str | os.PathLike, *, beam: bool = False) -> dict[str, Any]:
-    """Keyword arguments of :func:`jaxformer.decode.translate.greedy_translate` (or, with ``beam``,
-    ``beam_translate``) that reproduce ``MarianMTModel.generate`` for the checkpoint at ``path``.
+    """The fields of a :class:`jaxformer.decode.TranslationConfig` (``TranslationConfig(**kw)``) that
+    reproduce ``MarianMTModel.generate`` for the checkpoint at ``path``: greedy, or with ``beam`` its beam
+    settings too (interop does not import decode, so a plain dict).
 
     From ``generation_config.json`` over ``config.json``: ``start_id`` (``decoder_start_token_id``),
     ``eos_id``, ``pad_id``, ``suppress_ids`` (single-token ``bad_words_ids``, e.g. ``[[pad]]``: never
@@ -327,7 +327,7 @@ def translation_kwargs(path: str | os.PathLike, *, beam: bool = False) -> dict[s
 
 def translation_settings(path: str | os.PathLike, max_seq_len: int, *, beams: int | None = None,
                          max_new_tokens: int | None = None) -> dict[str, Any]:
-    """Keyword arguments of :func:`jaxformer.decode.translate.translate` for ``jaxformer translate``: the
+    """The :class:`jaxformer.decode.TranslationConfig` fields of ``jaxformer translate``: the
     checkpoint's :func:`translation_kwargs` with ``num_beams`` (``beams``, else the checkpoint's, else 1: greedy,
     which takes no length penalty) and ``max_new_tokens`` (given, else the checkpoint's, at most
     ``max_seq_len - 1``) resolved."""

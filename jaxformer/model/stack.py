@@ -46,12 +46,13 @@ def make_block(cfg: ModelConfig, *, cross: bool, alpha: float | None, beta: floa
                      cfg.resolved_d_ff)
     deepnorm = cfg.norm.placement == "deepnorm"
     if deepnorm:
-        init = AttentionInit(xavier_std(D, N * H), xavier_std(D, K * H, beta), xavier_std(N * H, D, beta))
+        init = AttentionInit(xavier_std(D, N * H), xavier_std(D, K * H, beta), xavier_std(N * H, D, beta),
+                             bias=cfg.use_bias)
         mlp_stds = (xavier_std(D, F, beta), xavier_std(F, D, beta))
     else:
         s = cfg.init_std
-        init, mlp_stds = AttentionInit(s, s, s), (s, s)
-    common = dict(use_bias=cfg.use_bias, param_dtype=cfg.param_dtype, dtype=cfg.compute_dtype, rngs=rngs)
+        init, mlp_stds = AttentionInit(s, s, s, bias=cfg.use_bias), (s, s)
+    common = dict(param_dtype=cfg.param_dtype, dtype=cfg.compute_dtype, rngs=rngs)
 
     def residual():
         return Residual(
@@ -65,7 +66,7 @@ def make_block(cfg: ModelConfig, *, cross: bool, alpha: float | None, beta: floa
     cross_attn = (Attention(D, cfg.attention.model_copy(update=dict(qkv_sharing="none")), init=init, **common)
                   if cross else None)
     cross_res = residual() if cross else None
-    mlp = make_mlp(D, cfg.ffn, stds=mlp_stds, lora=lora_spec(cfg), **common)
+    mlp = make_mlp(D, cfg.ffn, stds=mlp_stds, lora=lora_spec(cfg), use_bias=cfg.use_bias, **common)
     return Block(self_attn, attn_res, mlp, residual(), cross_attn=cross_attn, cross_residual=cross_res)
 
 

@@ -143,8 +143,8 @@ class Transformer(nnx.Module, metaclass=_ByKind):
                               beta=dn.decoder_beta, rngs=rngs) if n_dec else None)
         self.head = (None if cfg.tie_embeddings
                      else LMHead(cfg.d_model, cfg.vocab_size, std=cfg.init_std, rngs=rngs, **dtypes))
-        self.head_transform = (HeadTransform(cfg.d_model, cfg.ffn.activation, norm=cfg.norm.kind, eps=cfg.norm.eps,
-                                             use_bias=cfg.use_bias, std=cfg.init_std, rngs=rngs, **dtypes)
+        self.head_transform = (HeadTransform(cfg.d_model, cfg.ffn.activation, norm=cfg.norm, use_bias=cfg.use_bias,
+                                             std=cfg.init_std, rngs=rngs, **dtypes)
                                if hf.head_transform else None)
         self.logits_bias = (param(rngs, zeros, (cfg.vocab_size,), ("vocab",), cfg.param_dtype)
                             if hf.head_bias else None)
@@ -220,45 +220,20 @@ class _Encodes:
 
 
 class _Decodes:
-    """``decode``: the causal stack and the head (:class:`DecoderLM`, :class:`EncoderDecoder`)."""
+    """The causal stack and the head (:class:`DecoderLM`, :class:`EncoderDecoder`); each class's ``decode``
+    says what it takes and builds the cross-attention ``context`` (``(memory, context_mask)``, or None)."""
 
-    def decode(self, tokens: Tokens, memory: Memory | None = None, *, positions: Positions | None = None,
-               segment_ids: SegmentIds | None = None, memory_segment_ids: KvSegmentIds | None = None,
-               memory_lengths: Lengths | None = None, cache: Sequence | None = None,
-               token_types: Tokens | None = None, logits_at: Lengths | None = None,
-               ) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:
-        """Causal decoder: ``tokens [B, T] -> logits [B, T, V]`` (``, new_caches`` with ``cache``).
-
-        ``memory [B, S, D]`` is the encoder output (encoder-decoder only), masked by
-        ``memory_segment_ids [B, S]`` (with ``segment_ids``) and/or ``memory_lengths [B]``.
-        ``token_types [B, T]`` of ``tokens`` (needs ``hf_options.type_vocab_size > 0``; default zeros).
-        ``logits_at [B]`` int: the head runs at that one position of each row only, giving logits
-        ``[B, 1, V]`` (equal to ``[:, logits_at]`` of the full logits; a sampler needs no others).
-        """
+    def _decode(self, tokens: Tokens, context: tuple | None, *, positions: Positions | None,
+                segment_ids: SegmentIds | None, cache: Sequence | None, token_types: Tokens | None,
+                logits_at: Lengths | None) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:
         cfg = self.config
-        _check_tokens("tokens", tokens)
-        _check_bt("positions", positions, "tokens", tokens, allow_t=True)
-        _check_bt("segment_ids", segment_ids, "tokens", tokens, allow_t=False)
         if cache is not None:
             if positions is None:
                 raise ValueError("positions [B, T] (absolute) are required with cache")
             if segment_ids is not None:
                 raise ValueError("segment_ids cannot be combined with cache (the cache owns the mask)")
             _check_cache_window(cfg, cache)
-        cross = cfg.kind == "encoder_decoder"
-        if cross and memory is None:
-            raise ValueError("encoder_decoder decode needs memory = encode(src_tokens)")
-        if not cross and memory is not None:
-            raise ValueError(f"memory given to a {cfg.kind!r} model")
-        context_mask = None
-        if cross:
-            if memory.ndim != 3 or memory.shape[0] != tokens.shape[0] or memory.shape[2] != cfg.d_model:
-                raise ValueError(f"memory.shape={memory.shape} must be [B, S, D] with B={tokens.shape[0]}, "
-                                 f"D={cfg.d_model}")
-            if (segment_ids is None) != (memory_segment_ids is None):
-                raise ValueError("segment_ids and memory_segment_ids must be given together")
-            context_mask = MaskSpec(q_segment_ids=segment_ids, kv_segment_ids=memory_segment_ids,
-                                    kv_lengths=memory_lengths)
+        memory, context_mask = (None, None) if context is None else context
         mask = cfg.self_attention_mask(causal=True, segment_ids=segment_ids)
         x = self.embed_tokens(tokens, positions, token_types)
         x, new_caches = self.decoder(x, positions=positions, mask=mask, context=memory,
@@ -269,6 +244,12 @@ class _Decodes:
             x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)
         logits = self.logits(x)
         return logits if cache is None else (logits, new_caches)
+
+
+def _check_decode_inputs(tokens, positions, segment_ids) -> None:
+    _check_tokens("tokens", tokens)
+    _check_bt("positions", positions, "tokens", tokens, allow_t=True)
+    _check_bt("segment_ids", segment_ids, "tokens", tokens, allow_t=False)
 
 
 class DecoderLM(_Decodes, Transformer):
@@ -289,6 +270,19 @@ class DecoderLM(_Decodes, Transformer):
         """
         return self.decode(tokens, positions=positions, segment_ids=segment_ids, cache=cache,
                            token_types=token_types, logits_at=logits_at)
+
+    def decode(self, tokens: Tokens, *, positions: Positions | None = None, segment_ids: SegmentIds | None = None,
+               cache: Sequence | None = None, token_types: Tokens | None = None, logits_at: Lengths | None = None,
+               ) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:
+        """Causal decoder: ``tokens [B, T] -> logits [B, T, V]`` (``, new_caches`` with ``cache``).
+
+        ``token_types [B, T]`` of ``tokens`` (needs ``hf_options.type_vocab_size > 0``; default zeros).
+        ``logits_at [B]`` int: the head runs at that one position of each row only, giving logits
+        ``[B, 1, V]`` (equal to ``[:, logits_at]`` of the full logits; a sampler needs no others).
+        """
+        _check_decode_inputs(tokens, positions, segment_ids)
+        return self._decode(tokens, None, positions=positions, segment_ids=segment_ids, cache=cache,
+                            token_types=token_types, logits_at=logits_at)
 
 
 class Encoder(_Encodes, Transformer):
@@ -312,16 +306,15 @@ class EncoderDecoder(_Encodes, _Decodes, Transformer):
     kind = "encoder_decoder"
 
     def __call__(self, tokens: SourceTokens, tgt_tokens: Tokens | None = None, *,
-                 positions: KvPositions | None = None,
-                 segment_ids: KvSegmentIds | None = None, lengths: Lengths | None = None,
+                 positions: KvPositions | None = None, segment_ids: KvSegmentIds | None = None,
+                 lengths: Lengths | None = None, token_types: SourceTokens | None = None,
                  tgt_positions: Positions | None = None, tgt_segment_ids: SegmentIds | None = None,
-                 cache: Sequence | None = None, token_types: SourceTokens | None = None,
-                 logits_at: Lengths | None = None) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:
-        """Target logits ``float32 [B, T, V]`` (``, new_caches`` with ``cache``, one per decoder layer).
+                 ) -> Float[Array, "B T V"]:
+        """Target logits ``float32 [B, T, V]`` of the whole target (teacher forcing).
 
         ``positions``, ``segment_ids``, ``lengths``, ``token_types`` describe the source ``tokens [B, S]``;
-        ``tgt_positions``, ``tgt_segment_ids`` the target (which takes token type 0); ``logits_at [B]``
-        runs the head at that one target position of each row (as :meth:`decode`).
+        ``tgt_positions``, ``tgt_segment_ids`` the target (which takes token type 0). Step-by-step decoding
+        encodes once and calls :meth:`decode` with a cache (and ``logits_at``) per step.
         """
         if tgt_tokens is None:
             raise ValueError("encoder_decoder needs model(src_tokens, tgt_tokens); encode(src_tokens) gives "
@@ -329,8 +322,29 @@ class EncoderDecoder(_Encodes, _Decodes, Transformer):
         memory = self.encode(tokens, positions=positions, segment_ids=segment_ids, lengths=lengths,
                              token_types=token_types)
         return self.decode(tgt_tokens, memory, positions=tgt_positions, segment_ids=tgt_segment_ids,
-                           memory_segment_ids=segment_ids, memory_lengths=lengths, cache=cache,
-                           logits_at=logits_at)
+                           memory_segment_ids=segment_ids, memory_lengths=lengths)
+
+    def decode(self, tokens: Tokens, memory: Memory, *, positions: Positions | None = None,
+               segment_ids: SegmentIds | None = None, memory_segment_ids: KvSegmentIds | None = None,
+               memory_lengths: Lengths | None = None, cache: Sequence | None = None,
+               logits_at: Lengths | None = None) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:
+        """Causal decoder over ``memory [B, S, D]`` (``encode(src_tokens)``): ``tokens [B, T] -> logits
+        [B, T, V]`` (``, new_caches`` with ``cache``). The memory is masked by ``memory_segment_ids [B, S]``
+        (with ``segment_ids``) and/or ``memory_lengths [B]``; the target takes token type 0; ``logits_at``
+        as :meth:`DecoderLM.decode`.
+        """
+        _check_decode_inputs(tokens, positions, segment_ids)
+        if memory is None:
+            raise ValueError("encoder_decoder decode needs memory = encode(src_tokens)")
+        if memory.ndim != 3 or memory.shape[0] != tokens.shape[0] or memory.shape[2] != self.config.d_model:
+            raise ValueError(f"memory.shape={memory.shape} must be [B, S, D] with B={tokens.shape[0]}, "
+                             f"D={self.config.d_model}")
+        if (segment_ids is None) != (memory_segment_ids is None):
+            raise ValueError("segment_ids and memory_segment_ids must be given together")
+        context_mask = MaskSpec(q_segment_ids=segment_ids, kv_segment_ids=memory_segment_ids,
+                                kv_lengths=memory_lengths)
+        return self._decode(tokens, (memory, context_mask), positions=positions, segment_ids=segment_ids,
+                            cache=cache, token_types=None, logits_at=logits_at)
 
 
 MODEL_CLASSES: dict[str, type[Transformer]] = {c.kind: c for c in (DecoderLM, Encoder, EncoderDecoder)}

@@ -35,7 +35,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from jaxformer.nn.config import AttentionConfig, PositionConfig
-from jaxformer.nn.lora import LoRASpec
+from jaxformer.nn.lora import Dims, LoRASpec
 from jaxformer.nn.params import add_bias, as_dtype, normal, param, zeros
 from jaxformer.ops.attention import attention_logit_stats, dot_product_attention
 from jaxformer.ops.masks import MaskSpec
@@ -73,11 +73,15 @@ class KVCacheLayer(Protocol):
 
 
 class AttentionInit(NamedTuple):
-    """Init standard deviations of W_q and W_k (``qk``), W_v (``v``) and W_o (``o``)."""
+    """How the projections start: init standard deviations of W_q and W_k (``qk``), W_v (``v``) and W_o
+    (``o``), and whether they have biases (zeros): ``bias`` (the model's ``use_bias``) puts ``b_o [D]`` on
+    the output projection and, unless ``AttentionConfig.qkv_bias`` says otherwise, ``b_q [N, H]``,
+    ``b_k, b_v [K, H]`` on the input projections (``qkv_bias=True, bias=False`` is Qwen2's layout)."""
 
     qk: float = 0.02
     v: float = 0.02
     o: float = 0.02
+    bias: bool = False
 
 
 class Attention(nnx.Module):
@@ -91,16 +95,12 @@ class Attention(nnx.Module):
       positions: what this attention does with positions (``positions.in_attention``: RoPE rotates q and
         k with ``rope_base``, ``rope_scaling``, ``rope_interleaved``; ALiBi adds the paper's slopes);
         None: nothing (cross-attention).
-      kv_dim: width of the cross-attention context (default D).
-      use_bias: biases ``b_o [D]`` on the output projection and, unless ``cfg.qkv_bias`` says otherwise,
-        ``b_q [N, H]``, ``b_k, b_v [K, H]`` on the input projections (``qkv_bias=True, use_bias=False`` is
-        Qwen2's layout).
-      init: the projections' init standard deviations.
+      init: the projections' init standard deviations and biases (:class:`AttentionInit`).
       lora: adapters on the targeted projections (see the module doc); None: none.
     """
 
     def __init__(self, d_model: int, cfg: AttentionConfig = AttentionConfig(), *,
-                 positions: PositionConfig | None = None, kv_dim: int | None = None, use_bias: bool = False,
+                 positions: PositionConfig | None = None,
                  init: AttentionInit = AttentionInit(), lora: LoRASpec | None = None, param_dtype="float32",
                  dtype="float32", rngs: nnx.Rngs):
         N, K = cfg.n_heads, cfg.resolved_kv_heads
@@ -111,10 +111,6 @@ class Attention(nnx.Module):
         if position == "rope" and H % 2:
             raise ValueError(f"RoPE needs an even head dim, got head_dim={H}")
         share = cfg.qkv_sharing
-        if share != "none" and kv_dim is not None and kv_dim != d_model:
-            raise ValueError(f"qkv_sharing={share!r} uses W_q for the keys: it needs kv_dim = d_model, got "
-                             f"d_model={d_model}, kv_dim={kv_dim}")
-        kv_dim = d_model if kv_dim is None else kv_dim
         self.n_heads, self.n_kv_heads, self.head_dim = N, K, H
         self.position = position
         self.rope_base = 10000.0 if positions is None else positions.rope_base
@@ -125,12 +121,12 @@ class Attention(nnx.Module):
         self.share = share
         self.record_stats = False
         self.dtype = as_dtype(dtype)
-        qk_std, v_std, o_std = init
+        qk_std, v_std, o_std, use_bias = init
         qkv_bias = use_bias if cfg.qkv_bias is None else cfg.qkv_bias
         self.w_q = param(rngs, normal(qk_std), (d_model, N, H), ("embed", "heads", "head_dim"), param_dtype)
-        self.w_k = (param(rngs, normal(qk_std), (kv_dim, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.w_k = (param(rngs, normal(qk_std), (d_model, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
                     if share == "none" else None)
-        self.w_v = (param(rngs, normal(v_std), (kv_dim, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
+        self.w_v = (param(rngs, normal(v_std), (d_model, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
                     if share != "qkv" else None)
         self.w_o = param(rngs, normal(o_std), (N, H, d_model), ("heads", "head_dim", "embed"), param_dtype)
 
@@ -144,9 +140,9 @@ class Attention(nnx.Module):
         missing = lora.targets & {n for n in ("w_k", "w_v") if getattr(self, n) is None} if lora else ()
         if missing:
             raise ValueError(f"LoRA targets {sorted(missing)}: qkv_sharing={share!r} has no such projection")
-        kv = ((kv_dim,), (K, H), ("embed",), ("kv_heads", "head_dim"))
-        shapes = {"w_q": ((d_model,), (N, H), ("embed",), ("heads", "head_dim")), "w_k": kv, "w_v": kv,
-                  "w_o": ((N, H), (d_model,), ("heads", "head_dim"), ("embed",))}
+        embed, heads = Dims((d_model,), ("embed",)), Dims((N, H), ("heads", "head_dim"))
+        kv = (embed, Dims((K, H), ("kv_heads", "head_dim")))
+        shapes = {"w_q": (embed, heads), "w_k": kv, "w_v": kv, "w_o": (heads, embed)}
 
         def adapter(name):
             return None if lora is None else lora.make(name, *shapes[name], dtype=dtype, rngs=rngs)
@@ -159,11 +155,11 @@ class Attention(nnx.Module):
             y = y + lora(x)
         return add_bias(y, b, self.dtype)
 
-    def __call__(self, x: Activations, context: Float[ArrayLike, "B S _"] | None = None, *,
+    def __call__(self, x: Activations, context: Float[ArrayLike, "B S D"] | None = None, *,
                  positions: Positions | None = None, kv_positions: KvPositions | None = None,
                  mask: MaskSpec | None = None, cache: KVCacheLayer | None = None,
                  ) -> Float[Array, "B T D"] | tuple[Float[Array, "B T D"], KVCacheLayer]:
-        """Attend ``x [B, T, D]`` to itself (``context=None``) or to ``context [B, S, D_kv]``.
+        """Attend ``x [B, T, D]`` to itself (``context=None``) or to ``context [B, S, D]``.
 
         Args:
           positions: int ``[T]`` or ``[B, T]`` absolute positions of ``x``'s tokens
@@ -181,6 +177,9 @@ class Attention(nnx.Module):
         if context is not None and cache is not None:
             raise ValueError("a KV cache is only supported for self-attention (context must be None)")
         T = x.shape[1]
+        if context is not None and (jnp.ndim(context) != 3 or jnp.shape(context)[-1] != self.w_q.shape[0]):
+            raise ValueError(f"context.shape={jnp.shape(context)} must be [B, S, D] with D={self.w_q.shape[0]} "
+                             "(cross-attention's context has the model's width)")
         ctx = x if context is None else context
         q = self._project(x, self.w_q, self.b_q, "BTD,DNH->BTNH", self.w_q_lora)
         shared = None

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Integer
 
+from jaxformer.nn.config import NormConfig
 from jaxformer.nn.norms import make_norm
 from jaxformer.nn.params import add_bias, as_dtype, normal, param, zeros
 from jaxformer.ops.activations import activation_fn, is_gated
@@ -64,19 +65,19 @@ class HeadTransform(nnx.Module):
     Parameters: ``w [D, D]`` ("embed", None), ``b [D]`` (iff ``use_bias``), and ``norm``
     (``scale [D]``, plus ``bias [D]`` for a LayerNorm with ``use_bias``). HF BERT's
     ``cls.predictions.transform.{dense.weight (transposed), dense.bias, LayerNorm.weight, LayerNorm.bias}``.
-    ``activation`` is a non-gated name from :data:`jaxformer.ops.activations.ACTIVATIONS`.
+    ``activation`` is a non-gated name from :data:`jaxformer.ops.activations.ACTIVATIONS`; ``norm``: the
+    model's norm section (its ``kind`` and ``eps``; the placement fields do not apply here).
     """
 
-    def __init__(self, d_model: int, activation: str, *, norm: str = "layernorm", eps: float = 1e-5,
-                 use_bias: bool = True, std: float = 0.02, param_dtype="float32", dtype="float32",
-                 rngs: nnx.Rngs):
+    def __init__(self, d_model: int, activation: str, *, norm: NormConfig = NormConfig(), use_bias: bool = True,
+                 std: float = 0.02, param_dtype="float32", dtype="float32", rngs: nnx.Rngs):
         if is_gated(activation):
             raise ValueError(f"HeadTransform needs a non-gated activation, got {activation!r}")
         self.activation = activation
         self.dtype = as_dtype(dtype)
         self.w = param(rngs, normal(std), (d_model, d_model), ("embed", None), param_dtype)
         self.b = param(rngs, zeros, (d_model,), ("embed",), param_dtype) if use_bias else None
-        self.norm = make_norm(norm, d_model, eps=eps, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
+        self.norm = make_norm(norm.kind, d_model, eps=norm.eps, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
         h = jnp.matmul(x.astype(self.dtype), self.w[...].astype(self.dtype))  # [..., D] @ [D, D]

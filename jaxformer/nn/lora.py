@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,13 @@ def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
     return alpha / (math.sqrt(rank) if rslora else rank)
 
 
+class Dims(NamedTuple):
+    """A projection's input (or output) dims: their sizes and logical axis names (None: unsharded)."""
+
+    shape: Sequence[int]
+    axes: Sequence[str | None]
+
+
 @dataclasses.dataclass(frozen=True)
 class LoRASpec:
     """What a layer needs to build its adapters: the projections to adapt (their kernels' names,
@@ -67,13 +75,11 @@ class LoRASpec:
     def scale(self) -> float:
         return lora_scale(self.alpha, self.rank, self.rslora)
 
-    def make(self, name: str, in_shape: Sequence[int], out_shape: Sequence[int], in_axes: Sequence[str | None],
-             out_axes: Sequence[str | None], *, dtype, rngs: nnx.Rngs) -> LoRA | None:
+    def make(self, name: str, inputs: Dims, outputs: Dims, *, dtype, rngs: nnx.Rngs) -> LoRA | None:
         """The adapter of the projection ``name`` (None unless it is a target)."""
         if name not in self.targets:
             return None
-        return LoRA(in_shape, out_shape, in_axes, out_axes, rank=self.rank, scale=self.scale,
-                    dropout=self.dropout, dtype=dtype, rngs=rngs)
+        return LoRA(inputs, outputs, rank=self.rank, scale=self.scale, dropout=self.dropout, dtype=dtype, rngs=rngs)
 
 
 def peft_uniform(key, shape: Sequence[int], n_in: int) -> jax.Array:
@@ -87,9 +93,9 @@ def peft_uniform(key, shape: Sequence[int], n_in: int) -> jax.Array:
 class LoRA(nnx.Module):
     """``x [..., *I] -> s (drop(x) A) B [..., *O]`` with ``A [*I, R]``, ``B [R, *O]`` (see the module doc)."""
 
-    def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], in_axes: Sequence[str | None],
-                 out_axes: Sequence[str | None], *, rank: int, scale: float, dropout: float = 0.0,
+    def __init__(self, inputs: Dims, outputs: Dims, *, rank: int, scale: float, dropout: float = 0.0,
                  dtype="float32", rngs: nnx.Rngs):
+        (in_shape, in_axes), (out_shape, out_axes) = inputs, outputs
         in_shape, out_shape = tuple(int(s) for s in in_shape), tuple(int(s) for s in out_shape)
         if rank <= 0:
             raise ValueError(f"LoRA rank={rank} must be > 0")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from jaxformer.nn.lora import LoRASpec
+from jaxformer.nn.lora import Dims, LoRASpec
 from jaxformer.nn.params import add_bias, as_dtype, normal, param, zeros
 from jaxformer.nn.config import FFNConfig
 from jaxformer.ops.activations import activation_fn, geglu, swiglu
@@ -43,8 +43,9 @@ def _adapters(module, lora: LoRASpec | None, d_model: int, d_ff: int, names_in, 
     if wrong:
         raise ValueError(f"LoRA targets {sorted(wrong)}: a {type(module).__name__} has only "
                          f"{[*names_in, *names_out]}")
-    into = [lora.make(n, (d_model,), (d_ff,), ("embed",), ("mlp",), dtype=dtype, rngs=rngs) for n in names_in]
-    back = [lora.make(n, (d_ff,), (d_model,), ("mlp",), ("embed",), dtype=dtype, rngs=rngs) for n in names_out]
+    embed, hidden = Dims((d_model,), ("embed",)), Dims((d_ff,), ("mlp",))
+    into = [lora.make(n, embed, hidden, dtype=dtype, rngs=rngs) for n in names_in]
+    back = [lora.make(n, hidden, embed, dtype=dtype, rngs=rngs) for n in names_out]
     return (*into, *back)
 
 

@@ -124,11 +124,12 @@ def _row_terms(st: "_Static", refs: Refs, load_qg, load_rand, transposed: bool =
     return q_glob, rand
 
 
-def _mask_and_logits(st: "_Static", qk, q_pos, k_pos, *, slope, ids, static_mask: bool, check_kv_len: bool,
+def _mask_and_logits(st: "_Static", qk, q_pos, k_pos, *, loaded, static_mask: bool, check_kv_len: bool,
                      pattern=None):
-    """Masked logits of a tile and d logits / d qk. ``ids``: (q segment, kv segment, kv length) loaded, or
-    None each; ``static_mask=False`` (a tile the band covers wholly) applies only those."""
-    q_seg, kv_seg, kv_length = ids
+    """Masked logits of a tile and d logits / d qk. ``loaded``: (ALiBi slope, q segment, kv segment, kv
+    length) as loaded, or None each; ``static_mask=False`` (a tile the band covers wholly) applies only the
+    segments and the length."""
+    slope, q_seg, kv_seg, kv_length = loaded
     s, dscale = st.logits.tile(qk, q_pos, k_pos, slope)
     if static_mask:
         allowed = st.mask.allowed(q_pos, k_pos, q_segment=q_seg, kv_segment=kv_seg, kv_length=kv_length,
@@ -190,7 +191,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, refs: Refs, o_ref, lse_ref, *, st: _Static,
         kv_glob = None if refs.kv_glob is None else refs.kv_glob[pl.ds(start, bk)][None, :]
         pattern = tiles.pattern_terms(k_pos, q_glob=q_glob, kv_glob=kv_glob, rand_starts=rand,
                                       rand_size=m.random_block_size)
-        s, _ = _mask_and_logits(st, _dot(q, k, (1, 1)), q_pos, k_pos, slope=slope, ids=(q_seg, kv_seg, kv_length),
+        s, _ = _mask_and_logits(st, _dot(q, k, (1, 1)), q_pos, k_pos, loaded=(slope, q_seg, kv_seg, kv_length),
                                 static_mask=static_mask, check_kv_len=check_kv_len, pattern=pattern)
         m_new = jnp.maximum(m_run, jnp.max(s, axis=1))
         m_safe = tiles.safe_max(m_new)
@@ -282,8 +283,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, refs: Refs, dq_r
         kv_glob = None if refs.kv_glob is None else refs.kv_glob[pl.ds(start, bk)][None, :]
         pattern = tiles.pattern_terms(k_pos, q_glob=q_glob, kv_glob=kv_glob, rand_starts=rand,
                                       rand_size=m.random_block_size)
-        s, dscale = _mask_and_logits(st, _dot(q, k, (1, 1)), q_pos, k_pos, slope=slope,
-                                     ids=(q_seg, kv_seg, kv_length), static_mask=static_mask,
+        s, dscale = _mask_and_logits(st, _dot(q, k, (1, 1)), q_pos, k_pos,
+                                     loaded=(slope, q_seg, kv_seg, kv_length), static_mask=static_mask,
                                      check_kv_len=check_kv_len, pattern=pattern)
         pr = jnp.exp(s - lse)
         ds = pr * (_dot(do, v, (1, 1)) - delta) * dscale
@@ -352,8 +353,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, refs: Refs, dk_
                                       lambda t: refs.rand[g, t, pl.ds(start, bq)], transposed=True)
             pattern = tiles.pattern_terms(k_pos, q_glob=q_glob, kv_glob=kv_glob, rand_starts=rand,
                                           rand_size=m.random_block_size)
-            s, dscale = _mask_and_logits(st, _dot(k, q, (1, 1)), q_pos, k_pos, slope=slope,
-                                         ids=(q_seg, kv_seg, kv_length), static_mask=True,
+            s, dscale = _mask_and_logits(st, _dot(k, q, (1, 1)), q_pos, k_pos,
+                                         loaded=(slope, q_seg, kv_seg, kv_length), static_mask=True,
                                          check_kv_len=check_kv_len, pattern=pattern)
             pr = jnp.exp(s - lse)
             dv = dv + _dot(pr.astype(do.dtype), do, (1, 0))

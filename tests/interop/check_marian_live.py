@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxformer.decode.translate import beam_translate, greedy_translate
+from jaxformer.decode.translate import TranslationConfig, beam_translate, greedy_translate
 from jaxformer.interop import save_pretrained
 from jaxformer.interop.marian import translation_kwargs
 from jaxformer.model.config import ModelConfig
@@ -79,9 +79,10 @@ def check(name: str, options: dict, root: Path) -> bool:
     valid = mask.astype(bool)
     d_mem = float(np.abs(np.asarray(memory) - hf["memory"])[valid].max())
     d_log = float(np.abs(np.asarray(logits) - hf["logits"]).max())
-    kw = translation_kwargs(out)
-    greedy = greedy_translate(model, src, lengths, max_new_tokens=NEW, **kw)
-    beam = beam_translate(model, src, lengths, max_new_tokens=NEW, num_beams=3, **translation_kwargs(out, beam=True))
+    greedy = greedy_translate(model, src, lengths,
+                              config=TranslationConfig(**translation_kwargs(out)).replace(max_new_tokens=NEW))
+    beam = beam_translate(model, src, lengths, config=TranslationConfig(**translation_kwargs(out, beam=True)).replace(
+        max_new_tokens=NEW, num_beams=3))
     same_g = greedy.shape == hf["greedy"].shape and bool((greedy == hf["greedy"]).all())
     same_b = beam.shape == hf["beam"].shape and bool((beam == hf["beam"]).all())
     ok = d_mem < 1e-4 and d_log < 1e-4 and same_g and same_b

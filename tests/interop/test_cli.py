@@ -92,7 +92,7 @@ def test_generate_hf_refuses_encoder_checkpoints(model_type, kind, tmp_path, cap
 # -- translate --hf (the committed Marian fixture)
 
 def test_translate_hf_greedy_and_beam_equal_the_decode_functions(capsys):
-    from jaxformer.decode.translate import beam_translate, greedy_translate
+    from jaxformer.decode.translate import TranslationConfig, beam_translate, greedy_translate
     from jaxformer.interop.marian import translation_kwargs
     from tests.interop.common import FIXTURES
 
@@ -109,8 +109,9 @@ def test_translate_hf_greedy_and_beam_equal_the_decode_functions(capsys):
     lengths = np.asarray([len(r) for r in rows], np.int32)
     _, graphdef, state = load_pretrained(ckpt)
     model = nnx.merge(graphdef, state)
-    greedy = greedy_translate(model, src, lengths, max_new_tokens=8, **translation_kwargs(ckpt))
-    beam = beam_translate(model, src, lengths, max_new_tokens=8, num_beams=3, **kw)
+    greedy = greedy_translate(model, src, lengths,
+                              config=TranslationConfig(**{**translation_kwargs(ckpt), "max_new_tokens": 8}))
+    beam = beam_translate(model, src, lengths, config=TranslationConfig(**{**kw, "max_new_tokens": 8, "num_beams": 3}))
     capsys.readouterr()
     for extra, ids in (([], greedy), (["--beams", "3"], beam)):
         assert main(["translate", "--hf", str(ckpt), "--text", texts[0], "--text", texts[1],

@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jaxformer.decode.translate import beam_translate, greedy_translate
+from jaxformer.decode.translate import TranslationConfig, beam_translate, greedy_translate
 from jaxformer.interop import HFConfigError, HFWeightsError, load_pretrained, load_tokenizer, save_pretrained
 from jaxformer.interop.hf import config_from_hf, read_config
 from jaxformer.interop.marian import MarianFamily, marian_sinusoids, translation_kwargs
@@ -95,12 +95,13 @@ def test_greedy_and_beam_match_generate(marian):
     model = nnx.merge(graphdef, state)
     src, lengths = expected["input_ids"], expected["attention_mask"].sum(1)
     steps = expected["generated_ids"].shape[1] - 1   # max_new_tokens=8 in the recorded calls
-    greedy = greedy_translate(model, src, lengths, max_new_tokens=steps, **translation_kwargs(d))
+    greedy = greedy_translate(model, src, lengths,
+                              config=TranslationConfig(**translation_kwargs(d)).replace(max_new_tokens=steps))
     np.testing.assert_array_equal(greedy, expected["generated_ids"])
     # no near-tie: the smallest top-2 margin of the recorded greedy steps is well above float32 noise
     assert expected["generated_top2_margin"].min() > 1e-2
-    beam = beam_translate(model, src, lengths, max_new_tokens=steps, num_beams=3,
-                          **translation_kwargs(d, beam=True))
+    beam = beam_translate(model, src, lengths, config=TranslationConfig(**translation_kwargs(d, beam=True)).replace(
+        max_new_tokens=steps, num_beams=3))
     np.testing.assert_array_equal(beam, expected["beam_ids"])
 
 
@@ -113,14 +114,15 @@ def test_generate_with_early_eos():
     model.logits_bias[...] = model.logits_bias[...].at[meta["eos_token_id"]].add(meta["boost"])
     kw = translation_kwargs(d, beam=True)
     for case in meta["cases"]:
-        common = dict(max_new_tokens=case["max_new_tokens"], start_id=kw["start_id"], eos_id=kw["eos_id"],
-                      pad_id=kw["pad_id"], suppress_ids=kw["suppress_ids"], force_eos=kw["force_eos"])
+        common = TranslationConfig(max_new_tokens=case["max_new_tokens"], start_id=kw["start_id"],
+                                   eos_id=kw["eos_id"], pad_id=kw["pad_id"], suppress_ids=kw["suppress_ids"],
+                                   force_eos=kw["force_eos"])
         if case["num_beams"] == 1:
-            ours = greedy_translate(model, expected["src"], expected["src_lengths"], **common)
+            ours = greedy_translate(model, expected["src"], expected["src_lengths"], config=common)
         else:
-            ours = beam_translate(model, expected["src"], expected["src_lengths"], num_beams=case["num_beams"],
-                                  length_penalty=case["length_penalty"], early_stopping=case["early_stopping"],
-                                  **common)
+            ours = beam_translate(model, expected["src"], expected["src_lengths"], config=common.replace(
+                num_beams=case["num_beams"], length_penalty=case["length_penalty"],
+                early_stopping=case["early_stopping"]))
         np.testing.assert_array_equal(ours, expected[case["name"]], err_msg=str(case))
 
 
@@ -259,4 +261,30 @@ def test_family_is_registered():
 def test_translate_refuses_a_decoder_only_model():
     model = nnx.eval_shape(lambda: Transformer(presets.get("llama_tiny")))
     with pytest.raises(ValueError, match="encoder_decoder"):
-        greedy_translate(model, np.zeros((1, 3), np.int32), start_id=0, eos_id=1, max_new_tokens=2)
+        greedy_translate(model, np.zeros((1, 3), np.int32),
+                         config=TranslationConfig(start_id=0, eos_id=1, max_new_tokens=2))
+
+
+def test_translation_config_refuses_bad_settings(marian):
+    with pytest.raises(ValueError, match="num_beams=0"):
+        TranslationConfig(start_id=0, eos_id=1, num_beams=0)
+    with pytest.raises(ValueError, match="early_stopping='soon'"):
+        TranslationConfig(start_id=0, eos_id=1, early_stopping="soon")
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        TranslationConfig(start_id=0, eos_id=1, max_new_tokens=0)
+    d, expected, _, config, graphdef, state = marian
+    model = nnx.merge(graphdef, state)
+    src = expected["input_ids"]
+    unset = TranslationConfig(**translation_kwargs(d))
+    with pytest.raises(ValueError, match="max_new_tokens is unset"):
+        greedy_translate(model, src, config=unset)
+    with pytest.raises(ValueError, match="num_beams=3; use beam_translate"):
+        greedy_translate(model, src, config=unset.replace(max_new_tokens=2, num_beams=3))
+    with pytest.raises(TypeError, match="must be a jaxformer.decode.TranslationConfig; got dict"):
+        beam_translate(model, src, config=translation_kwargs(d))
+    # translate() searches with beams exactly when num_beams > 1
+    from jaxformer.decode.translate import translate
+
+    for beams, search in ((1, greedy_translate), (3, beam_translate)):
+        settings = unset.replace(max_new_tokens=3, num_beams=beams)
+        np.testing.assert_array_equal(translate(model, src, config=settings), search(model, src, config=settings))

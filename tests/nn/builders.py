@@ -4,16 +4,17 @@ section (:class:`jaxformer.nn.AttentionConfig`, :class:`jaxformer.nn.FFNConfig`,
 
 from __future__ import annotations
 
-from jaxformer.nn import Attention, AttentionConfig, FFNConfig, GatedMLP, PositionConfig, make_mlp
+from jaxformer.nn import Attention, AttentionConfig, AttentionInit, FFNConfig, GatedMLP, PositionConfig, make_mlp
 
 
 def attention(d_model, n_heads, n_kv_heads=None, head_dim=None, *, position="none", scale=None, softcap=None,
-              share="none", qkv_bias=None, impl="auto", **kwargs) -> Attention:
-    """``Attention(d_model, AttentionConfig(...), positions=PositionConfig(kind=position) or None, **kwargs)``."""
+              share="none", qkv_bias=None, impl="auto", use_bias=False, **kwargs) -> Attention:
+    """``Attention(d_model, AttentionConfig(...), positions=PositionConfig(kind=position) or None,
+    init=AttentionInit(bias=use_bias), **kwargs)``."""
     cfg = AttentionConfig(n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, scale=scale, softcap=softcap,
                           qkv_sharing=share, qkv_bias=qkv_bias, impl=impl)
     positions = None if position == "none" else PositionConfig(kind=position)
-    return Attention(d_model, cfg, positions=positions, **kwargs)
+    return Attention(d_model, cfg, positions=positions, init=AttentionInit(bias=use_bias), **kwargs)
 
 
 def mlp(d_model, d_ff, activation, **kwargs):

@@ -11,7 +11,7 @@ from flax import nnx
 
 from tests.nn.builders import attention, gated_mlp, mlp
 from jaxformer.nn import Attention, GatedMLP
-from jaxformer.nn.lora import LoRA, LoRASpec, lora_delta, lora_scale
+from jaxformer.nn.lora import Dims, LoRA, LoRASpec, lora_delta, lora_scale
 from tests.nn.test_modules import ATOL, RTOL, run
 
 D, N, K, H, F, R = 16, 4, 2, 4, 24, 3
@@ -41,7 +41,7 @@ def test_scale_is_alpha_over_rank_or_its_square_root():
 def test_init_is_peft_kaiming_uniform_for_a_and_zero_for_b():
     """peft: kaiming_uniform_(lora_A.weight [R, in], a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)); lora_B zeros."""
     fan_in = N * H
-    lora = LoRA((N, H), (D,), ("heads", "head_dim"), ("embed",), rank=64, scale=1.0, rngs=nnx.Rngs(0))
+    lora = LoRA(Dims((N, H), ("heads", "head_dim")), Dims((D,), ("embed",)), rank=64, scale=1.0, rngs=nnx.Rngs(0))
     a, b = np.asarray(lora.a[...]), np.asarray(lora.b[...])
     assert a.shape == (N, H, 64) and b.shape == (64, D) and a.dtype == np.float32
     bound = 1 / math.sqrt(fan_in)
@@ -131,7 +131,7 @@ def test_a_zero_b_leaves_the_projection_exactly_as_it_was():
 
 
 def test_dropout_acts_only_when_not_deterministic_and_keeps_the_mean():
-    lora = LoRA((D,), (D,), ("embed",), ("embed",), rank=R, scale=1.0, dropout=0.5, rngs=nnx.Rngs(0))
+    lora = LoRA(Dims((D,), ("embed",)), Dims((D,), ("embed",)), rank=R, scale=1.0, dropout=0.5, rngs=nnx.Rngs(0))
     lora.b[...] = jnp.ones((R, D))
     x = jnp.ones((4096, D))
     clean = lora(x)

@@ -11,7 +11,7 @@ from flax import nnx
 from tests.nn.builders import attention, gated_mlp, mlp
 from jaxformer.nn import (
     LOGICAL_AXES, Attention, Block, Embed, GatedMLP, HeadTransform, LayerNorm, LearnedPositions, LMHead, MLP,
-    Residual, RMSNorm, make_mlp, param,
+    NormConfig, Residual, RMSNorm, make_mlp, param,
 )
 from jaxformer.ops.masks import MaskSpec
 
@@ -125,13 +125,20 @@ def test_attention_matches_reference_forward_and_grad(position, N, K, causal, bi
 
 @pytest.mark.parametrize("qkv_bias", [None, True])
 def test_cross_attention_matches_reference(qkv_bias):
-    D, Dkv, N, K, H, B, T, S = 16, 12, 4, 2, 4, 2, 3, 7
-    m = build(lambda: attention(D, N, K, H, kv_dim=Dkv, impl="xla", qkv_bias=qkv_bias, rngs=nnx.Rngs(0)), 4)
+    D, N, K, H, B, T, S = 16, 4, 2, 4, 2, 3, 7
+    m = build(lambda: attention(D, N, K, H, impl="xla", qkv_bias=qkv_bias, rngs=nnx.Rngs(0)), 4)
     assert (m.b_k is not None) == bool(qkv_bias) and m.b_o is None
     x = jax.random.normal(jax.random.key(5), (B, T, D))
-    ctx = jax.random.normal(jax.random.key(6), (B, S, Dkv))
+    ctx = jax.random.normal(jax.random.key(6), (B, S, D))
     want = ref_attention(np, params_np(m), np.asarray(x, np.float64), np.asarray(ctx, np.float64))
     np.testing.assert_allclose(np.asarray(run(m, x, ctx)), want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.no_typecheck
+def test_cross_attention_refuses_a_context_of_another_width():
+    m = attention(16, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"context.shape=\(2, 7, 12\) must be \[B, S, D\] with D=16"):
+        m(jnp.zeros((2, 3, 16)), jnp.zeros((2, 7, 12)))
 
 
 def test_gqa_with_k_equal_n_is_mha_and_gqa_equals_mha_with_repeated_kv_weights():
@@ -231,8 +238,9 @@ def test_embeddings():
 def test_head_transform_matches_reference_forward_and_grad(norm, use_bias, activation):
     """BERT's ``norm(act(x W + b))``: numpy float64 forward, and gradients (x and every parameter)
     against the same formula in plain jnp."""
-    D, eps = 8, 1e-5
-    m = build(lambda: HeadTransform(D, activation, norm=norm, eps=eps, use_bias=use_bias, rngs=nnx.Rngs(0)), 21)
+    D, eps = 8, 1e-3   # not the default 1e-5: the section's eps must reach the norm
+    m = build(lambda: HeadTransform(D, activation, norm=NormConfig(kind=norm, eps=eps), use_bias=use_bias,
+                                    rngs=nnx.Rngs(0)), 21)
     names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(m, nnx.Param))}
     assert names == ({"w", "b", "norm.scale", "norm.bias"} if use_bias else {"w", "norm.scale"})
     x = 2.0 * jax.random.normal(jax.random.key(22), (2, 3, D))
