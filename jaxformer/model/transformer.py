@@ -266,23 +266,14 @@ class DecoderLM(_Decodes, Transformer):
         ``positions`` default to ``arange(T)``; packed sequences pass ``positions [B, T]`` and
         ``segment_ids [B, T]``. ``cache``: one :class:`~jaxformer.nn.KVCacheLayer` per layer.
         ``token_types [B, T]`` (``hf_options.type_vocab_size > 0``; default zeros). ``logits_at [B]``:
-        logits ``[B, 1, V]`` of that position of each row only (see :meth:`decode`).
-        """
-        return self.decode(tokens, positions=positions, segment_ids=segment_ids, cache=cache,
-                           token_types=token_types, logits_at=logits_at)
-
-    def decode(self, tokens: Tokens, *, positions: Positions | None = None, segment_ids: SegmentIds | None = None,
-               cache: Sequence | None = None, token_types: Tokens | None = None, logits_at: Lengths | None = None,
-               ) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:
-        """Causal decoder: ``tokens [B, T] -> logits [B, T, V]`` (``, new_caches`` with ``cache``).
-
-        ``token_types [B, T]`` of ``tokens`` (needs ``hf_options.type_vocab_size > 0``; default zeros).
-        ``logits_at [B]`` int: the head runs at that one position of each row only, giving logits
-        ``[B, 1, V]`` (equal to ``[:, logits_at]`` of the full logits; a sampler needs no others).
+        logits ``[B, 1, V]`` of that position of each row only (the head runs there alone; equal to
+        ``[:, logits_at]`` of the full logits; a sampler needs no others).
         """
         _check_decode_inputs(tokens, positions, segment_ids)
         return self._decode(tokens, None, positions=positions, segment_ids=segment_ids, cache=cache,
                             token_types=token_types, logits_at=logits_at)
+
+    decode = __call__  # the causal decoder is the whole model: ``model.decode(tokens)`` == ``model(tokens)``
 
 
 class Encoder(_Encodes, Transformer):
