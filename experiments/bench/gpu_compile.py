@@ -53,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024}
@@ -385,9 +386,29 @@ HEADER = ("| kernel | variant | arch | hd | dtype | blocks (q x k) | warps/stage
           "| spill st/ld B | verdict |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
-def run_matrix(archs, hds, dtypes, kernels, python: str, workers: int, work: str, variants=FLASH_VARIANTS,
-               cells_configs=None, log=print, cache=None, salt="") -> list[dict]:
+class Matrix(NamedTuple):
+    """What to compile: architectures (``90``), head dims, dtypes (``"bf16"``) and kernel names."""
+    archs: tuple
+    hds: tuple
+    dtypes: tuple
+    kernels: tuple = KERNELS
+
+
+class Compiler(NamedTuple):
+    """How to compile: the interpreter with ``triton``, its worker processes, the result cache and its salt."""
+    python: str
+    workers: int = 2
+    cache: str | None = None
+    salt: str = ""
+
+    def run(self, jobs: list[dict]) -> list[dict]:
+        return compile_jobs(jobs, self.python, self.workers, self.cache, self.salt)
+
+
+def run_matrix(matrix: Matrix, compiler: Compiler, work: str, variants=FLASH_VARIANTS, cells_configs=None,
+               log=print) -> list[dict]:
     """Capture (here) then compile (triton interpreter) every kernel of the matrix; rows in matrix order."""
+    archs, hds, dtypes, kernels = matrix
     jobs = []
     t0 = time.perf_counter()
     for arch in archs:
@@ -397,9 +418,9 @@ def run_matrix(archs, hds, dtypes, kernels, python: str, workers: int, work: str
                 jobs += capture_cell(Cell(arch, hd, dtype, configs), os.path.join(work, f"sm{arch}_{hd}_{dtype}"),
                                      kernels, variants)
     t1 = time.perf_counter()
-    rows = compile_jobs(jobs, python, workers, cache, salt)
+    rows = compiler.run(jobs)
     log(f"# {len(jobs)} kernels: capture {t1 - t0:.1f} s, compile {time.perf_counter() - t1:.1f} s "
-        f"({workers} workers)")
+        f"({compiler.workers} workers)")
     return rows
 
 
@@ -445,8 +466,8 @@ def candidates(kernel: str, hd: int, dtype: str) -> list:
 PROBE_ORDER = ("full", "sparse", "dense")  # the variant most likely to spill first (most live values)
 
 
-def search(archs, hds, dtypes, kernels, python: str, workers: int, work: str, log=print, cache=None, salt="",
-           batch: int = 3, variants=FLASH_VARIANTS) -> dict:
+def search(matrix: Matrix, compiler: Compiler, work: str, log=print, batch: int = 3,
+           variants=FLASH_VARIANTS) -> dict:
     """Per (arch, hd, dtype, kernel): the first candidate (:func:`candidates` order) ok in every variant,
     then with 3 pipeline stages instead of 2 where that is ok too.
 
@@ -456,6 +477,7 @@ def search(archs, hds, dtypes, kernels, python: str, workers: int, work: str, lo
     has not failed has passed everything; when every candidate fails, to :func:`least_spilling`'s choice
     (logged). Returns ``{(arch, hd, dtype, kernel): KernelConfig}``.
     """
+    archs, hds, dtypes, kernels = matrix
     probe = [v for v in PROBE_ORDER if v in variants]
     state = {}
     for a in archs:
@@ -508,7 +530,7 @@ def search(archs, hds, dtypes, kernels, python: str, workers: int, work: str, lo
                 if j["kernel"] == "paged" or j["variant"] in want:
                     jobs.append(j)
                     owners.append((c, j["variant"] if j["kernel"] != "paged" else "L"))
-        results = compile_jobs(jobs, python, workers, cache, salt)
+        results = compiler.run(jobs)
         for (c, v), r in zip(owners, results):
             c.setdefault("rows", []).append(r)
             if not ok(r):
@@ -544,7 +566,7 @@ def search(archs, hds, dtypes, kernels, python: str, workers: int, work: str, lo
         up_jobs += cell_jobs
         up_owner += [(a, h, d, j["kernel"]) for j in cell_jobs]
     verdicts = {}
-    for key, r in zip(up_owner, compile_jobs(up_jobs, python, workers, cache, salt)):
+    for key, r in zip(up_owner, compiler.run(up_jobs)):
         verdicts[key] = verdicts.get(key, True) and ok(r)
     for key, good in verdicts.items():
         if good:
@@ -682,14 +704,15 @@ def main(argv=None) -> int:
                         text=True).stdout.strip()
     archs, hds, dtypes = _csv(a.arch, int), _csv(a.hd, int), _csv(a.dtype)
     kernels, variants = _csv(a.kernel), _csv(a.variant)
+    matrix = Matrix(tuple(archs), tuple(hds), tuple(dtypes), tuple(kernels))
+    compiler = Compiler(python, a.workers, a.cache or None, tv)
     with contextlib.ExitStack() as stack:
         work = a.work or stack.enter_context(tempfile.TemporaryDirectory())
         if a.search:
             from pallas_kernels import block_table
 
             t0 = time.perf_counter()
-            chosen = search(archs, hds, dtypes, kernels, python, a.workers, os.path.join(work, "search"),
-                            cache=a.cache or None, salt=tv, variants=variants)
+            chosen = search(matrix, compiler, os.path.join(work, "search"), variants=variants)
             if not a.no_write:
                 write_table(chosen, block_table.__file__)
             print(f"# search: {len(chosen)} entries {'chosen' if a.no_write else 'written to ' + block_table.__file__} "
@@ -700,8 +723,7 @@ def main(argv=None) -> int:
             cells = {k: tuple(v) for k, v in cells.items()}
         else:
             cells = None
-        rows = run_matrix(archs, hds, dtypes, kernels, python, a.workers, os.path.join(work, "matrix"), variants,
-                          cells, cache=a.cache or None, salt=tv)
+        rows = run_matrix(matrix, compiler, os.path.join(work, "matrix"), variants, cells)
     print(HEADER)
     for r in rows:
         print(fmt_row(r))

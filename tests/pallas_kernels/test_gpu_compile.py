@@ -80,7 +80,8 @@ def test_kernels_lower_with_the_table_config(arch, tmp_path):
 
 
 def _compile_and_check(archs, hds, dtypes, tmp_path, variants=gc.FLASH_VARIANTS):
-    rows = gc.run_matrix(archs, hds, dtypes, gc.KERNELS, TRITON, 2, str(tmp_path), variants, log=lambda *_: None)
+    rows = gc.run_matrix(gc.Matrix(archs, hds, dtypes), gc.Compiler(TRITON, 2), str(tmp_path), variants,
+                        log=lambda *_: None)
     assert rows
     bad = [gc.fmt_row(r) for r in rows if not gc.ok(r)]
     assert not bad, "\n" + gc.HEADER + "\n" + "\n".join(bad)
