@@ -9,8 +9,8 @@ The model computes on the device; the search bookkeeping (a few ``[B, beams]`` a
 The semantics are those of ``transformers``' ``generate`` for an encoder-decoder (e.g.
 ``MarianMTModel``), so a checkpoint loaded with :mod:`jaxformer.interop` gives the same tokens (ties
 aside). The settings travel as one :class:`TranslationConfig` (``transformers``' ``GenerationConfig``, the
-part of it translation implements); ``TranslationConfig(**jaxformer.interop.marian.translation_kwargs(path))``
-is a checkpoint's:
+part of it translation implements); ``TranslationConfig(**jaxformer.interop.marian.translation_settings(path,
+max_seq_len))`` is a checkpoint's, beam settings and ``max_new_tokens`` resolved:
 
 * the target starts with ``start_id`` (Marian: ``<pad>``) and holds at most ``1 + max_new_tokens``
   tokens (transformers' ``max_length``);
@@ -156,7 +156,8 @@ def _beam_step(graphdef, keep, state, caches, source: _Source, beams: _Beams, po
 def _checked(config) -> TranslationConfig:
     if not isinstance(config, TranslationConfig):
         raise TypeError(f"config must be a jaxformer.decode.TranslationConfig; got {type(config).__name__} "
-                        "(TranslationConfig(**jaxformer.interop.marian.translation_kwargs(path)) is a checkpoint's)")
+                        "(TranslationConfig(**jaxformer.interop.marian.translation_settings(path, max_seq_len)) is a "
+                        "checkpoint's)")
     return config
 
 

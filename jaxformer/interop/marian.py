@@ -329,7 +329,7 @@ def translation_settings(path: str | os.PathLike, max_seq_len: int, *, beams: in
                          max_new_tokens: int | None = None) -> dict[str, Any]:
     """The :class:`jaxformer.decode.TranslationConfig` fields of ``jaxformer translate``: the
     checkpoint's :func:`translation_kwargs` with ``num_beams`` (``beams``, else the checkpoint's, else 1: greedy,
-    which takes no length penalty) and ``max_new_tokens`` (given, else the checkpoint's, at most
+    whose config leaves the beam-only ``length_penalty`` and ``early_stopping`` at their defaults) and ``max_new_tokens`` (given, else the checkpoint's, at most
     ``max_seq_len - 1``) resolved."""
     if beams is not None and beams < 1:
         raise ValueError(f"translate: --beams {beams} must be >= 1")

@@ -315,7 +315,7 @@ class EncoderDecoder(_Encodes, _Decodes, Transformer):
         return self.decode(tgt_tokens, memory, positions=tgt_positions, segment_ids=tgt_segment_ids,
                            memory_segment_ids=segment_ids, memory_lengths=lengths)
 
-    def decode(self, tokens: Tokens, memory: Memory, *, positions: Positions | None = None,
+    def decode(self, tokens: Tokens, memory: Memory | None, *, positions: Positions | None = None,
                segment_ids: SegmentIds | None = None, memory_segment_ids: KvSegmentIds | None = None,
                memory_lengths: Lengths | None = None, cache: Sequence | None = None,
                logits_at: Lengths | None = None) -> Float[Array, "B _ V"] | tuple[Float[Array, "B _ V"], list]:

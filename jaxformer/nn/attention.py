@@ -88,7 +88,7 @@ class Attention(nnx.Module):
     """Multi-head attention with ``n_kv_heads`` K dividing ``n_heads`` N (GQA; K=1 is MQA).
 
     Args:
-      d_model: D, the width of ``x`` (and of the output).
+      d_model: D, the width of ``x``, of the output and of a cross-attention ``context``.
       cfg: heads N, K (default N) and width H (default D // N), logit scale (default ``1/sqrt(H)``) and
         soft cap, ``qkv_sharing`` ("none" | "qk" | "qkv", see the module doc), ``qkv_bias``, the
         ``dot_product_attention`` backend ``impl``.
