@@ -494,6 +494,12 @@ MUTATIONS = [
     Mutation("decode_memory_lengths_dropped", "jaxformer/model/transformer.py",
              "                                kv_lengths=memory_lengths)", "                                kv_lengths=None)",
              (HF + "test_marian.py",), "EncoderDecoder.decode attends to the source's padding"),
+    Mutation("engine_reserve_ignored", "jaxformer/decode/engine.py",
+             'if (self.engine_options.reserve == "context"', 'if (False',
+             ("tests/decode/test_engine.py",), "reserve='context' admits as the paged engine does (no baseline)"),
+    Mutation("categorical_points_joined", "jaxformer/study/plots.py",
+             'label=name, ls="none" if _categorical(sweep) else "-")', 'label=name, ls="-")',
+             ("tests/study/test_sweep_tune.py",), "a categorical axis's points joined by lines"),
     # -- jaxformer serve: the real server process, driven over HTTP (tests/serve)
     Mutation("serve_utf8_split", "jaxformer/serve/text.py",
              "while end > start and full[end - 1] == REPLACEMENT:", "while False and full[end - 1] == REPLACEMENT:",

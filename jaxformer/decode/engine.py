@@ -227,6 +227,10 @@ class EngineOptions:
     window: a sliding KV window of this many positions (see the module docstring); ``max_context`` then
       bounds prompts only. Default: the model's own ``config.sparsity.causal_window`` (None for a model
       without one).
+    reserve: ``"pages"`` (default): a sequence holds the pages its tokens fill, taken as it grows;
+      ``"context"``: admitting a sequence reserves its whole ``max_context`` of pages, as a contiguous KV
+      cache preallocates ``max_context`` slots per sequence (a baseline to measure paging against: at most
+      ``num_pages // pages per sequence`` sequences run at once, and none is ever preempted).
     """
 
     num_pages: int | None = None
@@ -238,6 +242,7 @@ class EngineOptions:
     backend: str = "auto"
     interpret: bool = False
     window: int | None = None
+    reserve: str = "pages"
 
 
 class Engine:
@@ -258,6 +263,8 @@ class Engine:
         self.max_context = config.max_seq_len if o.max_context is None else o.max_context
         if not 0 < self.max_context <= config.max_seq_len:
             raise ValueError(f"max_context={o.max_context} must be in [1, config.max_seq_len={config.max_seq_len}]")
+        if o.reserve not in ("pages", "context"):
+            raise ValueError(f"reserve={o.reserve!r} must be 'pages' or 'context'")
         if o.max_batch < 1 or o.chunk_size < 2:
             raise ValueError(f"max_batch={o.max_batch} must be >= 1 and chunk_size={o.chunk_size} >= 2")
         self.max_batch, self.chunk_size = o.max_batch, o.chunk_size
@@ -265,6 +272,9 @@ class Engine:
         self.options = StepOptions(o.backend, o.interpret, self.window)
         self.max_pages_per_seq = pages_per_sequence(self.max_context, o.page_size, self.window)
         num_pages = o.max_batch * self.max_pages_per_seq if o.num_pages is None else o.num_pages
+        if o.reserve == "context" and num_pages < self.max_pages_per_seq:
+            raise ValueError(f"reserve='context' needs num_pages >= {self.max_pages_per_seq} (one sequence's "
+                             f"max_context={self.max_context} in pages of {o.page_size}); got num_pages={num_pages}")
         self.manager = BlockManager(num_pages, o.page_size, prefix_sharing=o.prefix_sharing)
         self.pools = init_page_pools(config, num_pages, o.page_size)
         self.waiting: collections.deque[_Req] = collections.deque()
@@ -371,6 +381,9 @@ class Engine:
             # keep a page of growth per running sequence, so admitting never forces a preemption at once
             if self.manager.pages_needed_to_add(head) > self.manager.num_free - len(self.running):
                 break
+            if (self.engine_options.reserve == "context"
+                    and (len(self.running) + 1) * self.max_pages_per_seq > self.manager.num_pages):
+                break  # every running sequence keeps its max_context of pages: no room for another
             self.manager.add(req.rid, head)
             self.manager.append(req.rid, tail)
             self.running.append(self.waiting.popleft())

@@ -38,12 +38,21 @@ def _series(sweep: Sweep, rows: list[dict]):
     return x, series
 
 
+def _x_values(sweep: Sweep) -> list:
+    x = _x_axis(sweep)
+    return list({json.dumps(p.values.get(x)): p.values.get(x) for p in sweep.points}.values())
+
+
+def _categorical(sweep: Sweep) -> bool:
+    """Whether ``report.x`` is categorical (not all numbers): its points are then not joined by lines."""
+    return not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in _x_values(sweep))
+
+
 def _x_positions(sweep: Sweep, ax) -> dict:
     """``{json value: x position}`` for ``report.x`` over every point, set once per axes: numbers on a
     (log2 when wide) numeric axis, anything else categorical in the sweep's order."""
-    x = _x_axis(sweep)
-    values = list({json.dumps(p.values.get(x)): p.values.get(x) for p in sweep.points}.values())
-    if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+    values = _x_values(sweep)
+    if values and not _categorical(sweep):
         if min(values) > 0 and max(values) / min(values) >= 8:
             ax.set_xscale("log", base=2)
         return {json.dumps(v): float(v) for v in values}
@@ -110,7 +119,7 @@ def _plot_tuning_curves(plt, sweep, out, rows):
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     if numeric:
         xs = [float(next(iter(c.values()))) for c in combos]
-        if min(xs) > 0 and max(xs) / min(xs) >= 8:
+        if min(xs) > 0 and max(xs) / min(xs) >= 4:  # a learning-rate grid is geometric
             ax.set_xscale("log")
     else:
         xs = list(range(len(combos)))
@@ -183,9 +192,9 @@ def _plot_val_curves(plt, sweep, out, rows):
         plt.close(fig)
         return None
     ax.set_xlabel("step")
-    ax.set_ylabel(f"validation {metric}, mean over seeds (open marker: final evaluation)")
+    ax.set_ylabel(f"validation {metric} (mean over seeds)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title(f"{sweep.name}: validation curves")
+    ax.set_title(f"{sweep.name}: validation curves (open marker: the final evaluation)", fontsize=10)
     return fig
 
 
@@ -201,7 +210,7 @@ def _plot_final_metric(plt, sweep, out, rows):
             continue
         xs = [where[json.dumps(v)] for v, _, _ in keep]
         ax.errorbar(xs, [m for _, m, _ in keep], yerr=[s or 0.0 for _, _, s in keep], marker="o", capsize=3,
-                    label=name)
+                    label=name, ls="none" if _categorical(sweep) else "-")
     ax.set_xlabel(x or "")
     ax.set_ylabel(f"{metric} (mean ± sd over seeds)")
     if len(series) > 1:
@@ -272,23 +281,27 @@ def _plot_probes(plt, sweep, out, rows):
     pkeys = probe_keys(rows)
     if not pkeys:
         return None
-    fig, axes = plt.subplots(1, len(pkeys), figsize=(4 * len(pkeys), 3.8), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(1, len(pkeys), figsize=(max(5.5, 4 * len(pkeys)), 3.8), squeeze=False, layout="constrained")
     axes = axes[0]
     for ax, key in zip(axes, pkeys):
         where = _x_positions(sweep, ax)
         for i, (name, pts) in enumerate(series.items()):
-            for when, ls in (("init", "--"), ("final", "-")):
+            for when, ls, fill in (("init", "--", "none"), ("final", "-", None)):
                 vals = [mean_spread([probe(r, when, key) for r in rs])[0] for _, rs in pts]
                 keep = [(v, m) for (v, _), m in zip(pts, vals) if m is not None]
                 if keep:
-                    ax.plot([where[json.dumps(v)] for v, _ in keep], [m for _, m in keep], ls=ls, marker="o",
+                    ax.plot([where[json.dumps(v)] for v, _ in keep], [m for _, m in keep],
+                            ls="none" if _categorical(sweep) else ls, marker="o", mfc=fill,
                             color=f"C{i % 10}", label=f"{name} ({when})")
-        ax.set_yscale("symlog" if key == "dead_fraction" else "log", **({"linthresh": 1e-3}
-                                                                        if key == "dead_fraction" else {}))
+        if key == "dead_fraction":  # a fraction, often 0: linear, at least 0..0.1% so a lone unit reads as small
+            top = max([1e-3] + [line.get_ydata().max() * 1.2 for line in ax.get_lines()])
+            ax.set_ylim(-0.03 * top, top)
+        else:
+            ax.set_yscale("log")
         ax.set_xlabel(x or "")
         ax.set_title(key, fontsize=9)
     axes[0].legend(fontsize=6)
-    fig.suptitle(f"{sweep.name}: probes at initialisation (dashed) and after training (solid)", fontsize=9)
+    fig.suptitle(f"{sweep.name} probes: open / dashed at init, filled / solid after training", fontsize=9)
     return fig
 
 

@@ -129,6 +129,31 @@ def test_engine_argument_errors(llama):
         eng.Engine(graphdef, state, cfg, num_page=4)
 
 
+def test_reserving_the_context_runs_fewer_at_once_and_gives_the_same_tokens(llama, alone):
+    """``reserve="context"`` (the contiguous-cache baseline): each admitted sequence holds max_context's pages,
+    so 10 pages of 4 with max_context 20 (5 pages each) run at most 2 sequences at once; never a preemption,
+    every page back, the tokens those of each request alone. The paged engine on the same pool runs all 4."""
+    cfg, graphdef, state = llama
+    idx = [0, 2, 3, 5]  # at most 9 + 8 = 17 tokens each, within max_context
+    peaks = {}
+    for reserve in ("context", "pages"):
+        e = eng.Engine(graphdef, state, cfg, **{**GEOMETRY, "max_context": 20, "reserve": reserve})
+        ids = [e.submit(PROMPTS[i], SamplingParams(max_new_tokens=MAX_NEW[i])) for i in idx]
+        peak = 0
+        while not e.done:
+            e.step()
+            peak = max(peak, len(e.running))
+        results = e.results
+        assert [results[i].tokens for i in ids] == [alone[i] for i in idx], reserve
+        assert e.stats["preemptions"] == 0 and e.manager.num_free == GEOMETRY["num_pages"]
+        peaks[reserve] = peak
+    assert peaks == {"context": 2, "pages": 4}
+    with pytest.raises(ValueError, match="reserve='context' needs num_pages >= 5"):
+        eng.Engine(graphdef, state, cfg, **{**GEOMETRY, "num_pages": 4, "max_context": 20, "reserve": "context"})
+    with pytest.raises(ValueError, match="reserve='slots' must be"):
+        eng.Engine(graphdef, state, cfg, **{**GEOMETRY, "reserve": "slots"})
+
+
 def test_engine_options_object_and_keywords_agree(llama):
     """``Engine(g, s, c, EngineOptions(...))``, the same as keywords, and keywords over an options object."""
     cfg, graphdef, state = llama

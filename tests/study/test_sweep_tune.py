@@ -212,3 +212,29 @@ def test_validation_curves_are_drawn_from_the_periodic_evaluations(tmp_path, mon
         (out / p.name / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
     import matplotlib.pyplot as plt
     assert real(plt, sweep, out, gather(sweep, out)) is None
+
+
+@pytest.mark.parametrize("axis, values, joined", [("model.position", ["rope", "alibi", "none"], False),
+                                                  ("model.n_layers", [1, 2, 4], True)])
+def test_final_metric_and_probe_points_are_joined_only_on_a_numeric_axis(tmp_path, axis, values, joined):
+    """Issue 25's readable plots: a categorical axis (activations, positions) shows points, not a line through
+    them; a numeric one (depth) keeps its line. The plotted means are the rows' own."""
+    import matplotlib.pyplot as plt
+
+    from jaxformer.study import plots as P
+
+    sweep = S.load_sweep(write_sweep(tmp_path, {"axes": {axis: values}, "seeds": [0], "probes": ["mlp"],
+                                                "report": {"plots": ["final_metric", "probes"]}}))
+    rows = [{"name": p.name, "values": p.values, "seed": p.seed, "params": 1, "diverged": False,
+             "val_bpb": 2.0 + i / 10, "quick": False,
+             "probes": {"init": {"dead_fraction": 0.0}, "final": {"dead_fraction": i / 1000}}}
+            for i, p in enumerate(sweep.points)]
+    for name in ("final_metric", "probes"):
+        fig = P.PLOT_FUNCTIONS[name](plt, sweep, tmp_path, rows)
+        lines = [ln for ln in fig.axes[0].get_lines() if ln.get_marker() == "o"]  # not the error bars' caps
+        assert lines, name
+        assert all((ln.get_linestyle() != "None") == joined for ln in lines), (name, [ln.get_linestyle()
+                                                                                      for ln in lines])
+        if name == "final_metric":
+            np.testing.assert_allclose(np.asarray(lines[0].get_ydata(), float), [2.0, 2.1, 2.2], rtol=1e-12)
+        plt.close(fig)
