@@ -1,7 +1,7 @@
 """Study 10: the KV cache and PagedAttention. Claim: "a KV cache avoids recomputing history; paging
 raises memory utilisation from under 60% to over 90% and multiplies throughput".
 
-Two measurements, both ``experiments/bench/decode.py``'s own functions (no code copied):
+Three measurements, all ``experiments/bench/decode.py``'s own functions (no code copied):
 
 * decode tokens/s with the KV cache vs recomputing the whole causal forward for every new token, at
   contexts 128 .. 2048 (``bench_cache_vs_recompute``: a 4-layer d_model 256 GQA model, batch 1, 16 new
@@ -9,9 +9,13 @@ Two measurements, both ``experiments/bench/decode.py``'s own functions (no code 
 * memory utilisation and concurrent sequences, contiguous (every sequence reserves the maximum length)
   vs paged (the real ``BlockManager``), over a lognormal length distribution (median 300, sigma 1,
   clipped to [16, 2048]) in a fixed budget of 32,768 token slots, at page sizes 8 .. 128
-  (``bench_memory``). Concurrent sequences bound the batch a server can run, hence its throughput.
+  (``bench_memory``): utilisation over all 100,000 draws, for seeds 0-4 (the spread is over seeds), and
+  how many of the first draws fit the budget each way;
+* the throughput claim: the continuous-batching engine's output tokens/s at one memory budget, paged vs
+  ``reserve="context"`` (each admitted sequence holds its whole context of pages, as a contiguous cache
+  does), on the same requests (``bench_paged_vs_reserved``), for a small model and a 16x larger one.
 
-    python experiments/studies/kv_cache.py --out experiments/results/studies/kv_cache   # ~3 min, 2 cores
+    python experiments/studies/kv_cache.py --out experiments/results/studies/kv_cache   # ~8 min, 2 cores
     python experiments/studies/kv_cache.py --dry-run
     python experiments/studies/kv_cache.py --quick
 """
@@ -31,6 +35,10 @@ import decode as bench  # noqa: E402  (experiments/bench/decode.py)
 
 CONTEXTS = (128, 256, 512, 1024, 2048)
 PAGES = (8, 16, 32, 64, 128)
+SEEDS = (0, 1, 2, 3, 4)
+# (label, d_model, layers, requests): the engine bench's small model, and one whose weights (~100 MB fp32) a
+# decode step must stream, as a real model's are
+ENGINES = (("d_model 128, 2 layers", 128, 2, 512), ("d_model 512, 8 layers", 512, 8, 256))
 
 
 def main(argv=None) -> int:
@@ -40,8 +48,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="directory for results.json, table.md and the plots")
     args = ap.parse_args(argv)
     contexts, pages, new = ((16, 32), (16,), 2) if args.quick else (CONTEXTS, PAGES, 16)
+    seeds = SEEDS[:2] if args.quick else SEEDS
+    engines = ((("d_model 64, 1 layer", 64, 1, 8),) if args.quick else ENGINES)
     if args.dry_run:
-        print(f"cache vs recompute at contexts {contexts}, {new} new tokens; memory at page sizes {pages}")
+        print(f"cache vs recompute at contexts {contexts}, {new} new tokens; memory at page sizes {pages}, seeds "
+              f"{seeds}; paged vs reserved engine throughput: {', '.join(e[0] for e in engines)}")
         return 0
     decode_rows = []
     for c in contexts:
@@ -51,24 +62,61 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
     mem_rows, lengths = [], None
     for p in pages:
-        _, s = bench.bench_memory(page=p)
-        lengths = s["lengths"]
-        mem_rows.append(dict(page=p, util_contig=s["util_contig"], util_paged=s["util_paged"],
-                             n_contig=s["n_contig"], n_paged=s["n_paged"]))
+        per_seed = [bench.bench_memory(seed=seed, page=p)[1] for seed in seeds]
+        lengths = per_seed[0]["lengths"]
+        row = dict(page=p, n_contig=per_seed[0]["n_contig"])
+        for key in ("util_contig", "util_paged", "util_contig_fit", "n_paged"):
+            vals = [float(s[key]) for s in per_seed]
+            row[key], row[key + "_min"], row[key + "_max"] = sum(vals) / len(vals), min(vals), max(vals)
+        mem_rows.append(row)
+    engine_rows = []
+    for name, d_model, layers, n in engines:
+        kw = dict(n_requests=n, max_context=64, budget_tokens=256, rounds=1) if args.quick else dict(n_requests=n)
+        _, s = bench.bench_paged_vs_reserved(d_model=d_model, n_layers=layers, **kw)
+        engine_rows.append(dict(model=name, params=s["params"], requests=n, tokens=s["tokens"],
+                                tokens_per_s=s["tokens_per_s"], ratio=s["ratio"], mean_running=s["mean_running"],
+                                peak_running=s["peak_running"], steps=s["steps"], preemptions=s["preemptions"],
+                                seconds=s["seconds"], budget_tokens=s["budget_tokens"],
+                                max_context=s["max_context"]))
+        print(f"{name}: paged {s['tokens_per_s']['pages']:.0f} tok/s, reserved {s['tokens_per_s']['context']:.0f} "
+              f"tok/s ({s['ratio']:.2f}x)", file=sys.stderr, flush=True)
     lines = ["| context | KV cache tokens/s | recompute tokens/s | speed-up |", "|---:|---:|---:|---:|"]
     lines += [f"| {r['context']} | {r['cache']:,.1f} | {r['recompute']:,.1f} | {r['cache'] / r['recompute']:.1f}x |"
               for r in decode_rows]
-    lines += ["", "| page size | contiguous utilisation | paged utilisation | contiguous sequences | "
-              "paged sequences | ratio |", "|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['page']} | {r['util_contig']:.1%} | {r['util_paged']:.1%} | {r['n_contig']} | {r['n_paged']} | "
-              f"{r['n_paged'] / r['n_contig']:.1f}x |" for r in mem_rows]
-    text = "\n".join(lines)
+    lines += ["", f"Utilisation over all 100,000 draws, mean over seeds {list(seeds)} [min, max]; sequences that fit "
+              "32,768 slots (the first draws, admitted in order); contiguous utilisation of just those 16 "
+              "sequences in the last column (the old page's figure).", "",
+              "| page size | contiguous utilisation | paged utilisation | contiguous sequences | "
+              "paged sequences [min, max] | ratio | contiguous, first 16 only [min, max] |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['page']} | {r['util_contig']:.1%} [{r['util_contig_min']:.1%}, {r['util_contig_max']:.1%}] | "
+              f"{r['util_paged']:.1%} [{r['util_paged_min']:.1%}, {r['util_paged_max']:.1%}] | {r['n_contig']} | "
+              f"{r['n_paged']:.1f} [{r['n_paged_min']:.0f}, {r['n_paged_max']:.0f}] | "
+              f"{r['n_paged'] / r['n_contig']:.1f}x | {r['util_contig_fit']:.1%} [{r['util_contig_fit_min']:.1%}, "
+              f"{r['util_contig_fit_max']:.1%}] |" for r in mem_rows]
+    if engine_rows:
+        e0 = engine_rows[0]
+        lines += ["", f"Engine output tokens/s at one budget ({e0['budget_tokens']:,} tokens of pages of 16, context "
+                  f"{e0['max_context']}), paged vs reserving the context per sequence; the same greedy requests "
+                  "(outputs equal), median of the timed rounds:", "",
+                  "| model | parameters | requests | new tokens | paged tok/s | reserved tok/s | paged / reserved | "
+                  "sequences at once, mean (peak): paged | reserved | steps: paged | reserved | preemptions |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['model']} | {r['params']:,} | {r['requests']} | {r['tokens']:,} | "
+                  f"{r['tokens_per_s']['pages']:,.0f} | {r['tokens_per_s']['context']:,.0f} | {r['ratio']:.2f}x | "
+                  f"{r['mean_running']['pages']:.1f} ({r['peak_running']['pages']}) | "
+                  f"{r['mean_running']['context']:.1f} ({r['peak_running']['context']}) | {r['steps']['pages']} | "
+                  f"{r['steps']['context']} | {r['preemptions']['pages']} |" for r in engine_rows]
+    text = bench.cpu_line() + "\n\n" + "\n".join(lines)
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"decode": decode_rows, "memory": mem_rows}, indent=1))
+        (args.out / "results.json").write_text(json.dumps({"decode": decode_rows, "memory": mem_rows,
+                                                           "engine": engine_rows}, indent=1))
         (args.out / "table.md").write_text(text + "\n")
         plot(decode_rows, mem_rows, lengths, args.out)
+        if engine_rows:
+            plot_engine(engine_rows, args.out)
     return 0
 
 
@@ -105,11 +153,35 @@ def plot(decode_rows, mem_rows, lengths, out: Path) -> None:
     b.set_xlabel("page size (tokens)")
     b.set_ylabel("memory utilisation (real tokens / reserved slots)")
     for i, r in zip(pos, mem_rows):
-        b.text(i + width / 2, r["util_paged"], f"{r['n_paged']} seqs", ha="center", va="bottom", fontsize=7)
+        b.text(i + width / 2, r["util_paged"], f"{r['n_paged']:.0f} seqs", ha="center", va="bottom", fontsize=7)
         b.text(i - width / 2, r["util_contig"], f"{r['n_contig']} seqs", ha="center", va="bottom", fontsize=7)
     b.legend(fontsize=8)
-    b.set_title("32,768 token slots: utilisation and concurrent sequences", fontsize=9)
+    b.set_title("32,768 token slots: utilisation over all draws (mean of seeds), sequences that fit", fontsize=9)
     fig.savefig(out / "memory_utilisation.png", dpi=110)
+    plt.close(fig)
+
+
+def plot_engine(engine_rows, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), layout="constrained")
+    width, pos = 0.38, range(len(engine_rows))
+    for k, (key, name) in enumerate((("pages", "paged"), ("context", "reserved (contiguous)"))):
+        xs = [i + (k - 0.5) * width for i in pos]
+        ax.bar(xs, [r["tokens_per_s"][key] for r in engine_rows], width, label=name, color=f"C{k}")
+        for x, r in zip(xs, engine_rows):
+            ax.text(x, r["tokens_per_s"][key], f"{r['mean_running'][key]:.0f} at once", ha="center", va="bottom",
+                    fontsize=7)
+    ax.set_xticks(list(pos), [f"{r['model']}\n{r['params'] / 1e6:.1f} M parameters" for r in engine_rows])
+    ax.set_ylabel("engine output tokens/s (greedy)")
+    ax.legend(fontsize=8)
+    r0 = engine_rows[0]
+    ax.set_title(f"One KV budget ({r0['budget_tokens']:,} tokens), paged vs reserving the context "
+                 f"({r0['max_context']})", fontsize=9)
+    fig.savefig(out / "engine_throughput.png", dpi=110)
     plt.close(fig)
 
 
