@@ -193,24 +193,27 @@ def bench_engine(n_requests: int = 32, new: int = 32, slots: int = 32):
     return rows, dict(speedup=t_alone / t_engine, speedup_vs_engine1=t_engine1 / t_engine)
 
 
-def bench_paged_vs_reserved(n_requests: int = 128, max_context: int = 512, budget_tokens: int = 8192,
-                            page: int = 16, prompt_len: int = 8, rounds: int = 3, seed: int = 0,
-                            max_batch: int = 128, d_model: int = 128, n_layers: int = 2):
+RESERVE_PAGE, RESERVE_PROMPT, RESERVE_MAX_BATCH = 16, 8, 128  # bench_paged_vs_reserved's page, prompt, batch limit
+
+
+def bench_paged_vs_reserved(model: tuple[int, int] = (128, 2), n_requests: int = 128, *, max_context: int = 512,
+                            budget_tokens: int = 8192, rounds: int = 3):
     """Engine output tokens/s at one memory budget: paged (pages as tokens need them) vs ``reserve="context"``
     (each admitted sequence holds ``max_context`` of pages: a contiguous cache). Sequence lengths drawn as
-    :func:`bench_memory`'s, scaled to the context (median ``max_context * 300 / 2048``), each a prompt of
-    ``prompt_len`` random tokens then greedy tokens up to its length; ``max_batch`` above what the paged pool
-    holds, so the pages bound both engines' concurrency; outputs checked equal; alternating
-    timed rounds, compile excluded. The model: ``d_model``, ``n_layers``, heads of 32 dims, GQA 2:1, SwiGLU,
-    bytes vocabulary. Returns rows and the median tokens/s, the ratio, the sequences run at once (mean and peak
+    :func:`bench_memory`'s (seed 0), scaled to the context (median ``max_context * 300 / 2048``), each a prompt
+    of ``RESERVE_PROMPT`` random tokens then greedy tokens up to its length; pages of ``RESERVE_PAGE``; a batch
+    limit (``RESERVE_MAX_BATCH``) above what the paged pool holds, so the pages bound both engines' concurrency;
+    outputs checked equal; alternating timed rounds, compile excluded. ``model``: ``(d_model, n_layers)``,
+    heads of 32 dims, GQA 2:1, SwiGLU, bytes vocabulary. Returns rows and the median tokens/s, the ratio, the sequences run at once (mean and peak
     over steps), the steps and the preemptions."""
+    d_model, n_layers = model
     cfg = ModelConfig(vocab_size=256, d_model=d_model, n_layers=n_layers, n_heads=d_model // 32,
                       n_kv_heads=d_model // 64, activation="swiglu", norm="rmsnorm", position="rope",
                       max_seq_len=max_context)
     graphdef, state = init(cfg, jax.random.key(0))
-    lengths = draw_lengths(seed, n_requests, median=max_context * 300 / 2048, max_len=max_context,
-                           low=prompt_len + 1)
-    rng = np.random.default_rng(seed + 1)
+    page, prompt_len, max_batch = RESERVE_PAGE, RESERVE_PROMPT, RESERVE_MAX_BATCH
+    lengths = draw_lengths(0, n_requests, median=max_context * 300 / 2048, max_len=max_context, low=prompt_len + 1)
+    rng = np.random.default_rng(1)
     prompts = [list(map(int, rng.integers(0, 256, size=prompt_len))) for _ in lengths]
     params = [SamplingParams(max_new_tokens=int(n) - prompt_len) for n in lengths]
     num_pages = budget_tokens // page

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     engine_rows = []
     for name, d_model, layers, n in engines:
         kw = dict(n_requests=n, max_context=64, budget_tokens=256, rounds=1) if args.quick else dict(n_requests=n)
-        _, s = bench.bench_paged_vs_reserved(d_model=d_model, n_layers=layers, **kw)
+        _, s = bench.bench_paged_vs_reserved((d_model, layers), **kw)
         engine_rows.append(dict(model=name, params=s["params"], requests=n, tokens=s["tokens"],
                                 tokens_per_s=s["tokens_per_s"], ratio=s["ratio"], mean_running=s["mean_running"],
                                 peak_running=s["peak_running"], steps=s["steps"], preemptions=s["preemptions"],
