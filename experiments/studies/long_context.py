@@ -8,12 +8,15 @@ forward+backward, from 512 up to the longest length that fits the memory limit; 
 run where an accelerator is present (``experiments/bench/gpu_suite.py``), not on this CPU. Every case
 is ``experiments/bench/sparse.py``'s worker in a fresh subprocess (no code copied): median wall time,
 XLA's temp bytes (the scratch beyond inputs and outputs) and the resident-set peak. Exponents are the
-least-squares slopes of log(time) and log(temp) vs log(T) over the lengths each path ran.
+least-squares slopes of log(time) and log(temp) vs log(T) over the lengths each path ran from ``FIT_FROM``
+(2,048) up, where a call's fixed overhead no longer dominates (the table gives the all-lengths fit beside it).
 
     python experiments/studies/long_context.py                      # the study (~10 min on 2 cores)
     python experiments/studies/long_context.py --dry-run            # list the cases
     python experiments/studies/long_context.py --quick              # toy lengths, in-process (tests)
     python experiments/studies/long_context.py --out experiments/results/studies/long_context
+    python experiments/studies/long_context.py --from-results experiments/results/studies/long_context/results.jsonl \
+        --out experiments/results/studies/long_context        # re-render the table and plots, no run
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import sparse as bench  # noqa: E402  (experiments/bench/sparse.py: worker, run_
 
 IMPLS = {"dense": "dense", "blockwise": "blockwise", "sparse": "sparse"}
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+FIT_FROM = 2048  # the shortest length the exponents are fitted from (below it, call overhead bends the curves)
 
 
 def cases(lengths, modes, repeats: int, mem_limit_gb: float):
@@ -41,12 +45,12 @@ def cases(lengths, modes, repeats: int, mem_limit_gb: float):
                            repeats=repeats if T <= 4096 else max(1, repeats // 2), mem_limit_gb=mem_limit_gb)
 
 
-def fit(results, key: str) -> dict:
-    """``{(impl, mode): exponent}`` of ``key`` (seconds or temp_bytes) vs T."""
+def fit(results, key: str, min_t: int = FIT_FROM) -> dict:
+    """``{(impl, mode): exponent}`` of ``key`` (seconds or temp_bytes) vs T, over the lengths >= ``min_t``."""
     out = {}
     for r in results:
         pts = out.setdefault((r["impl"], r["mode"]), [])
-        if r.get(key, 0) > 0 and "skipped" not in r and "error" not in r:
+        if r["T"] >= min_t and r.get(key, 0) > 0 and "skipped" not in r and "error" not in r:
             pts.append((r["T"], r[key]))
     return {k: bench.slope(v) for k, v in out.items()}
 
@@ -95,12 +99,16 @@ def table(results) -> str:
             secs = [bench._fmt_s(r) if r else "-" for r in row]
             temps = [bench._mib(r) if r else "-" for r in row]
             lines.append(f"| {T} | {mode} | " + " | ".join(secs + temps) + " |")
-    t_fit, m_fit = fit(results, "seconds"), fit(results, "temp_bytes")
-    lines += ["", "| exponent (log-log slope) | pass | dense | blockwise | sparse |", "|---|---|---:|---:|---:|"]
-    for what, f in (("time", t_fit), ("XLA temp", m_fit)):
-        for mode in ("fwd", "fwd+bwd"):
-            cells = [f"{f[(i, mode)]:.2f}" if f.get((i, mode)) is not None else "-" for i in IMPLS]
-            lines.append(f"| {what} | {mode} | " + " | ".join(cells) + " |")
+    shortest = min(r["T"] for r in results)
+    lines += ["", f"| exponent (log-log slope) | fitted over | pass | dense | blockwise | sparse |",
+              "|---|---|---|---:|---:|---:|"]
+    for what, key in (("time", "seconds"), ("XLA temp", "temp_bytes")):
+        for min_t in sorted({FIT_FROM, shortest}, reverse=True):
+            f = fit(results, key, min_t)
+            span = f"T >= {min_t:,}" if min_t > shortest else "every T"
+            for mode in ("fwd", "fwd+bwd"):
+                cells = [f"{f[(i, mode)]:.2f}" if f.get((i, mode)) is not None else "-" for i in IMPLS]
+                lines.append(f"| {what} | {span} | {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -112,7 +120,18 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--quick", action="store_true", help="T = 128, 256, forward only, in-process")
     ap.add_argument("--out", type=Path, help="directory for results.jsonl, table.md and the plots")
+    ap.add_argument("--from-results", type=Path, help="a results.jsonl of an earlier run: re-render its table "
+                    "(and with --out its plots) without running anything")
     args = ap.parse_args(argv)
+    if args.from_results:
+        results = [json.loads(x) for x in args.from_results.read_text().splitlines() if x.strip()]
+        text = table(results)
+        print(text)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "table.md").write_text(text + "\n")
+            plot(results, args.out)
+        return 0
     lengths = (128, 256) if args.quick else tuple(t for t in LENGTHS if t <= args.max_t)
     todo = list(cases(lengths, ("fwd",) if args.quick else ("fwd", "fwd+bwd"), 1 if args.quick else args.repeats,
                       args.mem_limit_gb))
