@@ -100,7 +100,7 @@ def table(results) -> str:
             temps = [bench._mib(r) if r else "-" for r in row]
             lines.append(f"| {T} | {mode} | " + " | ".join(secs + temps) + " |")
     shortest = min(r["T"] for r in results)
-    lines += ["", f"| exponent (log-log slope) | fitted over | pass | dense | blockwise | sparse |",
+    lines += ["", "| exponent (log-log slope) | fitted over | pass | dense | blockwise | sparse |",
               "|---|---|---|---:|---:|---:|"]
     for what, key in (("time", "seconds"), ("XLA temp", "temp_bytes")):
         for min_t in sorted({FIT_FROM, shortest}, reverse=True):
