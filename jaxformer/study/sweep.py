@@ -27,7 +27,10 @@ without resumes from its checkpoints, so a killed sweep re-run with the same com
 checkpoint interval of one point; a finished point whose recorded config differs from the sweep file's
 is refused, naming the keys. With ``tune:`` every arm (a setting of the varied keys) first runs the
 tuning grid (points ``tune-<arm>_<tuned values>_seed-<s>``, each an ordinary point); its final points
-then run at the value with the best tuning metric, recorded in their rows as ``tuned``.
+then run at the value with the best tuning metric, recorded in their rows as ``tuned``; a final point
+whose config is that of a finished tuning point (the same seed at the chosen value) is not trained again:
+that run directory is copied, its row recorded with ``copy_of`` naming the tuning point (training is
+deterministic for a given config, so a second run would repeat the first).
 ``shard=(i, n)`` runs points ``i, i+n, i+2n, ...`` of the tuning points followed by the final ones (a job array);
 :func:`jaxformer.study.report.write_report` gathers what every shard wrote. A run that diverges
 (non-finite loss, or its last train losses above its first by ``divergence_margin``: :func:`blew_up`)
@@ -43,6 +46,7 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -467,6 +471,11 @@ def run_sweep(sweep: Sweep, out: str | Path, *, shard: tuple[int, int] = (0, 1),
             waiting.append(point.name)
             continue
         point = resolved
+        twin = finished_twin(sweep, point, out, quick)
+        if twin is not None:
+            rows.append(copy_twin(out, point, twin))
+            say(f"[{i}/{len(mine)}] {point.name}: the same run as the finished tuning point {twin.name}; copied")
+            continue
         say(f"[{i}/{len(mine)}] {point.name}" + (f" at the tuned {point.tuned}" if point.tuned else ""))
         row = run_point(sweep, point, out / point.name, quick=quick)
         _write_json(out / point.name / POINT_FILE, row)
@@ -479,6 +488,36 @@ def run_sweep(sweep: Sweep, out: str | Path, *, shard: tuple[int, int] = (0, 1),
         say(f"{len(waiting)} final point(s) wait for tuning points of other shards; when those are done, run "
             "this shard again")
     return rows
+
+
+def finished_twin(sweep: Sweep, point: Point, out: Path, quick: bool) -> Point | None:
+    """The finished tuning point that is ``point`` (a final point at its arm's chosen values) run already:
+    the same values, seed and tuned values, and the same resolved config; else None."""
+    if point.tuning or point.tuned is None:
+        return None
+    for t in sweep.tune_points:
+        if (t.values == point.values and t.seed == point.seed and t.tuned == point.tuned
+                and (out / t.name / POINT_FILE).exists()):
+            saved = json.loads((out / t.name / POINT_FILE).read_text())
+            cfg = quick_config(point.config) if quick else point.config
+            if (bool(saved.get("quick")) == quick and saved.get("config") is not None
+                    and not C.diff(C.from_dict(saved["config"], str(out / t.name)), cfg)):
+                return t
+    return None
+
+
+def copy_twin(out: Path, point: Point, twin: Point) -> dict:
+    """Copy ``twin``'s run directory to ``point``'s (replacing an unfinished one) and write ``point``'s row:
+    the twin's, renamed, not a tuning row, with ``copy_of``."""
+    dst, tmp = out / point.name, out / f".{point.name}.copy{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(out / twin.name, tmp, symlinks=True)
+    row = json.loads((out / twin.name / POINT_FILE).read_text())
+    row.update(name=point.name, tuning=False, copy_of=twin.name)
+    _write_json(tmp / POINT_FILE, row)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
+    return row
 
 
 def _median(xs):

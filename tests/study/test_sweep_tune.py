@@ -85,10 +85,20 @@ def test_each_arm_runs_at_its_own_best_value(tmp_path, fake_training):
         r = final[p.name]
         assert r["tuned"] == {"optimizer.lr": BEST[p.values["model.position"]]}
         assert r["config"]["optimizer"]["lr"] == BEST[p.values["model.position"]] and r["config"]["seed"] == p.seed
+    # seed 0 at the chosen rate is a tuning point already: copied (directory and row), not trained again
+    twins = {p.name: f"tune-{S.point_name({**p.values, **final[p.name]['tuned']}, 0)}" for p in sweep.points
+             if p.seed == 0}
+    assert len(fake_training) == 10 and not set(twins) & set(fake_training)
+    for name, twin in twins.items():
+        tuned_row = json.loads((out / twin / S.POINT_FILE).read_text())
+        assert final[name]["copy_of"] == twin and final[name]["tuning"] is False
+        assert {k: v for k, v in final[name].items() if k not in ("name", "tuning", "copy_of")} == {
+            k: v for k, v in tuned_row.items() if k not in ("name", "tuning")}
+        assert json.loads((out / name / S.POINT_FILE).read_text()) == final[name]
     # a second run skips everything, and the finished final points are checked against the tuned config
     said = []
     S.run_sweep(sweep, out, say=said.append)
-    assert len(fake_training) == 12 and len(said) == 12 and all("finished, skipped" in s for s in said)
+    assert len(fake_training) == 10 and len(said) == 12 and all("finished, skipped" in s for s in said)
 
 
 def test_shards_wait_for_tuning_run_elsewhere_then_finish(tmp_path, fake_training):
@@ -100,7 +110,9 @@ def test_shards_wait_for_tuning_run_elsewhere_then_finish(tmp_path, fake_trainin
     S.run_sweep(sweep, out, shard=(0, 2), say=lambda s: None)
     S.run_sweep(sweep, out, shard=(1, 2), say=lambda s: None)
     assert all(S.read_point(sweep, out, p) is not None for p in sweep.points + sweep.tune_points)
-    assert sorted(fake_training) == sorted(p.name for p in sweep.points + sweep.tune_points)
+    copies = {p.name for p in sweep.points if S.read_point(sweep, out, p).get("copy_of")}
+    assert len(copies) == 2  # seed 0 of each arm: its tuning run at the chosen rate
+    assert sorted(fake_training) == sorted(p.name for p in sweep.points + sweep.tune_points if p.name not in copies)
 
 
 def test_choice_modes_divergence_and_unfinished(tmp_path):
