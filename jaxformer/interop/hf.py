@@ -393,8 +393,8 @@ class _LazyTensors(Mapping):
 
 # -- saving
 
-_NOT_SAVED = ("attention.impl", "remat", "scan_layers", "max_seq_len", "init_std", "ffn.multiple_of",
-              "param_dtype", "compute_dtype")
+_NOT_SAVED = ("attention.impl", "remat", "scan_layers", "max_seq_len", "init_std", "init_scheme",
+              "attention.q_init_scale", "ffn.multiple_of", "param_dtype", "compute_dtype")
 
 
 def _behaviour(config: ModelConfig) -> dict[str, Any]:

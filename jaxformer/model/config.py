@@ -214,6 +214,10 @@ class ModelConfig(BaseModel):
     use_bias: bool = Field(False, description="biases on the projections, the norms and the embeddings' head")
     logits_softcap: float | None = Field(None, gt=0.0)
     init_std: float = Field(0.02, gt=0.0)
+    init_scheme: Literal["normal", "xavier"] = Field(
+        "normal", description="the blocks' projections: N(0, init_std) ('normal') or Glorot normal ('xavier': "
+        "DeepNorm's init with beta = 1, the norm-placement study's init control); the embeddings keep "
+        "init_std, and norm.placement deepnorm always uses Xavier with its beta")
     param_dtype: Dtype = "float32"
     compute_dtype: Dtype = "float32"
     remat: bool = False

@@ -45,13 +45,15 @@ def make_block(cfg: ModelConfig, *, cross: bool, alpha: float | None, beta: floa
     D, N, K, H, F = (cfg.d_model, cfg.attention.n_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim,
                      cfg.resolved_d_ff)
     deepnorm = cfg.norm.placement == "deepnorm"
-    if deepnorm:
-        init = AttentionInit(xavier_std(D, N * H), xavier_std(D, K * H, beta), xavier_std(N * H, D, beta),
-                             bias=cfg.use_bias)
-        mlp_stds = (xavier_std(D, F, beta), xavier_std(F, D, beta))
+    if deepnorm or cfg.init_scheme == "xavier":
+        g = beta if deepnorm else 1.0  # DeepNorm's beta on W_v, W_o and the MLP; plain Glorot otherwise
+        init = AttentionInit(xavier_std(D, N * H), xavier_std(D, K * H, g), xavier_std(N * H, D, g),
+                             bias=cfg.use_bias, q_scale=cfg.attention.q_init_scale)
+        mlp_stds = (xavier_std(D, F, g), xavier_std(F, D, g))
     else:
         s = cfg.init_std
-        init, mlp_stds = AttentionInit(s, s, s, bias=cfg.use_bias), (s, s)
+        init = AttentionInit(s, s, s, bias=cfg.use_bias, q_scale=cfg.attention.q_init_scale)
+        mlp_stds = (s, s)
     common = dict(param_dtype=cfg.param_dtype, dtype=cfg.compute_dtype, rngs=rngs)
 
     def residual():

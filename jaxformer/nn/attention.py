@@ -73,15 +73,17 @@ class KVCacheLayer(Protocol):
 
 
 class AttentionInit(NamedTuple):
-    """How the projections start: init standard deviations of W_q and W_k (``qk``), W_v (``v``) and W_o
-    (``o``), and whether they have biases (zeros): ``bias`` (the model's ``use_bias``) puts ``b_o [D]`` on
-    the output projection and, unless ``AttentionConfig.qkv_bias`` says otherwise, ``b_q [N, H]``,
-    ``b_k, b_v [K, H]`` on the input projections (``qkv_bias=True, bias=False`` is Qwen2's layout)."""
+    """How the projections start: init standard deviations of W_q and W_k (``qk``; W_q's times
+    ``q_scale``), W_v (``v``) and W_o (``o``), and whether they have biases (zeros): ``bias`` (the model's
+    ``use_bias``) puts ``b_o [D]`` on the output projection and, unless ``AttentionConfig.qkv_bias`` says
+    otherwise, ``b_q [N, H]``, ``b_k, b_v [K, H]`` on the input projections (``qkv_bias=True, bias=False``
+    is Qwen2's layout)."""
 
     qk: float = 0.02
     v: float = 0.02
     o: float = 0.02
     bias: bool = False
+    q_scale: float = 1.0
 
 
 class Attention(nnx.Module):
@@ -121,9 +123,10 @@ class Attention(nnx.Module):
         self.share = share
         self.record_stats = False
         self.dtype = as_dtype(dtype)
-        qk_std, v_std, o_std, use_bias = init
+        qk_std, v_std, o_std, use_bias, q_scale = init
         qkv_bias = use_bias if cfg.qkv_bias is None else cfg.qkv_bias
-        self.w_q = param(rngs, normal(qk_std), (d_model, N, H), ("embed", "heads", "head_dim"), param_dtype)
+        self.w_q = param(rngs, normal(qk_std * q_scale), (d_model, N, H), ("embed", "heads", "head_dim"),
+                         param_dtype)
         self.w_k = (param(rngs, normal(qk_std), (d_model, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)
                     if share == "none" else None)
         self.w_v = (param(rngs, normal(v_std), (d_model, K, H), ("embed", "kv_heads", "head_dim"), param_dtype)

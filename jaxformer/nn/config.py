@@ -76,6 +76,9 @@ class AttentionConfig(_Section):
     scale: float | None = Field(None, gt=0.0, description="logit scale; None: 1/sqrt(head_dim). 1.0 drops the "
                                 "scaling (the sqrt(d_k) study)")
     softcap: float | None = Field(None, gt=0.0, description="attention-logit soft cap: c * tanh(logits / c)")
+    q_init_scale: float = Field(1.0, gt=0.0, description="W_q's init std is the model's times this (W_k's "
+                                "unchanged). T5 folds the logit scale into W_q's init: scale 1.0 with "
+                                "q_init_scale head_dim**-0.5 starts with the logits of the scaled attention")
     qkv_sharing: Literal["none", "qk", "qkv"] = Field(
         "none", description="self-attention projections: separate W_q, W_k, W_v ('none'); W_k = W_q "
         "(shared-QK, as in Reformer: 'qk'); W_k = W_v = W_q ('qkv'). Needs n_kv_heads = n_heads")

@@ -234,6 +234,50 @@ def test_deepnorm_constants_and_init():
     assert ed.decoder.blocks[0].cross_residual.alpha == pytest.approx((3 * L) ** 0.25)
 
 
+def test_xavier_init_scheme_is_deepnorms_init_with_beta_one():
+    """``init_scheme: xavier`` on a Post-LN stack: Glorot normal on every projection (gain 1, alpha 1: the
+    norm-placement study's init control), the embeddings at init_std; DeepNorm's own init is unchanged."""
+    L, D = 4, 64
+    cfg = ModelConfig(kind="decoder", vocab_size=64, d_model=D, n_layers=L, n_heads=4, norm_position="post",
+                      position="rope", activation="gelu", init_scheme="xavier", init_std=0.3)
+    model = Transformer(cfg, rngs=nnx.Rngs(params=key(1)))
+    blocks = list(model.decoder.blocks)
+    assert all(b.attn_residual.alpha == 1.0 and b.mlp_residual.alpha == 1.0 for b in blocks)
+
+    def std(get):
+        return float(np.std(np.concatenate([np.ravel(get(b)[...]) for b in blocks])))
+
+    for name in ("w_q", "w_k", "w_v", "w_o"):  # 16k samples -> <2% sampling error
+        assert std(lambda b: getattr(b.self_attn, name)) == pytest.approx(math.sqrt(2 / (D + D)), rel=0.05)
+    assert std(lambda b: b.mlp.w_in) == pytest.approx(math.sqrt(2 / (D + 4 * D)), rel=0.05)
+    assert float(np.std(model.embed.embedding[...])) == pytest.approx(0.3, rel=0.05)
+    normal = Transformer(cfg.model_copy(update=dict(init_scheme="normal")), rngs=nnx.Rngs(params=key(1)))
+    assert float(np.std(normal.decoder.blocks[0].self_attn.w_v[...])) == pytest.approx(0.3, rel=0.1)
+
+
+def test_q_init_scale_folds_the_logit_scale_into_w_q_as_t5_does():
+    """``attention.q_init_scale`` multiplies W_q's init std only; with ``scale=1.0`` and ``q_init_scale =
+    H**-0.5`` the model starts with exactly the logits (so the outputs) of the 1/sqrt(H)-scaled one, same
+    seed. Tolerance: fp32 rounding of ``(std * s) * z`` against ``s * (std * z)`` through 2 blocks, 1e-5."""
+    base = presets.get("llama_tiny", init_std=0.2)
+    H = base.resolved_head_dim
+    folded = base.model_copy(update=dict(attention=base.attention.model_copy(
+        update=dict(scale=1.0, q_init_scale=H ** -0.5))))
+    plain = nnx.to_pure_dict(init(base, key(5))[1])
+    gd, st = init(folded, key(5))
+    fold = nnx.to_pure_dict(st)
+    a, b = plain["decoder"]["blocks"][0]["self_attn"], fold["decoder"]["blocks"][0]["self_attn"]
+    np.testing.assert_array_equal(a["w_k"], b["w_k"])
+    np.testing.assert_allclose(b["w_q"], a["w_q"] * H ** -0.5, rtol=1e-6)
+    assert float(np.std(b["w_q"])) == pytest.approx(0.2 * H ** -0.5, rel=0.1)
+    toks = tokens(6)
+    np.testing.assert_allclose(apply(gd, st, toks), apply(*init(base, key(5)), toks), rtol=1e-5, atol=1e-5)
+    unscaled = base.model_copy(update=dict(attention=base.attention.model_copy(update=dict(scale=1.0))))
+    assert not np.allclose(apply(*init(unscaled, key(5)), toks), apply(gd, st, toks), atol=1e-3)
+    with pytest.raises(ValueError, match="q_init_scale"):
+        base.attention.model_validate({**base.attention.model_dump(), "q_init_scale": 0.0})
+
+
 @pytest.mark.parametrize("sharing", ["qk", "qkv"])
 def test_shared_projections_and_logit_scale_through_the_kv_cache(sharing, japply):
     """Shared W_q/W_k(/W_v) and attn_scale reach the cached path too: chunks equal the full forward."""
