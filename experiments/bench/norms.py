@@ -16,7 +16,7 @@ import statistics
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import timed
+from timing import cpu_line, timed
 
 from jaxformer.ops.normalization import layer_norm, rms_norm
 from jaxformer.train import config as C
@@ -53,20 +53,31 @@ def step_fns(args):
         corpus = build_corpus(cfg.data)
         batch = S.put_batch(next(TrainIterator(corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=0)),
                             trainer.mesh)
-        out[norm] = (trainer, state, batch)
+        out[norm] = (trainer, state, batch, cfg)
     return out
 
 
-def alternate(fns: dict, args_of, rounds: int, reps: int) -> dict:
-    """Median seconds per call of each function, timed in alternating rounds of ``reps`` calls."""
+def alternate(fns: dict, args_of, rounds: int, reps: int) -> tuple[dict, list[dict]]:
+    """Median seconds per call of each function, timed in alternating rounds of ``reps`` calls, and each
+    round's medians (for the spread of the ratio between rounds)."""
     times = {k: [] for k in fns}
+    per_round = []
     for k, f in fns.items():  # compile + warm up
         jax.block_until_ready(f(*args_of(k)))
     for _ in range(rounds):
+        this = {}
         for k, f in fns.items():
-            for _ in range(reps):
-                times[k].append(timed(f, *args_of(k))[1])
-    return {k: statistics.median(v) for k, v in times.items()}
+            ts = [timed(f, *args_of(k))[1] for _ in range(reps)]
+            times[k] += ts
+            this[k] = statistics.median(ts)
+        per_round.append(this)
+    return {k: statistics.median(v) for k, v in times.items()}, per_round
+
+
+def iqr(xs: list[float]) -> tuple[float, float]:
+    """The quartiles (numpy's linear interpolation) of ``xs``."""
+    q1, q3 = np.percentile(np.asarray(xs, float), [25, 75])
+    return float(q1), float(q3)
 
 
 def main(argv=None) -> int:
@@ -83,8 +94,8 @@ def main(argv=None) -> int:
         xsb, fwd, bwd = op_fns(shape)
         reps = 3 if args.quick else 20
         for what, fns in (("forward", fwd), ("forward+backward", bwd)):
-            med = alternate(fns, lambda k: xsb, rounds, reps)
-            rows.append((f"op {what}, x {list(shape)}", med["layernorm"], med["rmsnorm"]))
+            med, per = alternate(fns, lambda k: xsb, rounds, reps)
+            rows.append((f"op {what}, x {list(shape)}", med["layernorm"], med["rmsnorm"], per))
     if args.quick:
         args.batch = 2
     steps = step_fns(args)
@@ -92,23 +103,26 @@ def main(argv=None) -> int:
     states = {k: v[1] for k, v in steps.items()}  # the step donates its state: thread it through
 
     def run_step(k):
-        trainer, _, batch = steps[k]
+        trainer, _, batch, _ = steps[k]
 
         def one():
             states[k], m = trainer.train_step(states[k], batch)
             return m["loss"]
         return one
 
-    med = alternate({k: run_step(k) for k in steps}, lambda k: (), rounds, 2 if args.quick else 5)
-    cfg = steps["layernorm"][0].cfg
+    med, per = alternate({k: run_step(k) for k in steps}, lambda k: (), rounds, 2 if args.quick else 5)
+    cfg = steps["layernorm"][3]
     rows.append((f"train step ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
-                 f"{args.batch} x {cfg.seq_len} tokens)", med["layernorm"], med["rmsnorm"]))
+                 f"{args.batch} x {cfg.seq_len} tokens)", med["layernorm"], med["rmsnorm"], per))
 
-    print(f"{'what':58s} {'LayerNorm':>11s} {'RMSNorm':>11s} {'RMS/LN':>7s}")
-    for what, ln, rms in rows:
-        print(f"{what:58s} {ln * 1e3:9.3f}ms {rms * 1e3:9.3f}ms {rms / ln:7.3f}")
-    print(f"(median of {rounds} alternating rounds; {jax.default_backend()}, {jax.device_count()} device(s); "
-          f"numpy {np.__version__}, jax {jax.__version__})")
+    print(cpu_line())
+    print(f"{'what':58s} {'LayerNorm':>11s} {'RMSNorm':>11s} {'RMS/LN':>7s} {'per-round IQR':>15s}")
+    for what, ln, rms, per in rows:
+        q1, q3 = iqr([r["rmsnorm"] / r["layernorm"] for r in per])
+        print(f"{what:58s} {ln * 1e3:9.3f}ms {rms * 1e3:9.3f}ms {rms / ln:7.3f} {f'[{q1:.3f}, {q3:.3f}]':>15s}")
+    print(f"(median of {rounds} alternating rounds; RMS/LN per-round IQR: the quartiles of each round's ratio of "
+          f"medians; {jax.default_backend()}, {jax.device_count()} device(s); numpy {np.__version__}, "
+          f"jax {jax.__version__})")
     return 0
 
 
