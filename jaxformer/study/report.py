@@ -119,6 +119,9 @@ def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str], *, out: Pa
     tuned = spec.tune is not None
     head = [k.split(".")[-1] for k in keys] + (["tuned"] if tuned else []) + [
         "params", f"{metric}", "train loss", "tokens/s", "wall s", "diverged"]
+    below = spec.report.trained_below
+    if below is not None:
+        head.append(f"trained ({metric} < {below:g})")
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for values, rs in settings(sweep, rows):
         ok = [r for r in rs if not r["diverged"]]
@@ -131,6 +134,9 @@ def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str], *, out: Pa
                   fmt(*mean_spread([r.get("tokens_per_s") for r in ok]), digits=0),
                   fmt(*mean_spread([r.get("wall_s") for r in rs]), digits=0),
                   f"{len(rs) - len(ok)} of {len(rs)}" + ("" if len(rs) == n_seeds else f" (of {n_seeds} seeds)")]
+        if below is not None:
+            trained = [r for r in ok if isinstance(r.get(metric), (int, float)) and r[metric] < below]
+            cells.append(f"{len(trained)} of {len(rs)}")
         lines.append("| " + " | ".join(cells) + " |")
     if spec.eval_lengths:
         lines += ["", f"{metric} at each evaluation length (trained at seq_len "

@@ -76,6 +76,10 @@ class ReportConfig(BaseModel):
                                             "every other arm gets its paired difference to the baseline arm "
                                             "that agrees on the keys not named here")
     confidence: float = Field(0.95, gt=0, lt=1, description="of the paired difference's t interval")
+    trained_below: float | None = Field(None, description="a run trained when it did not diverge and its metric "
+                                        "ended below this (e.g. the unigram entropy in bits/byte: a run stuck at "
+                                        "byte frequencies is finite, so not diverged, but has not trained); the "
+                                        "table gets a 'trained' column, k of n seeds")
 
 
 class TuneConfig(BaseModel):

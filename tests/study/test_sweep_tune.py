@@ -155,6 +155,27 @@ def test_report_shows_tuning_choice_curves_and_paired_differences(tmp_path, fake
     assert "| alibi | position=rope | 3 | +0.0500 [+0.0500, +0.0500] |" in report
 
 
+def test_trained_column_counts_finished_runs_below_the_threshold(tmp_path):
+    """``report.trained_below``: a run stuck at byte frequencies is finite (not diverged) yet has not trained;
+    the column counts the seeds that did not diverge and ended below the threshold."""
+    sweep = S.load_sweep(write_sweep(tmp_path, {"axes": {"model.position": ["rope", "alibi"]}, "seeds": [0, 1, 2],
+                                                "report": {"trained_below": 4.5}}))
+    metric = {("rope", 0): 3.0, ("rope", 1): 4.4, ("rope", 2): 4.6, ("alibi", 0): 3.1, ("alibi", 1): 4.7,
+              ("alibi", 2): 3.2}
+    rows = [{"name": p.name, "values": p.values, "seed": p.seed, "params": 1, "loss": 1.0, "tokens_per_s": 1.0,
+             "wall_s": 1.0, "val_bpb": metric[p.values["model.position"], p.seed],
+             "diverged": (p.values["model.position"], p.seed) == ("alibi", 2)} for p in sweep.points]
+    text = report_markdown(sweep, rows, [])
+    assert "| trained (val_bpb < 4.5) |" in text.splitlines()[4]
+    table = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| rope")
+             or line.startswith("| alibi")}
+    assert table["rope"].endswith("| 0 of 3 | 2 of 3 |")  # 3.0 and 4.4 below 4.5; 4.6 not
+    assert table["alibi"].endswith("| 1 of 3 | 1 of 3 |")  # 3.2 below but diverged; 4.7 above
+    plain = S.load_sweep(write_sweep(tmp_path / "plain", {"axes": {"model.position": ["rope", "alibi"]},
+                                                          "seeds": [0, 1, 2]}))
+    assert "trained (" not in report_markdown(plain, rows, [])
+
+
 def test_differences_pair_by_seed_and_leave_out_diverged(tmp_path):
     sweep = S.load_sweep(write_sweep(tmp_path, {"axes": {"model.position": ["rope", "alibi"],
                                                          "model.norm": ["layernorm", "rmsnorm"]},
