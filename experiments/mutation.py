@@ -119,6 +119,9 @@ MUTATIONS = [
     Mutation("xavier_init_scheme_ignored", "jaxformer/model/stack.py",
              'if deepnorm or cfg.init_scheme == "xavier":', "if deepnorm:",
              MODEL, "init_scheme xavier ignored: the blocks start at N(0, init_std)"),
+    Mutation("trained_counts_diverged", "jaxformer/study/report.py",
+             "trained = [r for r in ok if", "trained = [r for r in rs if",
+             ("tests/study/test_sweep_tune.py",), "report.trained_below counts a diverged run that ended low as trained"),
     Mutation("twin_copy_keeps_tuning_row", "jaxformer/study/sweep.py",
              "row.update(name=point.name, tuning=False, copy_of=twin.name)", "row.update(copy_of=twin.name)",
              ("tests/study/test_sweep_tune.py",), "a final point copied from its tuning twin keeps the twin's name "
