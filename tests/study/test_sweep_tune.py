@@ -101,6 +101,26 @@ def test_each_arm_runs_at_its_own_best_value(tmp_path, fake_training):
     assert len(fake_training) == 10 and len(said) == 12 and all("finished, skipped" in s for s in said)
 
 
+def test_a_sweep_resumes_elsewhere_from_its_points_rows_and_metrics(tmp_path, fake_training):
+    """What the long studies carry between machines: each finished point's sweep_point.json and metrics.jsonl
+    (no checkpoints). Copied into a fresh --out, every point is skipped and the report is the same."""
+    sweep = S.load_sweep(tune_sweep(tmp_path))
+    out, moved = tmp_path / "out", tmp_path / "moved"
+    S.run_sweep(sweep, out, say=lambda s: None)
+    for p in sweep.tune_points + sweep.points:  # a metrics file, as a real run leaves one
+        (out / p.name / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    first = write_report(sweep, out).read_text()
+    for f in out.glob("*/*"):
+        if f.name in (S.POINT_FILE, "metrics.jsonl"):
+            (moved / f.parent.name).mkdir(parents=True, exist_ok=True)
+            (moved / f.parent.name / f.name).write_bytes(f.read_bytes())
+    ran = len(fake_training)
+    said = []
+    S.run_sweep(sweep, moved, say=said.append)
+    assert len(fake_training) == ran and all("finished, skipped" in s for s in said)
+    assert write_report(sweep, moved).read_text() == first
+
+
 def test_shards_wait_for_tuning_run_elsewhere_then_finish(tmp_path, fake_training):
     sweep = S.load_sweep(tune_sweep(tmp_path))
     out = tmp_path / "out"
