@@ -122,6 +122,10 @@ MUTATIONS = [
     Mutation("trained_counts_diverged", "jaxformer/study/report.py",
              "trained = [r for r in ok if", "trained = [r for r in rs if",
              ("tests/study/test_sweep_tune.py",), "report.trained_below counts a diverged run that ended low as trained"),
+    Mutation("twin_seed_unchecked", "jaxformer/study/sweep.py",
+             "(t.values, t.seed, t.tuned) == (point.values, point.seed, point.tuned)",
+             "(t.values, t.tuned) == (point.values, point.tuned)",
+             ("tests/study/test_sweep_tune.py",), "a final point copies its arm's tuning run whatever its seed"),
     Mutation("twin_copy_keeps_tuning_row", "jaxformer/study/sweep.py",
              "row.update(name=point.name, tuning=False, copy_of=twin.name)", "row.update(copy_of=twin.name)",
              ("tests/study/test_sweep_tune.py",), "a final point copied from its tuning twin keeps the twin's name "

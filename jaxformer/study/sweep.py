@@ -496,17 +496,16 @@ def run_sweep(sweep: Sweep, out: str | Path, *, shard: tuple[int, int] = (0, 1),
 
 def finished_twin(sweep: Sweep, point: Point, out: Path, quick: bool) -> Point | None:
     """The finished tuning point that is ``point`` (a final point at its arm's chosen values) run already:
-    the same values, seed and tuned values, and the same resolved config; else None."""
+    the same values, seed and tuned values, so the same config; else None. Its saved config is checked
+    (:func:`check_finished`) as this shard's own finished points are: another shard may have written it."""
     if point.tuning or point.tuned is None:
         return None
     for t in sweep.tune_points:
-        if (t.values == point.values and t.seed == point.seed and t.tuned == point.tuned
-                and (out / t.name / POINT_FILE).exists()):
-            saved = json.loads((out / t.name / POINT_FILE).read_text())
-            cfg = quick_config(point.config) if quick else point.config
-            if (bool(saved.get("quick")) == quick and saved.get("config") is not None
-                    and not C.diff(C.from_dict(saved["config"], str(out / t.name)), cfg)):
-                return t
+        path = out / t.name / POINT_FILE
+        if (t.values, t.seed, t.tuned) == (point.values, point.seed, point.tuned) and path.exists():
+            check_finished(t, json.loads(path.read_text()), quick_config(t.config) if quick else t.config, quick,
+                           path)
+            return t
     return None
 
 
