@@ -497,6 +497,10 @@ MUTATIONS = [
              "adapter, frozen = nnx.split_state(abstract, nnx.LoRAParam, ...)",
              "adapter, frozen = nnx.split_state(abstract, nnx.Param, ...)",
              ("tests/train/test_lora.py",), "the whole model is trained (and checkpointed), not the adapter alone"),
+    Mutation("lora_scan_masks_reversed", "jaxformer/train/step.py",
+             "keys = jax.vmap(lambda i, k=k: jax.random.fold_in(k, i))(jnp.arange(math.prod(shape[:-1])))",
+             "keys = jax.vmap(lambda i, k=k: jax.random.fold_in(k, i))(jnp.arange(math.prod(shape[:-1]))[::-1])",
+             ("tests/train/test_lora.py",), "a scanned stack's dropout masks in reverse layer order (not the per-layer ones)"),
     # -- issue 24's narrowed signatures: the settings objects must still reach the code they configure
     Mutation("head_transform_eps_ignored", "jaxformer/nn/embedding.py",
              "make_norm(norm.kind, d_model, eps=norm.eps,", "make_norm(norm.kind, d_model, eps=1e-5,",

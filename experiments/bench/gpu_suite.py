@@ -203,7 +203,7 @@ def main(argv=None) -> int:
         env["JAX_PLATFORMS"] = "cpu"
         if "xla_backend_optimization_level" not in env.get("XLA_FLAGS", ""):  # cheap CPU compiles (as tests/conftest.py)
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0 "
-                                "--xla_llvm_disable_expensive_passes=true").strip()
+                                "--xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false").strip()
     command = "python experiments/bench/gpu_suite.py " + " ".join(argv if argv is not None else sys.argv[1:])
     run_info = json.dumps(dict(command=command.strip(), parts=",".join(parts),
                                boxes=", ".join(f"{x} {boxes[x]:g} s" for x in parts)))

@@ -111,8 +111,9 @@ def test_a_joining_prefill_does_not_widen_the_decoding_rows(llama):
 @given(data=st.data())
 def test_bucketed_steps_equal_each_request_alone(llama, data):
     """Random requests through an engine whose narrowest table is one page, so steps switch table widths
-    (1, 2, 4, 8 and the 10-page capacity) and batch rows (1, 2) as sequences grow, finish and are
-    preempted: every output equals the request generated alone with the contiguous cache."""
+    (1, 2, 4, 8 and the 10-page capacity) and batch rows (1, 2) as sequences grow, wait and finish: every
+    output equals the request generated alone with the contiguous cache. (Counted: none of the drawn workloads
+    preempts; preempted requests' outputs are checked in tests/decode/test_engine.py.)"""
     cfg, graphdef, state = llama
     n = data.draw(st.integers(1, 4), label="requests")
     lens = data.draw(st.lists(st.integers(1, 30), min_size=n, max_size=n), label="prompt lengths")

@@ -87,11 +87,11 @@ train(cfg, run, on_step=hook)
 
 
 def subprocess_env(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    env.pop("XLA_FLAGS", None)
-    return env
+    """The environment of a test's training subprocesses: conftest's XLA_FLAGS (fast CPU compiles) kept, since
+    every process of a comparison compiles the same way, and one compilation cache across them."""
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
+                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 def killed_and_resumed(cfg: Path, tmp_path: Path, steps: int, kill_at: int = 5) -> tuple[list, list]:
