@@ -62,8 +62,20 @@ def differences(sweep: Sweep, rows: list[dict], metric: str) -> list[tuple[dict,
     return out
 
 
+def edge_keys(tune_keys: dict, chosen: dict) -> list[str]:
+    """The tuned keys whose chosen value is the smallest or largest of its numeric list: there the arm's best
+    may lie beyond what was tried (a key of non-numbers or one value has no edge)."""
+    out = []
+    for k, vals in tune_keys.items():
+        nums = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if len(nums) == len(vals) > 1 and chosen.get(k) in (min(nums), max(nums)):
+            out.append(k)
+    return out
+
+
 def tuning_lines(sweep: Sweep, out: Path) -> list[str]:
-    """The report's tuning section: per arm the tuning metric at each tried value, the chosen one bold."""
+    """The report's tuning section: per arm the tuning metric at each tried value, the chosen one bold and
+    marked "(edge)" when it is the smallest or largest value tried of a numeric key."""
     tune = sweep.spec.tune
     metric = tune_metric(sweep)
     combos = tune_grid(tune)
@@ -74,6 +86,7 @@ def tuning_lines(sweep: Sweep, out: Path) -> list[str]:
     head = [k.split(".")[-1] for k in sweep.spec.varied] + [format_value(list(c.values())) if len(c) > 1 else
                                                              format_value(next(iter(c.values()))) for c in combos]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    edges = set()
     for values in arms(sweep):
         results = {json.dumps(t, sort_keys=True): m for t, m, _ in tuning_results(sweep, out, values)}
         try:
@@ -84,8 +97,14 @@ def tuning_lines(sweep: Sweep, out: Path) -> list[str]:
         for c in combos:
             m = results.get(json.dumps(c, sort_keys=True))
             cell = "n/a" if m is None else f"{m:.4f}"
-            cells.append(f"**{cell}**" if best == c else cell)
+            edge = edge_keys(tune.keys, c) if best == c else []
+            edges.update(edge)
+            cells.append(f"**{cell}**" + (" (edge)" if edge else "") if best == c else cell)
         lines.append("| " + " | ".join(cells) + " |")
+    if edges:
+        lines += ["", "(edge): the arm's best is the smallest or largest value tried of "
+                  f"{', '.join(f'`{k}`' for k in sorted(edges))}, so its optimum may lie beyond the grid: "
+                  "widen `tune.keys` before reading its row as tuned."]
     return lines
 
 

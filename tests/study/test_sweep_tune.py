@@ -166,13 +166,26 @@ def test_report_shows_tuning_choice_curves_and_paired_differences(tmp_path, fake
     assert (out / "tuning_curves.png").stat().st_size > 1000
     assert len((out / "tuning.jsonl").read_text().splitlines()) == 6
     assert "| rope | lr=0.003 |" in report and "| alibi | lr=0.01 |" in report
-    assert "**1.0000**" in report  # rope's tuning row: 1.0 at its best rate (seed 0), in bold
+    assert "**1.0000** |" in report  # rope's tuning row: 1.0 at its best rate (seed 0), in bold
+    # alibi's best rate, 1e-2, is the largest tried: marked, and the note says which key to widen
+    assert "**1.0500** (edge) |" in report and "**1.0000** (edge)" not in report
+    assert "smallest or largest value tried of `optimizer.lr`" in report
     # the difference alibi - rope at their tuned rates is exactly 0.05 on every seed: a zero-width interval
     (values, ref, d), = differences(sweep, [json.loads(x) for x in (out / "summary.jsonl").read_text().splitlines()],
                                     "val_bpb")
     assert values == {"model.position": "alibi"} and ref == {"model.position": "rope"}
     assert d.n == 3 and d.mean == pytest.approx(0.05) and d.hi - d.lo == pytest.approx(0.0, abs=1e-9)
     assert "| alibi | position=rope | 3 | +0.0500 [+0.0500, +0.0500] |" in report
+
+
+def test_a_chosen_value_at_either_end_of_a_numeric_grid_is_an_edge():
+    from jaxformer.study.report import edge_keys
+
+    keys = {"optimizer.lr": [3e-3, 1e-3, 1e-2], "model.norm": ["rms", "layer"], "optimizer.b2": [0.95]}
+    assert edge_keys(keys, {"optimizer.lr": 1e-2}) == ["optimizer.lr"]  # the largest, though not listed last
+    assert edge_keys(keys, {"optimizer.lr": 1e-3}) == ["optimizer.lr"]
+    assert edge_keys(keys, {"optimizer.lr": 3e-3}) == []  # listed first, but inside the range
+    assert edge_keys(keys, {"model.norm": "rms", "optimizer.b2": 0.95}) == []  # no order; one value
 
 
 def test_trained_column_counts_finished_runs_below_the_threshold(tmp_path):
