@@ -26,6 +26,7 @@ first too (:meth:`Engine.compile_all`).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import random
 import shlex
@@ -201,11 +202,42 @@ def stats(xs: list[float]) -> str:
     return f"{1e3 * statistics.mean(xs):.0f} / {1e3 * statistics.median(xs):.0f} / {1e3 * p99(xs):.0f}"
 
 
+def run_profiled(engine, profile: collections.Counter) -> dict:
+    """``engine.run()``, timing every step into ``profile``: seconds and steps per kind, "decode B=b" (every row
+    decoded one token; ``b`` the batch rows computed, a power of two) or "with prefill" (a prefill chunk in the
+    step). Returns the engine's results."""
+    while not engine.done:
+        before = engine.stats["tokens_computed"]
+        t = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t
+        rows, new = engine.stats["batch_rows"], engine.stats["tokens_computed"] - before
+        kind = f"decode B={rows}" if new <= rows else "with prefill"
+        profile[kind, "s"] += dt
+        profile[kind, "steps"] += 1
+    return engine.results
+
+
+def profile_lines(profiles: dict[str, collections.Counter]) -> list[str]:
+    """A table of where each in-process run's engine time went, by step kind (:func:`run_profiled`)."""
+    kinds = sorted({k for p in profiles.values() for k, _ in p}, key=lambda k: (k == "with prefill",
+                                                                               int(k.split("=")[-1]) if "=" in k
+                                                                               else 0))
+    lines = ["| run | " + " | ".join(f"{k}: steps, ms each, s" for k in kinds) + " | total s |",
+             "|---" * (len(kinds) + 2) + "|"]
+    for name, p in profiles.items():
+        cells = [f"{p[k, 'steps']}, {1e3 * p[k, 's'] / p[k, 'steps']:.0f}, {p[k, 's']:.2f}" if p[k, "steps"]
+                 else "" for k in kinds]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {sum(p[k, 's'] for k in kinds):.2f} |")
+    return lines
+
+
 def in_process(model: Path, requests, max_batch: int, max_context: int, chunk_size: int) -> dict:
     """The requests without HTTP, on one engine of the server's geometry (every step shape compiled first,
     as the server's ``--precompile``): one after another (each run to its end before the next is submitted:
     what ``jaxformer generate`` does for one prompt, minus its process start and compilation), and all
-    submitted at once (the engine's own ceiling). Output tokens/s and seconds of each."""
+    submitted at once (the engine's own ceiling). Output tokens/s and seconds of each, and under "profile" the
+    time of each run's steps by kind (:func:`run_profiled`)."""
     from jaxformer.train.run_dir import load_hf_decoder
     from jaxformer.decode.sampling import SamplingParams
     from jaxformer.serve.server import build_engine
@@ -214,17 +246,17 @@ def in_process(model: Path, requests, max_batch: int, max_context: int, chunk_si
     engine = build_engine(graphdef, state, config, max_batch=max_batch, max_context=max_context,
                           chunk_size=chunk_size)
     engine.compile_all()
-    out = {}
+    out = {"profile": {"one after another": collections.Counter(), "all at once": collections.Counter()}}
     t0 = time.perf_counter()
     tokens = 0
     for i, (p, n) in enumerate(requests):
         engine.submit(p, SamplingParams(max_new_tokens=n), request_id=("one", i))
-        tokens += len(engine.run()[("one", i)].tokens)
+        tokens += len(run_profiled(engine, out["profile"]["one after another"])[("one", i)].tokens)
     out["sequential"] = (tokens / (time.perf_counter() - t0), time.perf_counter() - t0)
     t0 = time.perf_counter()
     for i, (p, n) in enumerate(requests):
         engine.submit(p, SamplingParams(max_new_tokens=n), request_id=("all", i))
-    results = engine.run()
+    results = run_profiled(engine, out["profile"]["all at once"])
     tokens = sum(len(r.tokens) for k, r in results.items() if k[0] == "all")
     out["engine"] = (tokens / (time.perf_counter() - t0), time.perf_counter() - t0)
     assert tokens == sum(n for _, n in requests)
@@ -302,7 +334,10 @@ def main(argv=None) -> int:
               f"p99 TTFT at the lowest rate {args.rates[0]:g} req/s: {1e3 * p99_low:.0f} ms = "
               f"{p99_low / p99_idle:.1f}x the same requests' on an idle server (goal <= 2x). Failed or lost requests: "
               f"{sum(s['failed'] for _, s in rows)} (goal 0); server exit code after SIGTERM: {code}.",
-              f"Whole run {time.perf_counter() - t_all:.0f} s."]
+              f"Whole run {time.perf_counter() - t_all:.0f} s.", "",
+              "Where the engine's time went in the two runs without HTTP (every `Engine.step` timed; a step's "
+              "kind: all its rows decoding, at B batch rows, or holding a prefill chunk):", "",
+              *profile_lines(alone["profile"])]
     errors = [e for _, s in rows for e in s["errors"]]
     if errors:
         lines.append(f"Errors: {errors}")

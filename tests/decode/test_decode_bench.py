@@ -30,3 +30,26 @@ def test_id_tokenizer_and_cpu_line(bench):
     tok = bench.IdTokenizer()
     assert tok.encode_prompt("5 17 302") == [5, 17, 302] and tok.decode([5, 17]) == "5 17"
     assert bench.cpu_line().startswith("CPU: ") and "load average" in bench.cpu_line()
+
+
+def test_serve_bench_profile_counts_every_step_by_kind(llama):
+    """The serving bench's step profile: every step of a run is counted once, prefill steps apart from decode
+    steps, and the decode steps by their batch rows (two prompts of 20 tokens in chunks of 8 then 3 tokens)."""
+    import collections
+
+    from jaxformer.decode import engine as eng
+    from jaxformer.decode.sampling import SamplingParams
+
+    serve = load_bench("serve")
+    cfg, graphdef, state = llama
+    e = eng.Engine(graphdef, state, cfg, num_pages=16, page_size=8, max_batch=4, max_context=40, chunk_size=8)
+    profile = collections.Counter()
+    for i in range(2):
+        e.submit(list(range(1, 21)), SamplingParams(max_new_tokens=3), request_id=i)
+    results = serve.run_profiled(e, profile)
+    assert [len(results[i].tokens) for i in range(2)] == [3, 3]
+    # 20 tokens in chunks of 8: 3 prefill steps (the last samples token 1), then tokens 2 and 3 at B=2
+    assert profile["with prefill", "steps"] == 3 and profile["decode B=2", "steps"] == 2
+    assert sum(v for (k, what), v in profile.items() if what == "steps") == e.stats["steps"] == 5
+    lines = serve.profile_lines({"both": profile})
+    assert lines[0].index("decode B=2") < lines[0].index("with prefill") and lines[2].startswith("| both | 2, ")

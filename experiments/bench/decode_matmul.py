@@ -1,0 +1,89 @@
+"""A decode step's matmuls in three weight layouts, side by side in one run: where a batched decode step's time
+goes on XLA's CPU backend.
+
+A decode step multiplies a few activation rows ``x [B, in]`` by every weight of the model. jaxformer stores a
+projection as flax does, ``W [in, out]``, and computes ``x @ W``; PyTorch's ``nn.Linear`` stores ``W [out, in]``
+and its BLAS computes ``(W @ x^T)^T``, rows of ``W`` against columns of ``x``. The three forms here compute the
+same product (checked against a float64 numpy reference) over one 30-layer stack of SmolLM2-135M's matrices
+(576 -> 960 q/k/v, 576 -> 576 out, 576 -> 3,072 gate/up, 1,536 -> 576 down: 106 M fp32 weights, 425 MB) at
+batch rows ``B``:
+
+- ``x @ W``, ``W [in, out]`` (jaxformer's layout; what the engine's step runs);
+- ``x @ W^T``, ``W [out, in]`` (the contraction over both operands' last axis);
+- ``W @ x^T``, ``W [out, in]``, the result feature-major ``[out, B]`` (PyTorch's form).
+
+Milliseconds per stack (median of ``--repeats``, compile excluded) and each form's time against the first.
+
+    python experiments/bench/decode_matmul.py [--rows 1 2 4 8 16 32 256] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import cpu_line, median_seconds  # noqa: E402
+
+LAYERS = 30
+SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out) of one layer's matrices
+
+
+def forms():
+    """The three forms as jitted functions of (weights, x): each returns the products' column sums per matrix
+    (so nothing is dead code and the check compares every product)."""
+
+    def x_w(ws, x):  # ws: [in, out]
+        return [(x[:, : w.shape[0]] @ w).sum(0) for w in ws]
+
+    def x_wt(ws, x):  # ws: [out, in]
+        return [jax.lax.dot_general(x[:, : w.shape[1]], w, (((1,), (1,)), ((), ()))).sum(0) for w in ws]
+
+    def w_xt(ws, x):  # ws: [out, in]; the result [out, B]
+        return [jax.lax.dot_general(w, x[:, : w.shape[1]], (((1,), (1,)), ((), ()))).sum(1) for w in ws]
+
+    return {"x @ W, W [in, out]": (jax.jit(x_w), False), "x @ W^T, W [out, in]": (jax.jit(x_wt), True),
+            "W @ x^T, W [out, in]": (jax.jit(w_xt), True)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 256])
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    w_in_out = [rng.standard_normal(s, np.float32) * 0.02 for _ in range(LAYERS) for s in SHAPES]
+    by_layout = {False: [jnp.asarray(w) for w in w_in_out],
+                 True: [jnp.asarray(np.ascontiguousarray(w.T)) for w in w_in_out]}
+    width = max(s[0] for s in SHAPES)
+    table = forms()
+    print(cpu_line())
+    print(f"{LAYERS} layers x {len(SHAPES)} matrices, {sum(w.size for w in w_in_out) / 1e6:.0f} M fp32 weights; "
+          f"ms per stack, median of {args.repeats}\n")
+    names = list(table)
+    print("| rows B | " + " | ".join(names) + " | " + " | ".join(f"{n.split(',')[0]} / first" for n in names[1:])
+          + " |")
+    print("|---" * (1 + 2 * len(names) - 1) + "|")
+    for B in args.rows:
+        x = rng.standard_normal((B, width), np.float32)
+        want = [(x[:, : w.shape[0]].astype(np.float64) @ w.astype(np.float64)).sum(0) for w in w_in_out]
+        ms = []
+        for name in names:
+            fn, transposed = table[name]
+            ws, xj = by_layout[transposed], jnp.asarray(x)
+            got = fn(ws, xj)
+            for g, r in zip(got, want):  # fp32 sums of B * in products of ~N(0, 0.02^2) terms
+                np.testing.assert_allclose(np.asarray(g), r, rtol=1e-4, atol=1e-4 * np.sqrt(B), err_msg=name)
+            ms.append(1e3 * median_seconds(fn, ws, xj, repeats=args.repeats))
+        print(f"| {B} | " + " | ".join(f"{m:.1f}" for m in ms) + " | "
+              + " | ".join(f"{m / ms[0]:.2f}" for m in ms[1:]) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
