@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIED = ("jaxformer", "pallas_kernels", "tests", "pyproject.toml")
+COPIED = ("jaxformer", "pallas_kernels", "tests", "pyproject.toml", "experiments/bench")  # bench: the scripts tests import
 
 
 @dataclass(frozen=True)
@@ -398,6 +398,10 @@ MUTATIONS = [
     Mutation("batch_rows_full", "jaxformer/decode/engine.py",
              "B = bucket(len(plan), 1, self.max_batch)", "B = self.max_batch",
              ("tests/decode/test_step_work.py",), "every step runs max_batch rows, however few sequences"),
+    Mutation("serve_profile_decode_as_prefill", "experiments/bench/serve.py",
+             'kind = f"decode B={rows}" if new <= rows else "with prefill"',
+             'kind = f"decode B={rows}" if new < rows else "with prefill"',
+             ("tests/decode/test_decode_bench.py",), "the serving bench's profile counts full decode steps as prefill"),
     Mutation("head_at_first_token", "jaxformer/decode/engine.py",
              "logits_at=jnp.maximum(inputs.num_new - 1, 0))", "logits_at=jnp.zeros_like(inputs.num_new))",
              ("tests/decode/test_engine.py",), "the engine samples from the logits of each chunk's first token"),
