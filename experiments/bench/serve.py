@@ -11,7 +11,9 @@ request throughput, output tokens/s, time to first token (TTFT), time per output
 the requests that failed; first the same requests one at a time (an idle server: the TTFT baseline). Then,
 in this process without HTTP, on one engine of the server's geometry: the same requests one after another
 (``jaxformer generate``'s engine serving one prompt at a time, without its process start and compilation)
-and all at once (the engine's own ceiling).
+and all at once (the engine's own ceiling), each also with ``feature_major=False`` (the engine's matmuls in
+the training layout: what the feature-major steps gain), the two engines taking turns for ``--repeats``
+rounds (the median round's figures), with every engine step timed by kind.
 
 The model: a random checkpoint of SmolLM2-135M's shape (a Llama, 30 layers, d 576, GQA 9:3, vocabulary
 49,152) written by jaxformer's own ``save_pretrained`` with a word-level tokenizer (``t0 .. t49151``), or with
@@ -232,34 +234,44 @@ def profile_lines(profiles: dict[str, collections.Counter]) -> list[str]:
     return lines
 
 
-def in_process(model: Path, requests, max_batch: int, max_context: int, chunk_size: int) -> dict:
-    """The requests without HTTP, on one engine of the server's geometry (every step shape compiled first,
-    as the server's ``--precompile``): one after another (each run to its end before the next is submitted:
-    what ``jaxformer generate`` does for one prompt, minus its process start and compilation), and all
-    submitted at once (the engine's own ceiling). Output tokens/s and seconds of each, and under "profile" the
-    time of each run's steps by kind (:func:`run_profiled`)."""
+def in_process(model: Path, requests, max_batch: int, max_context: int, chunk_size: int, repeats: int = 2) -> dict:
+    """The requests without HTTP, on engines of the server's geometry (every step shape compiled first, as the
+    server's ``--precompile``): the default engine (feature-major steps on the CPU) and one with
+    ``feature_major=False`` (every matmul in the training layout), taking turns, ``repeats`` rounds: one after
+    another (each run to its end before the next is submitted: what ``jaxformer generate`` does for one prompt,
+    minus its process start and compilation), and all submitted at once (the engine's own ceiling). Returns
+    ``{engine: {"sequential" | "engine": (output tokens/s, seconds), "profile": {mode: Counter}}}``, the
+    figures the median round's, the profile summed over rounds (:func:`run_profiled`)."""
     from jaxformer.train.run_dir import load_hf_decoder
     from jaxformer.decode.sampling import SamplingParams
     from jaxformer.serve.server import build_engine
 
     config, graphdef, state, _ = load_hf_decoder(str(model), dtype="float32", command="generate")
-    engine = build_engine(graphdef, state, config, max_batch=max_batch, max_context=max_context,
-                          chunk_size=chunk_size)
-    engine.compile_all()
-    out = {"profile": {"one after another": collections.Counter(), "all at once": collections.Counter()}}
-    t0 = time.perf_counter()
-    tokens = 0
-    for i, (p, n) in enumerate(requests):
-        engine.submit(p, SamplingParams(max_new_tokens=n), request_id=("one", i))
-        tokens += len(run_profiled(engine, out["profile"]["one after another"])[("one", i)].tokens)
-    out["sequential"] = (tokens / (time.perf_counter() - t0), time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    for i, (p, n) in enumerate(requests):
-        engine.submit(p, SamplingParams(max_new_tokens=n), request_id=("all", i))
-    results = run_profiled(engine, out["profile"]["all at once"])
-    tokens = sum(len(r.tokens) for k, r in results.items() if k[0] == "all")
-    out["engine"] = (tokens / (time.perf_counter() - t0), time.perf_counter() - t0)
-    assert tokens == sum(n for _, n in requests)
+    engines = {name: build_engine(graphdef, state, config, max_batch=max_batch, max_context=max_context,
+                                  chunk_size=chunk_size, feature_major=fm)
+               for name, fm in (("default", None), ("feature_major=False", False))}
+    for engine in engines.values():
+        engine.compile_all()
+    out = {name: {"profile": {"one after another": collections.Counter(), "all at once": collections.Counter()},
+                  "sequential": [], "engine": []} for name in engines}
+    total = sum(n for _, n in requests)
+    for r in range(repeats):
+        for key, mode in (("sequential", "one after another"), ("engine", "all at once")):
+            for name, engine in engines.items():  # the engines take turns: the same load for both
+                profile = out[name]["profile"][mode]
+                t0 = time.perf_counter()
+                for i, (p, n) in enumerate(requests):
+                    engine.submit(p, SamplingParams(max_new_tokens=n), request_id=(r, key, i))
+                    if key == "sequential":
+                        run_profiled(engine, profile)
+                run_profiled(engine, profile)
+                wall = time.perf_counter() - t0
+                tokens = sum(len(engine.results.pop((r, key, i)).tokens) for i in range(len(requests)))
+                assert tokens == total
+                out[name][key].append((tokens / wall, wall))
+    for res in out.values():
+        for key in ("sequential", "engine"):
+            res[key] = sorted(res[key])[len(res[key]) // 2]
     return out
 
 
@@ -277,6 +289,7 @@ def main(argv=None) -> int:
                     "engine): a step with a prefill chunk runs every row at its width")
     ap.add_argument("--max-context", type=int, default=256, help="the server's (prompts + outputs fit: one "
                     "block-table width, fewer shapes to compile)")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds of the in-process runs (the median's figures)")
     ap.add_argument("--small", action="store_true", help="a 4-layer d 256 model instead of SmolLM2-135M's shape")
     ap.add_argument("--write", action="store_true", help="also write experiments/results/serve_cpu.md")
     args = ap.parse_args(argv)
@@ -305,7 +318,8 @@ def main(argv=None) -> int:
         print(rows[-1][0], rows[-1][1]["tok_s"], flush=True)
     finally:
         code = server.stop()
-    alone = in_process(model, requests, args.max_batch, args.max_context, args.chunk_size)
+    engines = in_process(model, requests, args.max_batch, args.max_context, args.chunk_size, args.repeats)
+    alone, usual = engines["default"], engines["feature_major=False"]
     (seq_tok_s, seq_wall), (engine_tok_s, engine_wall) = alone["sequential"], alone["engine"]
     total = sum(n for _, n in requests)
     lines = [
@@ -327,6 +341,9 @@ def main(argv=None) -> int:
                  f"| | | | 0 of {args.requests} |")
     lines.append(f"| the engine alone, all {args.requests} submitted at once (no HTTP) | "
                  f"{args.requests / engine_wall:.2f} | {engine_tok_s:.1f} | | | | |")
+    for label, (tok_s, wall) in (("one after another", usual["sequential"]), ("all at once", usual["engine"])):
+        lines.append(f"| the engine without feature-major steps (`feature_major=False`), {label} | "
+                     f"{args.requests / wall:.2f} | {tok_s:.1f} | | | | |")
     conc, idle, lowest = rows[-1][1], rows[0][1], rows[1][1]
     p99_low, p99_idle = (p99(s["ttft"]) for s in (lowest, idle))
     lines += ["", f"{args.concurrency} concurrent vs one after another: {conc['tok_s'] / seq_tok_s:.1f}x output "
@@ -334,10 +351,15 @@ def main(argv=None) -> int:
               f"p99 TTFT at the lowest rate {args.rates[0]:g} req/s: {1e3 * p99_low:.0f} ms = "
               f"{p99_low / p99_idle:.1f}x the same requests' on an idle server (goal <= 2x). Failed or lost requests: "
               f"{sum(s['failed'] for _, s in rows)} (goal 0); server exit code after SIGTERM: {code}.",
+              f"Feature-major steps (the CPU default) against the engine without them: all at once "
+              f"{engine_tok_s / usual['engine'][0]:.2f}x, one after another {seq_tok_s / usual['sequential'][0]:.2f}x "
+              "the output tokens/s.",
               f"Whole run {time.perf_counter() - t_all:.0f} s.", "",
-              "Where the engine's time went in the two runs without HTTP (every `Engine.step` timed; a step's "
+              f"Where the engines' time went without HTTP ({args.repeats} rounds summed, the two engines taking turns; "
+              "every `Engine.step` timed; a step's "
               "kind: all its rows decoding, at B batch rows, or holding a prefill chunk):", "",
-              *profile_lines(alone["profile"])]
+              *profile_lines({**alone["profile"], **{f"{k}, feature_major=False": v
+                                                     for k, v in usual["profile"].items()}})]
     errors = [e for _, s in rows for e in s["errors"]]
     if errors:
         lines.append(f"Errors: {errors}")

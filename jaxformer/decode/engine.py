@@ -58,6 +58,7 @@ from jaxformer.decode.block_manager import BlockManager, OutOfPages
 from jaxformer.decode.generate import check_prompt
 from jaxformer.decode.paged_cache import PagedKVCache, copy_pages, init_page_pools
 from jaxformer.decode.sampling import SamplingParams, request_keys, sample
+from jaxformer.nn.mlp import add_transposed_inputs
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
 MIN_TABLE_TOKENS = 256  # narrowest block table a step sends, in tokens: fewer compiled programs, and below
@@ -231,6 +232,11 @@ class EngineOptions:
       ``"context"``: admitting a sequence reserves its whole ``max_context`` of pages, as a contiguous KV
       cache preallocates ``max_context`` slots per sequence (a baseline to measure paging against: at most
       ``num_pages // pages per sequence`` sequences run at once, and none is ever preempted).
+    feature_major: give the step's model ``[F, D]`` copies of the FFN input projections, so steps of 2-32
+      tokens run them feature-major (:func:`jaxformer.nn.mlp.add_transposed_inputs`: about half the time of
+      those matmuls on XLA's CPU backend, for the copies' memory). None (default): on when JAX's default
+      backend is the CPU, for FFNs of at least ``FEATURE_MAJOR_MIN_WEIGHTS`` input weights per layer; True:
+      every FFN without adapters.
     """
 
     num_pages: int | None = None
@@ -243,6 +249,27 @@ class EngineOptions:
     interpret: bool = False
     window: int | None = None
     reserve: str = "pages"
+    feature_major: bool | None = None
+
+
+FEATURE_MAJOR_MIN_WEIGHTS = 1 << 18  # D * F of an FFN input projection (1 MiB of fp32) for the CPU default:
+# SmolLM2-135M's 576 x 1,536 ran its batched decode steps 15-40% faster feature-major, a 256 x 704 model's
+# 0.8x (its 2-6 ms steps are call overhead; experiments/results/serve_cpu.md)
+
+
+def step_model(graphdef, state, feature_major: bool | None) -> tuple[StaticModel, list]:
+    """The jitted step's static model and leaves for ``(graphdef, state)``, with the FFNs' ``[F, D]`` input
+    copies added (:class:`EngineOptions`'s ``feature_major``; the state's own arrays are shared, not copied)."""
+    if feature_major is None and jax.default_backend() == "cpu":
+        feature_major, min_weights = True, FEATURE_MAJOR_MIN_WEIGHTS
+    else:
+        min_weights = 0
+    if feature_major:
+        model = nnx.merge(graphdef, state)
+        if add_transposed_inputs(model, min_weights):
+            graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    return StaticModel.of(graphdef, treedef), leaves
 
 
 class Engine:
@@ -258,8 +285,6 @@ class Engine:
         o = dataclasses.replace(EngineOptions() if options is None else options, **changes)
         self.engine_options = o
         self.graphdef, self.state, self.config = graphdef, state, config
-        leaves, treedef = jax.tree.flatten(state)
-        self._model, self._leaves = StaticModel.of(graphdef, treedef), leaves
         self.max_context = config.max_seq_len if o.max_context is None else o.max_context
         if not 0 < self.max_context <= config.max_seq_len:
             raise ValueError(f"max_context={o.max_context} must be in [1, config.max_seq_len={config.max_seq_len}]")
@@ -282,6 +307,7 @@ class Engine:
         self.results: dict[Hashable, Result] = {}
         self._ids = itertools.count()
         self.stats = collections.Counter()
+        self._model, self._leaves = step_model(graphdef, state, o.feature_major)
 
     # -- requests
     def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, request_id=None) -> Hashable:

@@ -6,9 +6,19 @@ ReLU unit that is never positive on the data never fires (is dead). Read with ``
 
 ``lora`` (a :class:`jaxformer.nn.lora.LoRASpec`) adds low-rank adapters (``w_gate_lora``, ...) to the
 projections it targets: ``w_in``, ``w_out`` (plain) or ``w_gate``, ``w_up``, ``w_down`` (gated).
+
+Feature-major decode (:func:`add_transposed_inputs`): a module given ``[F, D]`` copies of its input
+projections (``w_in_t``; ``w_gate_t``, ``w_up_t``), as the decode engine gives them on CPU, computes a call
+of ``FEATURE_MAJOR_ROWS`` rows as ``W^T x^T``: the FFN's hidden activations ``[F, *B]``, then ``W_down``
+contracted over their first axis. The same product; on XLA's CPU backend 2-32 rows run about twice as fast
+that way (Eigen tiles the result's rows: the ``F`` features fill them, a few tokens do not;
+``experiments/results/decode_matmul_cpu.md``). Other row counts, and calls of a module with adapters or
+``record_stats``, take the usual path.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 from flax import nnx
@@ -32,6 +42,48 @@ def dense(x, w, b, dtype, spec: str, lora=None):
     if lora is not None:
         y = y + lora(x)
     return add_bias(y, b, dtype)
+
+
+FEATURE_MAJOR_ROWS = range(2, 33)  # rows (tokens in a call) computed feature-major when the copies exist
+
+
+class TransposedCopy(nnx.Variable):
+    """An input projection's weight laid out ``[..., F, D]`` (its last two axes swapped): a copy for
+    feature-major calls, added by :func:`add_transposed_inputs`; not a parameter (never trained or saved)."""
+
+
+def add_transposed_inputs(model: nnx.Module, min_weights: int = 0) -> int:
+    """Give every :class:`MLP` / :class:`GatedMLP` of ``model`` without adapters, whose input projection has at
+    least ``min_weights`` entries per layer (``D * F``), ``[F, D]`` copies of its input projections (``w_in_t``;
+    ``w_gate_t``, ``w_up_t``), in place; returns how many modules got them. Stacked (scanned) layers get stacked
+    copies. The copies hold the same numbers: a new model state."""
+    n = 0
+    for _, m in nnx.iter_modules(model):
+        names = {MLP: ("w_in",), GatedMLP: ("w_gate", "w_up")}.get(type(m), ())
+        if (names and not any(getattr(m, f"{k}_lora") is not None for k in names)
+                and math.prod(getattr(m, names[0]).shape[-2:]) >= min_weights):
+            for k in names:
+                setattr(m, f"{k}_t", TransposedCopy(jnp.swapaxes(getattr(m, k)[...], -1, -2)))
+            n += 1
+    return n
+
+
+def _feature_major(module, x, names) -> bool:
+    """Whether this call of ``module`` on ``x [..., D]`` runs feature-major (see the module docstring)."""
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    return (rows in FEATURE_MAJOR_ROWS and not module.record_stats
+            and all(isinstance(getattr(module, f"{k}_t", None), TransposedCopy) for k in names))
+
+
+def dense_t(x, wt, b, dtype):
+    """``(x W + b)`` feature-major, computed as ``W^T x^T``: ``x [*B, D]``, ``wt = W^T [F, D]`` -> ``[F, *B]``."""
+    y = jnp.einsum("FD,...D->F...", wt[...].astype(dtype), x.astype(dtype))
+    return y if b is None else y + b[...].astype(dtype).reshape((-1,) + (1,) * (x.ndim - 1))
+
+
+def dense_from_t(h, w, b, dtype):
+    """Feature-major ``h [F, *B]`` times ``w [F, D]`` (+ b), back to rows: ``[*B, D]``."""
+    return add_bias(jnp.einsum("F...,FD->...D", h.astype(dtype), w[...].astype(dtype)), b, dtype)
 
 
 def _adapters(module, lora: LoRASpec | None, d_model: int, d_ff: int, names_in, names_out, dtype, rngs):
@@ -68,6 +120,9 @@ class MLP(nnx.Module):
         self.w_in_lora, self.w_out_lora = _adapters(self, lora, d_model, d_ff, ("w_in",), ("w_out",), dtype, rngs)
 
     def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
+        if _feature_major(self, x, ("w_in",)):
+            h = activation_fn(self.activation)(dense_t(x, self.w_in_t, self.b_in, self.dtype))
+            return dense_from_t(h, self.w_out, self.b_out, self.dtype)
         pre = dense(x, self.w_in, self.b_in, self.dtype, _IN, self.w_in_lora)
         if self.record_stats:
             self.sow(nnx.Intermediate, "fired", pre > 0)
@@ -97,6 +152,10 @@ class GatedMLP(nnx.Module):
             self, lora, d_model, d_ff, ("w_gate", "w_up"), ("w_down",), dtype, rngs)
 
     def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
+        if _feature_major(self, x, ("w_gate", "w_up")):
+            gate, up = (dense_t(x, w, b, self.dtype) for w, b in ((self.w_gate_t, self.b_gate),
+                                                                  (self.w_up_t, self.b_up)))
+            return dense_from_t(_GLU[self.activation](gate, up), self.w_down, self.b_down, self.dtype)
         gate = dense(x, self.w_gate, self.b_gate, self.dtype, _IN, self.w_gate_lora)
         if self.record_stats:
             self.sow(nnx.Intermediate, "fired", gate > 0)

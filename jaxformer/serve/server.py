@@ -22,14 +22,14 @@ DEFAULT_MAX_CONTEXT = 2048  # a model's own context (SmolLM2: 8192) makes a defa
 
 
 def build_engine(graphdef, state, config, *, max_batch: int = 8, num_pages: int | None = None, page_size: int = 16,
-                 max_context: int | None = None, chunk_size: int = 16) -> Engine:
+                 max_context: int | None = None, chunk_size: int = 16, feature_major: bool | None = None) -> Engine:
     """The engine a server runs: ``max_context`` defaults to the model's context, at most 2048 tokens;
     ``num_pages`` to ``max_batch`` sequences of ``max_context``; prefill chunks of 16 tokens (a step holding a
     chunk runs every row at the chunk's width, so a request joining a decoding batch costs it little:
-    experiments/results/serve_cpu.md)."""
+    experiments/results/serve_cpu.md); ``feature_major``: :class:`EngineOptions`'s (None: on for the CPU)."""
     context = min(config.max_seq_len, DEFAULT_MAX_CONTEXT) if max_context is None else max_context
     return Engine(graphdef, state, config, num_pages=num_pages, page_size=page_size, max_batch=max_batch,
-                  max_context=context, chunk_size=chunk_size)
+                  max_context=context, chunk_size=chunk_size, feature_major=feature_major)
 
 
 def warm_up(engine: Engine, *, precompile: bool = False) -> str:

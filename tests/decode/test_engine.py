@@ -183,3 +183,32 @@ def test_step_width_buckets(llama):
     cfg, graphdef, state = llama
     e = eng.Engine(graphdef, state, cfg, num_pages=4, page_size=4, chunk_size=64)
     assert [e._width(n) for n in (1, 2, 8, 9, 16, 17, 33, 64)] == [1, 8, 8, 16, 16, 32, 64, 64]
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_feature_major_steps_equal_the_usual_ones(llama, alone, scan_layers):
+    """The step model with the FFNs' [F, D] input copies (the CPU default) gives each request the tokens it
+    gets alone, as the step model without them does; the copies are in the step's leaves, stacked for scanned
+    layers (one GatedMLP holding [L, F, D] copies), and the engine's own state is left as it was."""
+    from flax import nnx
+
+    from jaxformer.model import init
+    from jaxformer.nn.mlp import GatedMLP
+
+    cfg, graphdef, state = llama
+    if scan_layers:
+        cfg = cfg.model_copy(update=dict(scan_layers=True))
+        graphdef, state = init(cfg, jax.random.key(0))
+    engines = {}
+    for on in (True, False):
+        e = eng.Engine(graphdef, state, cfg, **GEOMETRY, feature_major=on)
+        ids = [e.submit(PROMPTS[i], SamplingParams(max_new_tokens=MAX_NEW[i])) for i in (0, 2, 3, 5)]
+        results = e.run()
+        engines[on] = (e, [results[i].tokens for i in ids])
+    if not scan_layers:  # the fixture's model: the tokens each request gets alone
+        assert engines[True][1] == [alone[i] for i in (0, 2, 3, 5)]
+    assert engines[True][1] == engines[False][1]
+    mlps = [m for _, m in nnx.iter_modules(nnx.merge(graphdef, state)) if isinstance(m, GatedMLP)]
+    assert len(mlps) == (1 if scan_layers else cfg.n_layers)
+    assert len(engines[True][0]._leaves) == len(engines[False][0]._leaves) + 2 * len(mlps)
+    assert engines[True][0].state is state

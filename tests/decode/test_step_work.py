@@ -169,7 +169,7 @@ def test_table_width_buckets():
     assert [eng.bucket(n, 1, 6) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 6, 6]
 
 
-def test_engines_over_one_model_share_compiled_steps(llama):
+def test_engines_over_one_model_share_compiled_steps(llama, monkeypatch):
     """A second engine over the same model traces no step anew and holds the same ``StaticModel`` object (one
     per distinct model, hashed once: that the step then hashes nothing per call is a speed claim, measured by
     the decode bench's per-step profile, not asserted here)."""
@@ -182,4 +182,10 @@ def test_engines_over_one_model_share_compiled_steps(llama):
     e.submit(prompt, SamplingParams(max_new_tokens=3))
     e.run()
     assert dict(eng.TRACE_COUNTS) == before
-    assert e._model is eng.StaticModel.of(graphdef, jax.tree.structure(state))
+    geometry = dict(num_pages=10, page_size=L, max_batch=4, chunk_size=8)
+    off = eng.Engine(graphdef, state, cfg, **geometry, feature_major=False)
+    # the tiny model's FFNs are below the CPU default's size: no copies, the step model is the model's own
+    assert e._model is off._model is eng.StaticModel.of(graphdef, jax.tree.structure(state))
+    monkeypatch.setattr(eng, "FEATURE_MAJOR_MIN_WEIGHTS", 0)  # as for a model of SmolLM2's size
+    on = eng.Engine(graphdef, state, cfg, **geometry)
+    assert on._model is eng.Engine(graphdef, state, cfg, **geometry, feature_major=True)._model is not off._model

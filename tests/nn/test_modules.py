@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from tests.nn.builders import attention, gated_mlp, mlp
+from jaxformer.nn.mlp import FEATURE_MAJOR_ROWS, add_transposed_inputs
 from jaxformer.nn import (
     LOGICAL_AXES, Attention, Block, Embed, GatedMLP, HeadTransform, LayerNorm, LearnedPositions, LMHead, MLP,
     NormConfig, Residual, RMSNorm, make_mlp, param,
@@ -198,6 +199,48 @@ def test_mlp_matches_reference(activation):
         assert isinstance(m, MLP)
         want = _np_act(activation, xn @ p["w_in"] + p["b_in"]) @ p["w_out"] + p["b_out"]
     np.testing.assert_allclose(np.asarray(run(m, x)), want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("shape", [(2, 3), (1, 2), (4, 8), (1, 1), (5, 8)])  # 6, 2, 32 rows; 1, 40: usual path
+def test_feature_major_mlp_matches_reference_forward_and_grad(activation, use_bias, shape):
+    """An MLP given ``[F, D]`` copies of its input projections (the decode engine's feature-major calls, 2-32
+    rows) against the float64 reference forward, and its gradient in ``x`` against the usual path's; the
+    copies are what a call in that range reads (changing them changes the result), outside it they are
+    unused."""
+    D, F = 8, 12
+    m = build(lambda: mlp(D, F, activation, use_bias=use_bias, rngs=nnx.Rngs(0)), 9, std=0.5)
+    x = jax.random.normal(jax.random.key(10), (*shape, D))
+    p, xn = params_np(m), np.asarray(x, np.float64)
+    if activation == "swiglu":
+        gate, up = xn @ p["w_gate"] + p.get("b_gate", 0), xn @ p["w_up"] + p.get("b_up", 0)
+        want = _np_act("silu", gate) * up @ p["w_down"] + p.get("b_down", 0)
+    else:
+        want = _np_act("gelu", xn @ p["w_in"] + p.get("b_in", 0)) @ p["w_out"] + p.get("b_out", 0)
+    fm = nnx.merge(*nnx.split(m))
+    assert add_transposed_inputs(fm) == 1
+    np.testing.assert_allclose(np.asarray(run(fm, x)), want, rtol=RTOL, atol=ATOL)
+    r = jax.random.normal(jax.random.key(11), want.shape)
+    grads = [jax.grad(lambda x, g=g, st=st: jnp.sum(nnx.merge(g, st)(x) * r))(x)
+             for g, st in (nnx.split(m), nnx.split(fm))]
+    # fp32 both sides, different summation orders: relative 1e-4 of O(1) gradients.
+    np.testing.assert_allclose(np.asarray(grads[1]), np.asarray(grads[0]), rtol=1e-4, atol=1e-5)
+    names = ("w_gate", "w_up") if activation == "swiglu" else ("w_in",)
+    for k in names:
+        t = getattr(fm, f"{k}_t")
+        t.set_value(t[...] * 2.0)
+    changed = not np.allclose(np.asarray(run(fm, x)), want, rtol=RTOL, atol=ATOL)
+    assert changed == (math.prod(shape) in FEATURE_MAJOR_ROWS)
+
+
+def test_feature_major_copies_skip_adapted_mlps():
+    """A module with LoRA adapters keeps the usual path (the copies would bypass the adapters)."""
+    from jaxformer.nn.lora import LoRASpec
+
+    spec = LoRASpec(rank=2, alpha=4.0, targets=frozenset({"w_up"}))
+    m = nnx.eval_shape(lambda: mlp(8, 12, "swiglu", use_bias=False, lora=spec, rngs=nnx.Rngs(0)))
+    assert add_transposed_inputs(m) == 0 and not hasattr(m, "w_up_t")
 
 
 def test_norms_match_reference():
