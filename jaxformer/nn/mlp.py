@@ -59,8 +59,9 @@ def add_transposed_inputs(model: nnx.Module, min_weights: int = 0) -> int:
     copies. The copies hold the same numbers: a new model state."""
     n = 0
     for _, m in nnx.iter_modules(model):
-        names = {MLP: ("w_in",), GatedMLP: ("w_gate", "w_up")}.get(type(m), ())
-        if (names and not any(getattr(m, f"{k}_lora") is not None for k in names)
+        names, adapters = {MLP: (("w_in",), ("w_in", "w_out")),
+                           GatedMLP: (("w_gate", "w_up"), ("w_gate", "w_up", "w_down"))}.get(type(m), ((), ()))
+        if (names and all(getattr(m, f"{k}_lora") is None for k in adapters)  # the fast path has no adapters
                 and math.prod(getattr(m, names[0]).shape[-2:]) >= min_weights):
             for k in names:
                 setattr(m, f"{k}_t", TransposedCopy(jnp.swapaxes(getattr(m, k)[...], -1, -2)))

@@ -234,13 +234,16 @@ def test_feature_major_mlp_matches_reference_forward_and_grad(activation, use_bi
     assert changed == (math.prod(shape) in FEATURE_MAJOR_ROWS)
 
 
-def test_feature_major_copies_skip_adapted_mlps():
-    """A module with LoRA adapters keeps the usual path (the copies would bypass the adapters)."""
+@pytest.mark.parametrize("activation, target", [("swiglu", "w_up"), ("swiglu", "w_down"), ("gelu", "w_out")])
+def test_feature_major_copies_skip_adapted_mlps(activation, target):
+    """A module with a LoRA adapter on any of its projections keeps the usual path (the feature-major one
+    would bypass the adapter)."""
     from jaxformer.nn.lora import LoRASpec
 
-    spec = LoRASpec(rank=2, alpha=4.0, targets=frozenset({"w_up"}))
-    m = nnx.eval_shape(lambda: mlp(8, 12, "swiglu", use_bias=False, lora=spec, rngs=nnx.Rngs(0)))
-    assert add_transposed_inputs(m) == 0 and not hasattr(m, "w_up_t")
+    spec = LoRASpec(rank=2, alpha=4.0, targets=frozenset({target}))
+    m = nnx.eval_shape(lambda: mlp(8, 12, activation, use_bias=False, lora=spec, rngs=nnx.Rngs(0)))
+    assert add_transposed_inputs(m) == 0
+    assert not any(hasattr(m, f"{k}_t") for k in ("w_in", "w_gate", "w_up"))
 
 
 def test_norms_match_reference():
