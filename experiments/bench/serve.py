@@ -13,7 +13,7 @@ in this process without HTTP, on one engine of the server's geometry: the same r
 (``jaxformer generate``'s engine serving one prompt at a time, without its process start and compilation)
 and all at once (the engine's own ceiling), each also with ``feature_major=False`` (the engine's matmuls in
 the training layout: what the feature-major steps gain), the two engines taking turns for ``--repeats``
-rounds (the median round's figures), with every engine step timed by kind.
+rounds (medians), with every engine step timed by kind.
 
 The model: a random checkpoint of SmolLM2-135M's shape (a Llama, 30 layers, d 576, GQA 9:3, vocabulary
 49,152) written by jaxformer's own ``save_pretrained`` with a word-level tokenizer (``t0 .. t49151``), or with
@@ -209,10 +209,12 @@ def run_profiled(engine, profile: collections.Counter) -> dict:
     decoded one token; ``b`` the batch rows computed, a power of two) or "with prefill" (a prefill chunk in the
     step). Returns the engine's results."""
     while not engine.done:
-        before = engine.stats["tokens_computed"]
+        before, steps = engine.stats["tokens_computed"], engine.stats["steps"]
         t = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t
+        if engine.stats["steps"] == steps:  # nothing ran (an empty plan)
+            continue
         rows, new = engine.stats["batch_rows"], engine.stats["tokens_computed"] - before
         kind = f"decode B={rows}" if new <= rows else "with prefill"
         profile[kind, "s"] += dt
@@ -241,7 +243,8 @@ def in_process(model: Path, requests, max_batch: int, max_context: int, chunk_si
     another (each run to its end before the next is submitted: what ``jaxformer generate`` does for one prompt,
     minus its process start and compilation), and all submitted at once (the engine's own ceiling). Returns
     ``{engine: {"sequential" | "engine": (output tokens/s, seconds), "profile": {mode: Counter}}}``, the
-    figures the median round's, the profile summed over rounds (:func:`run_profiled`)."""
+    medians over the rounds (the engines take turns, each going first every other round), the profile summed
+    over rounds (:func:`run_profiled`), ``"copies"`` whether the engine's step model got FFN copies."""
     from jaxformer.train.run_dir import load_hf_decoder
     from jaxformer.decode.sampling import SamplingParams
     from jaxformer.serve.server import build_engine
@@ -257,7 +260,8 @@ def in_process(model: Path, requests, max_batch: int, max_context: int, chunk_si
     total = sum(n for _, n in requests)
     for r in range(repeats):
         for key, mode in (("sequential", "one after another"), ("engine", "all at once")):
-            for name, engine in engines.items():  # the engines take turns: the same load for both
+            turns = list(engines.items())
+            for name, engine in turns if r % 2 == 0 else turns[::-1]:  # in turns, each first every other round
                 profile = out[name]["profile"][mode]
                 t0 = time.perf_counter()
                 for i, (p, n) in enumerate(requests):
@@ -269,9 +273,10 @@ def in_process(model: Path, requests, max_batch: int, max_context: int, chunk_si
                 tokens = sum(len(engine.results.pop((r, key, i)).tokens) for i in range(len(requests)))
                 assert tokens == total
                 out[name][key].append((tokens / wall, wall))
-    for res in out.values():
+    for name, res in out.items():
         for key in ("sequential", "engine"):
-            res[key] = sorted(res[key])[len(res[key]) // 2]
+            res[key] = tuple(statistics.median(x) for x in zip(*res[key]))  # (tokens/s, seconds), each's median
+        res["copies"] = engines[name]._model is not engines["feature_major=False"]._model
     return out
 
 
@@ -351,9 +356,10 @@ def main(argv=None) -> int:
               f"p99 TTFT at the lowest rate {args.rates[0]:g} req/s: {1e3 * p99_low:.0f} ms = "
               f"{p99_low / p99_idle:.1f}x the same requests' on an idle server (goal <= 2x). Failed or lost requests: "
               f"{sum(s['failed'] for _, s in rows)} (goal 0); server exit code after SIGTERM: {code}.",
-              f"Feature-major steps (the CPU default) against the engine without them: all at once "
-              f"{engine_tok_s / usual['engine'][0]:.2f}x, one after another {seq_tok_s / usual['sequential'][0]:.2f}x "
-              "the output tokens/s.",
+              (f"Feature-major steps (the CPU default) against the engine without them: all at once "
+               f"{engine_tok_s / usual['engine'][0]:.2f}x, one after another {seq_tok_s / usual['sequential'][0]:.2f}x "
+               "the output tokens/s." if alone["copies"] else "The default engine gave no FFN copies (the model's "
+               "FFNs are below FEATURE_MAJOR_MIN_WEIGHTS): its rows and the feature_major=False ones are one engine."),
               f"Whole run {time.perf_counter() - t_all:.0f} s.", "",
               f"Where the engines' time went without HTTP ({args.repeats} rounds summed, the two engines taking turns; "
               "every `Engine.step` timed; a step's "

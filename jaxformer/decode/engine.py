@@ -233,8 +233,9 @@ class EngineOptions:
       cache preallocates ``max_context`` slots per sequence (a baseline to measure paging against: at most
       ``num_pages // pages per sequence`` sequences run at once, and none is ever preempted).
     feature_major: give the step's model ``[F, D]`` copies of the FFN input projections, so steps of 2-32
-      tokens run them feature-major (:func:`jaxformer.nn.mlp.add_transposed_inputs`: about half the time of
-      those matmuls on XLA's CPU backend, for the copies' memory). None (default): on when JAX's default
+      tokens run them feature-major (:func:`jaxformer.nn.mlp.add_transposed_inputs`: those products 1.3-2.2x
+      faster on XLA's CPU backend, for the copies' memory: about 40% more weights for a Llama-shaped model,
+      212 MB for SmolLM2-135M). None (default): on when JAX's default
       backend is the CPU, for FFNs of at least ``FEATURE_MAJOR_MIN_WEIGHTS`` input weights per layer; True:
       every FFN without adapters.
     """
@@ -253,8 +254,9 @@ class EngineOptions:
 
 
 FEATURE_MAJOR_MIN_WEIGHTS = 1 << 18  # D * F of an FFN input projection (1 MiB of fp32) for the CPU default:
-# SmolLM2-135M's 576 x 1,536 ran its batched decode steps 15-40% faster feature-major, a 256 x 704 model's
-# 0.8x (its 2-6 ms steps are call overhead; experiments/results/serve_cpu.md)
+# SmolLM2-135M's 576 x 1,536 ran its batched decode steps 1.10-1.21x faster feature-major on Zen 3
+# (experiments/results/serve_cpu.md); a 4-layer 256 x 704 model's engine ran 0.81x (its 2-6 ms steps are call
+# overhead; one `serve.py --small` run beside a study, not in a committed table)
 
 
 def step_model(graphdef, state, feature_major: bool | None) -> tuple[StaticModel, list]:

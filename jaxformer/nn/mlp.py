@@ -10,10 +10,11 @@ projections it targets: ``w_in``, ``w_out`` (plain) or ``w_gate``, ``w_up``, ``w
 Feature-major decode (:func:`add_transposed_inputs`): a module given ``[F, D]`` copies of its input
 projections (``w_in_t``; ``w_gate_t``, ``w_up_t``), as the decode engine gives them on CPU, computes a call
 of ``FEATURE_MAJOR_ROWS`` rows as ``W^T x^T``: the FFN's hidden activations ``[F, *B]``, then ``W_down``
-contracted over their first axis. The same product; on XLA's CPU backend 2-32 rows run about twice as fast
+contracted over their first axis. The same product; on XLA's CPU backend 2-32 rows run 1.3-2.2x as fast
 that way (Eigen tiles the result's rows: the ``F`` features fill them, a few tokens do not;
 ``experiments/results/decode_matmul_cpu.md``). Other row counts, and calls of a module with adapters or
-``record_stats``, take the usual path.
+``record_stats``, take the usual path. For inference only: a gradient of such a call reaches the copies, not
+the parameters.
 """
 
 from __future__ import annotations
@@ -69,11 +70,13 @@ def add_transposed_inputs(model: nnx.Module, min_weights: int = 0) -> int:
     return n
 
 
-def _feature_major(module, x, names) -> bool:
-    """Whether this call of ``module`` on ``x [..., D]`` runs feature-major (see the module docstring)."""
+def _feature_major(module, x, names, adapters) -> bool:
+    """Whether this call of ``module`` on ``x [..., D]`` runs feature-major (see the module docstring): copies
+    of the input projections ``names`` and no adapter on any of ``adapters``."""
     rows = x.size // x.shape[-1] if x.ndim else 0
     return (rows in FEATURE_MAJOR_ROWS and not module.record_stats
-            and all(isinstance(getattr(module, f"{k}_t", None), TransposedCopy) for k in names))
+            and all(isinstance(getattr(module, f"{k}_t", None), TransposedCopy) for k in names)
+            and all(getattr(module, f"{k}_lora") is None for k in adapters))
 
 
 def dense_t(x, wt, b, dtype):
@@ -121,7 +124,7 @@ class MLP(nnx.Module):
         self.w_in_lora, self.w_out_lora = _adapters(self, lora, d_model, d_ff, ("w_in",), ("w_out",), dtype, rngs)
 
     def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
-        if _feature_major(self, x, ("w_in",)):
+        if _feature_major(self, x, ("w_in",), ("w_in", "w_out")):
             h = activation_fn(self.activation)(dense_t(x, self.w_in_t, self.b_in, self.dtype))
             return dense_from_t(h, self.w_out, self.b_out, self.dtype)
         pre = dense(x, self.w_in, self.b_in, self.dtype, _IN, self.w_in_lora)
@@ -153,7 +156,7 @@ class GatedMLP(nnx.Module):
             self, lora, d_model, d_ff, ("w_gate", "w_up"), ("w_down",), dtype, rngs)
 
     def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
-        if _feature_major(self, x, ("w_gate", "w_up")):
+        if _feature_major(self, x, ("w_gate", "w_up"), ("w_gate", "w_up", "w_down")):
             gate, up = (dense_t(x, w, b, self.dtype) for w, b in ((self.w_gate_t, self.b_gate),
                                                                   (self.w_up_t, self.b_up)))
             return dense_from_t(_GLU[self.activation](gate, up), self.w_down, self.b_down, self.dtype)

@@ -189,7 +189,7 @@ def test_step_width_buckets(llama):
 def test_feature_major_steps_equal_the_usual_ones(llama, alone, scan_layers):
     """The step model with the FFNs' [F, D] input copies (the CPU default) gives each request the tokens it
     gets alone, as the step model without them does; the copies are in the step's leaves, stacked for scanned
-    layers (one GatedMLP holding [L, F, D] copies), and the engine's own state is left as it was."""
+    layers (one GatedMLP holding [L, F, D] copies), and the caller's model is left as it was."""
     from flax import nnx
 
     from jaxformer.model import init
@@ -199,6 +199,7 @@ def test_feature_major_steps_equal_the_usual_ones(llama, alone, scan_layers):
     if scan_layers:
         cfg = cfg.model_copy(update=dict(scan_layers=True))
         graphdef, state = init(cfg, jax.random.key(0))
+    leaves = jax.tree.leaves(state)
     engines = {}
     for on in (True, False):
         e = eng.Engine(graphdef, state, cfg, **GEOMETRY, feature_major=on)
@@ -211,4 +212,6 @@ def test_feature_major_steps_equal_the_usual_ones(llama, alone, scan_layers):
     mlps = [m for _, m in nnx.iter_modules(nnx.merge(graphdef, state)) if isinstance(m, GatedMLP)]
     assert len(mlps) == (1 if scan_layers else cfg.n_layers)
     assert len(engines[True][0]._leaves) == len(engines[False][0]._leaves) + 2 * len(mlps)
-    assert engines[True][0].state is state
+    # the caller's model is left as it was: the same leaves, and no copies in its modules
+    assert all(a is b for a, b in zip(jax.tree.leaves(state), leaves)) and len(jax.tree.leaves(state)) == len(leaves)
+    assert not any(hasattr(m, "w_gate_t") for _, m in nnx.iter_modules(nnx.merge(graphdef, state)))

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from tests.nn.builders import attention, gated_mlp, mlp
-from jaxformer.nn.mlp import FEATURE_MAJOR_ROWS, add_transposed_inputs
+from jaxformer.nn.mlp import FEATURE_MAJOR_ROWS, TransposedCopy, add_transposed_inputs
 from jaxformer.nn import (
     LOGICAL_AXES, Attention, Block, Embed, GatedMLP, HeadTransform, LayerNorm, LearnedPositions, LMHead, MLP,
     NormConfig, Residual, RMSNorm, make_mlp, param,
@@ -244,6 +244,13 @@ def test_feature_major_copies_skip_adapted_mlps(activation, target):
     m = nnx.eval_shape(lambda: mlp(8, 12, activation, use_bias=False, lora=spec, rngs=nnx.Rngs(0)))
     assert add_transposed_inputs(m) == 0
     assert not any(hasattr(m, f"{k}_t") for k in ("w_in", "w_gate", "w_up"))
+    # copies given by hand are not used either: the call keeps the adapter (B non-zero, so it counts)
+    m = build(lambda: mlp(8, 12, activation, use_bias=False, lora=spec, rngs=nnx.Rngs(0)), 9, std=0.5)
+    x = jax.random.normal(jax.random.key(10), (2, 3, 8))
+    want = np.asarray(run(m, x))
+    for k in ("w_gate", "w_up") if activation == "swiglu" else ("w_in",):
+        setattr(m, f"{k}_t", TransposedCopy(jnp.swapaxes(getattr(m, k)[...], -1, -2)))
+    np.testing.assert_array_equal(np.asarray(run(m, x)), want)
 
 
 def test_norms_match_reference():
