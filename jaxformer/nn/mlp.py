@@ -60,23 +60,22 @@ def add_transposed_inputs(model: nnx.Module, min_weights: int = 0) -> int:
     copies. The copies hold the same numbers: a new model state."""
     n = 0
     for _, m in nnx.iter_modules(model):
-        names, adapters = {MLP: (("w_in",), ("w_in", "w_out")),
-                           GatedMLP: (("w_gate", "w_up"), ("w_gate", "w_up", "w_down"))}.get(type(m), ((), ()))
-        if (names and all(getattr(m, f"{k}_lora") is None for k in adapters)  # the fast path has no adapters
-                and math.prod(getattr(m, names[0]).shape[-2:]) >= min_weights):
+        names = getattr(type(m), "INPUTS", ())
+        if (isinstance(m, (MLP, GatedMLP)) and all(getattr(m, f"{k}_lora") is None for k in m.PROJECTIONS)
+                and math.prod(getattr(m, names[0]).shape[-2:]) >= min_weights):  # the fast path has no adapters
             for k in names:
                 setattr(m, f"{k}_t", TransposedCopy(jnp.swapaxes(getattr(m, k)[...], -1, -2)))
             n += 1
     return n
 
 
-def _feature_major(module, x, names, adapters) -> bool:
+def _feature_major(module, x) -> bool:
     """Whether this call of ``module`` on ``x [..., D]`` runs feature-major (see the module docstring): copies
-    of the input projections ``names`` and no adapter on any of ``adapters``."""
+    of its ``INPUTS`` and no adapter on any of its ``PROJECTIONS``."""
     rows = x.size // x.shape[-1] if x.ndim else 0
     return (rows in FEATURE_MAJOR_ROWS and not module.record_stats
-            and all(isinstance(getattr(module, f"{k}_t", None), TransposedCopy) for k in names)
-            and all(getattr(module, f"{k}_lora") is None for k in adapters))
+            and all(isinstance(getattr(module, f"{k}_t", None), TransposedCopy) for k in module.INPUTS)
+            and all(getattr(module, f"{k}_lora") is None for k in module.PROJECTIONS))
 
 
 def dense_t(x, wt, b, dtype):
@@ -109,6 +108,8 @@ class MLP(nnx.Module):
     """``act(x W_in + b_in) W_out + b_out``; ``W_in [D, F]``, ``W_out [F, D]`` with act = ``cfg.activation``
     and F = ``cfg.width(D)``; ``stds``: the init standard deviations of W_in and W_out."""
 
+    INPUTS, PROJECTIONS = ("w_in",), ("w_in", "w_out")  # into the FFN width; all (feature-major calls)
+
     def __init__(self, d_model: int, cfg: FFNConfig, *, use_bias: bool = True, stds: tuple[float, float] = _STDS,
                  lora: LoRASpec | None = None, param_dtype="float32", dtype="float32", rngs: nnx.Rngs):
         activation, d_ff, (in_std, out_std) = cfg.activation, cfg.width(d_model), stds
@@ -124,7 +125,7 @@ class MLP(nnx.Module):
         self.w_in_lora, self.w_out_lora = _adapters(self, lora, d_model, d_ff, ("w_in",), ("w_out",), dtype, rngs)
 
     def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
-        if _feature_major(self, x, ("w_in",), ("w_in", "w_out")):
+        if _feature_major(self, x):
             h = activation_fn(self.activation)(dense_t(x, self.w_in_t, self.b_in, self.dtype))
             return dense_from_t(h, self.w_out, self.b_out, self.dtype)
         pre = dense(x, self.w_in, self.b_in, self.dtype, _IN, self.w_in_lora)
@@ -137,6 +138,8 @@ class MLP(nnx.Module):
 class GatedMLP(nnx.Module):
     """``glu(x W_gate + b_g, x W_up + b_u) W_down + b_d`` with glu = ``cfg.activation``, swiglu | geglu
     (Shazeer 2020); ``stds``: the init standard deviations of W_gate and W_up, and of W_down."""
+
+    INPUTS, PROJECTIONS = ("w_gate", "w_up"), ("w_gate", "w_up", "w_down")
 
     def __init__(self, d_model: int, cfg: FFNConfig, *, use_bias: bool = False, stds: tuple[float, float] = _STDS,
                  lora: LoRASpec | None = None, param_dtype="float32", dtype="float32", rngs: nnx.Rngs):
@@ -156,7 +159,7 @@ class GatedMLP(nnx.Module):
             self, lora, d_model, d_ff, ("w_gate", "w_up"), ("w_down",), dtype, rngs)
 
     def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
-        if _feature_major(self, x, ("w_gate", "w_up"), ("w_gate", "w_up", "w_down")):
+        if _feature_major(self, x):
             gate, up = (dense_t(x, w, b, self.dtype) for w, b in ((self.w_gate_t, self.b_gate),
                                                                   (self.w_up_t, self.b_up)))
             return dense_from_t(_GLU[self.activation](gate, up), self.w_down, self.b_down, self.dtype)
