@@ -13,8 +13,9 @@ PyTorch twin: the same GPT written as a PyTorch user would (nanoGPT's layout: fu
 tied head), initialised from the library's parameters (both parameter counts are printed), trained in
 eager mode with ``torch.optim.AdamW`` (same betas, eps, weight decay on the matrices only), clipping and
 the same warmup + cosine schedule. ``--before`` adds the library's step as it was before issue 16
-(attention differentiated by plain autodiff through ``xla_attention``) and ``--no-chunks`` the step
-without causal attention chunks, each compiled in the same process.
+(attention differentiated by plain autodiff through ``xla_attention``), ``--no-chunks`` the step
+without causal attention chunks and ``--einsum`` the step with its projections as einsums over the
+``[B, T, ...]`` activations (before issue 23), each compiled in the same process.
 
 The script checks that every contender's first loss agrees with the library's, then times them in
 alternating rounds (``--steps`` steps per round) so a busy machine slows each alike; the table shows
@@ -236,18 +237,33 @@ def torch_twin(cfg: C.ExperimentConfig, params, batches):
 def variant_step(name: str, cfg: C.ExperimentConfig, mesh, state, batch):
     """The library's train step compiled with part of issue 16's attention change undone, in this process:
     ``"before"``: attention differentiated by plain autodiff through ``xla_attention`` (the library before
-    issue 16); ``"no chunks"``: the hand-written derivative over every key (no causal chunks)."""
+    issue 16); ``"no chunks"``: the hand-written derivative over every key (no causal chunks); ``"einsum"``:
+    every projection an einsum over the ``[B, T, ...]`` activations (the library before issue 23's 2-D
+    products, ``jaxformer.nn.params.project``)."""
+    import contextlib
     from unittest import mock
 
+    import jaxformer.nn.attention as NA
+    import jaxformer.nn.embedding as NE
+    import jaxformer.nn.mlp as NM
     import jaxformer.ops.attention as A
 
     def autodiff(q, k, v, *, mask=None, scale=None):
         return A.xla_attention(q, k, v, mask=mask, scale=scale)
 
+    def einsum_project(x, w, dtype, *, n_in=1, preferred_element_type=None):
+        return jnp.tensordot(x.astype(dtype), w.astype(dtype), n_in, preferred_element_type=preferred_element_type)
+
     from jaxformer.train import step as step_mod
 
-    patch = (mock.patch.object(A, "dense_attention", autodiff) if name == "before"
-             else mock.patch.object(A, "_CHUNK", 1 << 30))
+    patch = contextlib.ExitStack()
+    if name == "before":
+        patch.enter_context(mock.patch.object(A, "dense_attention", autodiff))
+    elif name == "no chunks":
+        patch.enter_context(mock.patch.object(A, "_CHUNK", 1 << 30))
+    else:
+        for module in (NA, NE, NM):
+            patch.enter_context(mock.patch.object(module, "project", einsum_project))
     # make_trainer caches one Trainer (one jitted step, one trace) per config: a cached one would be lowered from
     # the trace it already has, without the patch. Emptied before, so the step is built and traced under the
     # patch, and after, so nothing later is handed the patched trainer.
@@ -288,12 +304,14 @@ def main(argv=None):
     p.add_argument("--no-hand", action="store_true", help="skip the hand-written JAX step")
     p.add_argument("--before", action="store_true",
                    help="also time the library's step as it was before issue 16 (autodiff attention)")
+    p.add_argument("--einsum", action="store_true",
+                   help="also time the library's step with every projection an einsum over [B, T, ...] (before issue 23)")
     p.add_argument("--no-chunks", action="store_true",
                    help="also time the library's step without causal attention chunks")
     p.add_argument("--scan-remat", action="store_true",
                    help="add the library's step with model.scan_layers and model.remat on (same parameters)")
     p.add_argument("--config", help="time this experiment config's step instead (e.g. experiments/configs/"
-                   "stdlib_bytes.yaml, the main job); only the library and its --before / --no-chunks variants")
+                   "stdlib_bytes.yaml, the main job); only the library and its --before / --no-chunks / --einsum variants")
     p.add_argument("--peak-tflops", type=float,
                    help="per-device peak for MFU (default: datasheet bf16 on GPU/TPU, measured fp32 matmul on CPU)")
     args = p.parse_args(argv)
@@ -331,7 +349,7 @@ def main(argv=None):
 
     tol = 1e-4 if args.dtype == "float32" else 2e-2
     variants = {f"library {n}": [variant_step(n, cfg, mesh, state, batches[0]), jax.tree.map(jnp.copy, state)]
-                for n, on in (("before", args.before), ("no chunks", args.no_chunks)) if on}
+                for n, on in (("before", args.before), ("no chunks", args.no_chunks), ("einsum", args.einsum)) if on}
     if args.scan_remat:
         variants["library scan+remat"] = scan_remat_step(cfg, mesh, state, batches[0])
     if variants:  # each variant must be its own program, or its row times the library (or another variant) again
@@ -410,7 +428,7 @@ def main(argv=None):
     per_round = {k: [a / b for a, b in zip(times[k], times["library"])] for k in times if k != "library"}
     cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
     for name, goal in (("hand-written", 0.95), ("library before", 1.0), ("library no chunks", 1.0),
-                       ("torch eager", 1.1)):
+                       ("library einsum", 1.0), ("torch eager", 1.1)):
         if name in rows:
             print(f"ratio library / {name} tokens/s: {rows['library'] / rows[name]:.3f} "
                   f"(per round: {' '.join(f'{r:.2f}' for r in per_round[name])}; goal >= {goal}); "

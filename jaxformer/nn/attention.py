@@ -36,7 +36,7 @@ from jaxtyping import Array, Float
 
 from jaxformer.nn.config import AttentionConfig, PositionConfig
 from jaxformer.nn.lora import Dims, LoRASpec
-from jaxformer.nn.params import add_bias, as_dtype, normal, param, zeros
+from jaxformer.nn.params import add_bias, as_dtype, normal, param, project, zeros
 from jaxformer.ops.attention import attention_logit_stats, dot_product_attention
 from jaxformer.ops.masks import MaskSpec
 from jaxformer.ops.positional import alibi_slopes, apply_rope
@@ -153,7 +153,7 @@ class Attention(nnx.Module):
         self.w_q_lora, self.w_k_lora, self.w_v_lora, self.w_o_lora = (adapter(n) for n in shapes)
 
     def _project(self, x, w, b, spec, lora=None):
-        y = jnp.einsum(spec, x.astype(self.dtype), w[...].astype(self.dtype))
+        y = project(x, w[...], self.dtype)
         if lora is not None:
             y = y + lora(x)
         return add_bias(y, b, self.dtype)
@@ -215,8 +215,7 @@ class Attention(nnx.Module):
                                       softcap=self.softcap, impl=self.impl)
         # one (N*H)-wide contraction: as a two-axis einsum, XLA CPU may lay the attention output out H-major
         # and then transpose all of w_o to match, every call (a weight-sized copy per layer per decode step)
-        B_, T_, N_, H_ = o.shape
-        y = o.astype(self.dtype).reshape(B_, T_, N_ * H_) @ self.w_o[...].astype(self.dtype).reshape(N_ * H_, -1)
+        y = project(o, self.w_o[...], self.dtype, n_in=2)
         if self.w_o_lora is not None:
             y = y + self.w_o_lora(o)
         y = add_bias(y, self.b_o, self.dtype)

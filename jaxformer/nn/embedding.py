@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Integer
 
 from jaxformer.nn.config import NormConfig
 from jaxformer.nn.norms import make_norm
-from jaxformer.nn.params import add_bias, as_dtype, normal, param, zeros
+from jaxformer.nn.params import add_bias, as_dtype, normal, param, project, zeros
 from jaxformer.ops.activations import activation_fn, is_gated
 from jaxformer.typing import Activations, ArrayLike, Logits
 
@@ -28,8 +28,7 @@ class Embed(nnx.Module):
 
     def attend(self, x: Activations) -> Logits:
         """Tied output head: ``x [B, T, D] @ E^T -> logits float32 [B, T, V]``."""
-        return jnp.einsum("BTD,VD->BTV", x.astype(self.dtype), self.embedding[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        return project(x, self.embedding[...].T, self.dtype, preferred_element_type=jnp.float32)
 
 
 class LMHead(nnx.Module):
@@ -41,8 +40,7 @@ class LMHead(nnx.Module):
         self.kernel = param(rngs, normal(std), (d_model, vocab_size), ("embed", "vocab"), param_dtype)
 
     def __call__(self, x: Activations) -> Logits:
-        return jnp.einsum("BTD,DV->BTV", x.astype(self.dtype), self.kernel[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        return project(x, self.kernel[...], self.dtype, preferred_element_type=jnp.float32)
 
 
 class LearnedPositions(nnx.Module):

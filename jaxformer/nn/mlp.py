@@ -26,7 +26,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from jaxformer.nn.lora import Dims, LoRASpec
-from jaxformer.nn.params import add_bias, as_dtype, normal, param, zeros
+from jaxformer.nn.params import add_bias, as_dtype, normal, param, project, zeros
 from jaxformer.nn.config import FFNConfig
 from jaxformer.ops.activations import activation_fn, geglu, swiglu
 from jaxformer.typing import ArrayLike
@@ -39,7 +39,7 @@ _STDS = (0.02, 0.02)  # init standard deviations of the projections into the FFN
 def dense(x, w, b, dtype, spec: str, lora=None):
     """``einsum(spec, x, w) (+ lora(x)) (+ b)`` in ``dtype``: ``_IN`` (``[..., D] -> [..., F]``) or ``_OUT``
     (back)."""
-    y = jnp.einsum(spec, x.astype(dtype), w[...].astype(dtype))
+    y = project(x, w[...], dtype)
     if lora is not None:
         y = y + lora(x)
     return add_bias(y, b, dtype)

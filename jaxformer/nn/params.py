@@ -79,6 +79,25 @@ def add_bias(y, b, dtype):
     return y + b.reshape((1,) * (y.ndim - b.ndim) + b.shape)
 
 
+def project(x, w, dtype, *, n_in: int = 1, preferred_element_type=None):
+    """``x [*B, *I]`` times ``w [*I, *O]`` (the last ``n_in`` axes of ``x`` against the first ``n_in`` of ``w``)
+    in ``dtype``: ``[*B, *O]``, computed as one 2-D product ``[prod B, prod I] @ [prod I, prod O]``.
+
+    The einsum's meaning, in the form XLA's CPU backend differentiates fastest: the weight gradient of an
+    einsum over ``x [B, T, D]`` contracts two axes of each operand, which XLA lowers to a transposed copy of
+    the output gradient and an Eigen dot with both operands transposed (47 GFLOP/s against 145 for its
+    YNNPACK kernels on one Intel Xeon core), where the 2-D product's is one ``x^T dy``. Every projection of
+    the model (attention, FFN, output head) goes through here; a 4-layer GPT's train step is 1.09-1.23x
+    faster for it (experiments/results/train_throughput.md, "Intel").
+    """
+    lead, inner, outer = x.shape[:x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
+    if x.shape[x.ndim - n_in:] != inner:
+        raise ValueError(f"project: x.shape={x.shape} does not end in w.shape[:{n_in}]={inner} ({w.shape=})")
+    x2 = x.astype(dtype).reshape(math.prod(lead), math.prod(inner))
+    w2 = w.astype(dtype).reshape(math.prod(inner), math.prod(outer))
+    return jnp.matmul(x2, w2, preferred_element_type=preferred_element_type).reshape(lead + outer)
+
+
 def eager_sharding() -> bool:
     """Whether new parameters are sharded at creation (flax's eager sharding on, a mesh and rules active)."""
     return bool(

@@ -20,14 +20,16 @@ def test_train_throughput_bench_toy(capsys):
     bench = _bench()
     with jax.numpy_rank_promotion("allow"):  # the hand-written step broadcasts implicitly, as users write it
         rows = bench.main(["--d-model", "64", "--layers", "1", "--seq-len", "128", "--batch", "2", "--steps", "1",
-                           "--rounds", "1", "--before", "--no-chunks", "--scan-remat", "--vs-torch",
+                           "--rounds", "1", "--before", "--no-chunks", "--einsum", "--scan-remat", "--vs-torch",
                            "--peak-tflops", "1"])
     out = capsys.readouterr().out
-    assert {"library", "library before", "library no chunks", "library scan+remat", "hand-written"} <= set(rows)
+    assert {"library", "library before", "library no chunks", "library einsum", "library scan+remat",
+            "hand-written"} <= set(rows)
     assert all(v > 0 for v in rows.values())
     assert "DISAGREE" not in out and out.count("(agree within") == len(rows) - 1
     assert "ratio library / library before tokens/s" in out and "MFU vs 1 TFLOP/s per process" in out
-    assert "compiled programs differ: library, library before, library no chunks, library scan+remat" in out
+    assert ("compiled programs differ: library, library before, library no chunks, library einsum, "
+            "library scan+remat") in out
     assert "ratio library scan+remat / library tokens/s" in out
     try:
         import torch  # noqa: F401

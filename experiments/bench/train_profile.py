@@ -1,0 +1,174 @@
+"""Where a train step's time goes, by op class, in the library (XLA's CPU profile) and its PyTorch twin (torch.profiler).
+
+The companion of ``train_throughput.py`` (same model, batches and optimiser; ``--vs-torch`` there gives the
+ratio of whole steps): this one says which class of op the difference is made of. Run it on one core so
+that an op's time is its CPU time in both frameworks:
+
+    taskset -c 1 python experiments/bench/train_profile.py                      # nanoGPT shape (d 256, L 4)
+    taskset -c 1 python experiments/bench/train_profile.py --d-model 128 --heads 4 --seq-len 128 --batch 12
+
+The library's ops come from ``jax.profiler`` with ``--xla_cpu_enable_xprof_traceme=true`` (set here
+before JAX starts), each named after its HLO instruction; an op whose instruction (or fused computation)
+holds a dot is a matmul, and its FLOPs are read off the dot's shapes (so GFLOP/s per class is printed).
+Matmuls are split by who runs them: XLA's YNNPACK fusions or its Eigen dots (what XLA falls back to, e.g.
+for a dot whose operands it transposed). PyTorch's ops are grouped by aten name.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import glob  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402
+
+import train_throughput as tt  # noqa: E402
+from jaxformer.train import config as C  # noqa: E402
+from jaxformer.train import sharding as S  # noqa: E402
+from jaxformer.train.corpus import build_corpus  # noqa: E402
+from jaxformer.train.pipeline import TrainIterator  # noqa: E402
+from jaxformer.train.step import make_trainer  # noqa: E402
+from timing import cpu_line  # noqa: E402
+
+_RUNTIME = ("ThunkExecutor", "SlinkyThreadPool", "end: ")  # the executor's own spans, not ops
+
+
+def _shapes(hlo: str) -> dict[str, list[int]]:
+    return {m[1]: [int(d) for d in m[2].split(",") if d] for m in re.finditer(r"%([\w.\-]+) = \w+\[([\d,]*)\]", hlo)}
+
+
+def _dot_flops(text: str, shapes) -> int:
+    """2 x output elements x contracted length, summed over the dots of an HLO instruction or computation."""
+    total = 0
+    for m in re.finditer(r"= \w+\[([\d,]*)\]\{[^}]*\} dot\(%?([\w.\-]+), [^)]*\),[^\n]*?lhs_contracting_dims=\{([\d,]*)\}",
+                         text):
+        lhs = shapes.get(m[2])
+        if lhs is not None:
+            out = [int(d) for d in m[1].split(",") if d]
+            total += 2 * math.prod(out) * math.prod(lhs[int(c)] for c in m[3].split(",") if c)
+    return total
+
+
+def classify_xla(op_ns: dict[str, int], hlo: str) -> dict[str, list[float]]:
+    """``{class: [ns, flops]}`` for the profiled ops of the compiled step ``hlo``."""
+    shapes = _shapes(hlo)
+    bodies = {m[1]: m[2] for m in re.finditer(r"\n%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S)}
+    out = collections.defaultdict(lambda: [0.0, 0.0])
+    for name, ns in op_ns.items():
+        m = re.search(r"\n\s*(?:ROOT )?%" + re.escape(name) + r" = ([^\n]*)", hlo)
+        line = m[1] if m else ""
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        body = bodies.get(called[1], "") if called else ""
+        flops = _dot_flops(body or "= " + line, shapes) if " dot(" in (body or line) else 0
+        if flops:
+            cls = "matmul, YNNPACK fusions" if name.startswith("ynn") else "matmul, Eigen dots"
+        elif re.search(r"\b(transpose|copy)\(", body or line):
+            cls = "transposes and copies"
+        elif re.search(r"\b(exponential|tanh|erf|divide)\(", body or line):
+            cls = "elementwise with exp/tanh/divide (softmax, GELU)"
+        else:
+            cls = "other elementwise and reductions"
+        out[cls][0] += ns
+        out[cls][1] += flops
+    return out
+
+
+def profile_library(cfg, mesh, batch, steps: int):
+    trainer = make_trainer(cfg, mesh)
+    state = trainer.init_state()
+    compiled = trainer.train_step.lower(state, batch).compile()
+    for _ in range(2):
+        state, m = compiled(state, batch)
+    jax.block_until_ready(state)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(steps):
+                state, m = compiled(state, batch)
+            jax.block_until_ready(state)
+        data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    op_ns = collections.Counter()
+    for plane in data.planes:
+        for line in plane.lines:
+            if line.name.startswith("tf_XLA"):
+                for ev in line.events:
+                    if not ev.name.startswith(_RUNTIME):
+                        op_ns[ev.name] += ev.duration_ns / steps
+    return classify_xla(op_ns, compiled.as_text())
+
+
+def profile_torch(step, steps: int):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    out = collections.defaultdict(float)
+    for ev in prof.key_averages():
+        name = ev.key
+        if name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"):
+            cls = f"matmul ({name})"
+        elif "scaled_dot_product" in name:
+            cls = "attention (scaled_dot_product_attention, outside its matmuls)"
+        elif name.startswith("Optimizer.step") or "adamw" in name.lower():
+            cls = "optimizer step"
+        else:
+            continue
+        out[cls] += ev.self_cpu_time_total * 1e3 / steps  # us -> ns
+    total = sum(ev.self_cpu_time_total for ev in prof.key_averages()) * 1e3 / steps
+    out["everything else (elementwise, norms, copies, autograd)"] = total - sum(out.values())
+    return out, torch.get_num_threads()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=3, help="profiled steps (after 2 warm-up steps)")
+    p.add_argument("--no-torch", action="store_true")
+    args = p.parse_args(argv)
+    args.dtype, args.attention = "float32", "xla"
+    cfg = tt.experiment(args)
+    mesh = S.make_mesh(cfg.mesh)
+    it = TrainIterator(build_corpus(C.DataConfig()), seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=0)
+    host = next(it)
+    lib = profile_library(cfg, mesh, S.put_batch(host, mesh), args.steps)
+    torch_rows, threads = {}, None
+    if not args.no_torch:
+        state = make_trainer(cfg, mesh).init_state()
+        twin = tt.torch_twin(cfg, jax.device_get(state["params"]), [host])
+        if twin is None:
+            print("torch is not importable here: the library's side only")
+        else:
+            torch_rows, threads = profile_torch(twin[0], args.steps)
+    print(cpu_line())
+    print(f"model d={args.d_model} L={args.layers} T={cfg.seq_len} B={cfg.batch_size} float32; op CPU time per step, "
+          f"median-free sum over {args.steps} profiled steps / {args.steps}"
+          + (f"; torch {threads} thread(s)" if threads else ""))
+    print(f"{'library op class (XLA)':<52}{'ms':>9}{'GFLOP/s':>9}")
+    for cls, (ns, fl) in sorted(lib.items(), key=lambda kv: -kv[1][0]):
+        print(f"{cls:<52}{ns / 1e6:>9.1f}{(f'{fl / ns:.0f}' if fl else '-'):>9}")
+    lib_total = sum(ns for ns, _ in lib.values())
+    print(f"{'total':<52}{lib_total / 1e6:>9.1f}")
+    if torch_rows:
+        print(f"{'torch op class':<52}{'ms':>9}")
+        for cls, ns in sorted(torch_rows.items(), key=lambda kv: -kv[1]):
+            print(f"{cls:<52}{ns / 1e6:>9.1f}")
+        print(f"{'total':<52}{sum(torch_rows.values()) / 1e6:>9.1f}")
+    return {"library": {k: v[0] for k, v in lib.items()}, "torch": dict(torch_rows)}
+
+
+if __name__ == "__main__":
+    main()
