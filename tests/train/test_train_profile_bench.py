@@ -1,0 +1,40 @@
+"""``experiments/bench/train_profile.py``: its op classifier reads the FLOPs of a compiled program's dots right
+(against 2 M K N), and the script runs end to end at a toy size (slow: a subprocess, since XLA's profile flag
+must be set before JAX starts)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tests.bench_scripts import BENCH, load_bench
+
+
+def test_classify_xla_counts_dot_flops_and_sorts_ops():
+    bench = load_bench("train_profile")
+    M, K, N = 64, 32, 48
+    f = jax.jit(lambda x, w: jnp.exp(x @ w).T.copy())
+    hlo = f.lower(jnp.ones((M, K)), jnp.ones((K, N))).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]  # the ops the profiler reports: the entry computation's, not fused ones
+    names = re.findall(r"^\s*(?:ROOT )?%([\w.\-]+) = \S+ (?:fusion|dot|custom-call)\(", entry, re.M)
+    out = bench.classify_xla({n: 1_000_000 for n in names}, hlo)
+    matmul = {k: v for k, v in out.items() if k.startswith("matmul")}
+    assert sum(fl for _, fl in matmul.values()) == 2 * M * K * N, (out, hlo)
+    assert sum(ns for ns, _ in out.values()) == 1_000_000 * len(names)
+
+
+@pytest.mark.slow  # ~20 s: the script end to end in a subprocess at a toy size
+def test_train_profile_runs_end_to_end():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(BENCH / "train_profile.py"), "--d-model", "64", "--layers", "1",
+                          "--heads", "2", "--seq-len", "64", "--batch", "2", "--steps", "1", "--no-torch"],
+                         capture_output=True, text=True, env=env, timeout=300, check=True).stdout
+    assert "matmul, YNNPACK fusions" in out or "matmul, Eigen dots" in out, out
+    total = float(re.search(r"^total\s+([\d.]+)", out, re.M)[1])
+    assert total > 0, out
