@@ -234,7 +234,7 @@ def torch_twin(cfg: C.ExperimentConfig, params, batches):
 
 # -- timing -----------------------------------------------------------------------------------
 
-def variant_step(name: str, cfg: C.ExperimentConfig, mesh, state, batch):
+def variant_step(name: str, cfg: C.ExperimentConfig, mesh, state, batch, frozen=None):
     """The library's train step compiled with part of issue 16's attention change undone, in this process:
     ``"before"``: attention differentiated by plain autodiff through ``xla_attention`` (the library before
     issue 16); ``"no chunks"``: the hand-written derivative over every key (no causal chunks); ``"einsum"``:
@@ -254,6 +254,7 @@ def variant_step(name: str, cfg: C.ExperimentConfig, mesh, state, batch):
     def einsum_project(x, w, dtype, *, n_in=1, preferred_element_type=None):
         return jnp.tensordot(x.astype(dtype), w.astype(dtype), n_in, preferred_element_type=preferred_element_type)
 
+    import jaxformer.nn.lora as NL
     from jaxformer.train import step as step_mod
 
     patch = contextlib.ExitStack()
@@ -262,17 +263,35 @@ def variant_step(name: str, cfg: C.ExperimentConfig, mesh, state, batch):
     elif name == "no chunks":
         patch.enter_context(mock.patch.object(A, "_CHUNK", 1 << 30))
     else:
-        for module in (NA, NE, NM):
+        for module in (NA, NE, NM, NL):
             patch.enter_context(mock.patch.object(module, "project", einsum_project))
     # make_trainer caches one Trainer (one jitted step, one trace) per config: a cached one would be lowered from
     # the trace it already has, without the patch. Emptied before, so the step is built and traced under the
     # patch, and after, so nothing later is handed the patched trainer.
     step_mod._make_trainer.cache_clear()
+    step_mod._make_lora_trainer.cache_clear()
     try:
         with patch:
-            return make_trainer(cfg, mesh).train_step.lower(state, batch).compile()
+            compiled = make_trainer(cfg, mesh).train_step.lower(state, batch).compile()
     finally:
         step_mod._make_trainer.cache_clear()
+        step_mod._make_lora_trainer.cache_clear()
+    if frozen is None:
+        return compiled
+    return _Frozen(compiled, frozen)
+
+
+class _Frozen:
+    """A compiled LoRA step ``(frozen, state, batch)`` called as ``(state, batch)`` with the base given once."""
+
+    def __init__(self, compiled, frozen):
+        self.compiled, self.frozen = compiled, frozen
+
+    def __call__(self, state, batch):
+        return self.compiled(self.frozen, state, batch)
+
+    def as_text(self):
+        return self.compiled.as_text()
 
 
 def scan_remat_step(cfg: C.ExperimentConfig, mesh, state, batch):
@@ -312,20 +331,26 @@ def main(argv=None):
                    help="add the library's step with model.scan_layers and model.remat on (same parameters)")
     p.add_argument("--config", help="time this experiment config's step instead (e.g. experiments/configs/"
                    "stdlib_bytes.yaml, the main job); only the library and its --before / --no-chunks / --einsum variants")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --config: an override, as on jaxformer's command line (e.g. 'model.lora={rank: 16, "
+                        "alpha: 32}': a LoRA fine-tune's step, its frozen base read from the config's model source)")
     p.add_argument("--peak-tflops", type=float,
                    help="per-device peak for MFU (default: datasheet bf16 on GPU/TPU, measured fp32 matmul on CPU)")
     args = p.parse_args(argv)
 
     if args.config:
-        cfg = C.load(args.config, ["mesh.data=1"])
+        cfg = C.load(args.config, ["mesh.data=1", *args.set])
         args.no_hand, args.vs_torch, args.dtype = True, False, cfg.model.compute_dtype
         args.d_model, args.layers = cfg.model.d_model, cfg.model.n_layers
     else:
         cfg = experiment(args)
     mesh = S.make_mesh(cfg.mesh)
     trainer = make_trainer(cfg, mesh)
+    if cfg.model.lora is not None:  # a LoRA step: its frozen base read from the model's source
+        from jaxformer.train.lora import attach_base
+        attach_base(cfg, trainer)
     state = trainer.init_state()
-    corpus = build_corpus(C.DataConfig())
+    corpus = build_corpus(C.DataConfig())  # byte tokens: valid ids of any vocabulary of >= 264
     it = TrainIterator(corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=0)
     host_batches = [next(it) for _ in range(args.steps)]
     batches = [S.put_batch(b, mesh) for b in host_batches]
@@ -348,7 +373,8 @@ def main(argv=None):
         hand = [hand_params, opt.init(hand_params)]
 
     tol = 1e-4 if args.dtype == "float32" else 2e-2
-    variants = {f"library {n}": [variant_step(n, cfg, mesh, state, batches[0]), jax.tree.map(jnp.copy, state)]
+    variants = {f"library {n}": [variant_step(n, cfg, mesh, state, batches[0], trainer.frozen),
+                                 jax.tree.map(jnp.copy, state)]
                 for n, on in (("before", args.before), ("no chunks", args.no_chunks), ("einsum", args.einsum)) if on}
     if args.scan_remat:
         variants["library scan+remat"] = scan_remat_step(cfg, mesh, state, batches[0])

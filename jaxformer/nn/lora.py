@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxformer.nn.params import as_dtype, eager_sharding
+from jaxformer.nn.params import as_dtype, eager_sharding, project
 from jaxformer.typing import ArrayLike
 
 LORA_SUFFIX = "_lora"
@@ -124,8 +124,8 @@ class LoRA(nnx.Module):
             key = jax.random.wrap_key_data(self.key[...])
             keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
             x = jnp.where(keep, x / jnp.asarray(1.0 - self.dropout, x.dtype), jnp.zeros((), x.dtype))
-        h = jnp.tensordot(x, a, axes=n_in)  # [..., R]
-        return jnp.tensordot(h, b, axes=1) * jnp.asarray(self.scale, self.dtype)
+        h = project(x, a, self.dtype, n_in=n_in)  # [..., R], as 2-D products (see project: the gradients' form)
+        return project(h, b, self.dtype) * jnp.asarray(self.scale, self.dtype)
 
 
 def lora_delta(a: ArrayLike, b: ArrayLike, scale: float, kernel_shape: Sequence[int]) -> jax.Array:
