@@ -251,8 +251,13 @@ def variant_step(name: str, cfg: C.ExperimentConfig, mesh, state, batch, frozen=
     def autodiff(q, k, v, *, mask=None, scale=None):
         return A.xla_attention(q, k, v, mask=mask, scale=scale)
 
-    def einsum_project(x, w, dtype, *, n_in=1, preferred_element_type=None):
+    def tensordot_project(x, w, dtype, *, n_in=1, preferred_element_type=None):  # LoRA's adapters, the heads, the FFNs
         return jnp.tensordot(x.astype(dtype), w.astype(dtype), n_in, preferred_element_type=preferred_element_type)
+
+    def einsum_project(x, w, dtype, *, n_in=1, preferred_element_type=None):
+        if n_in == 2:  # the attention's output projection was already [B, T, N*H] @ [N*H, D]
+            return jnp.matmul(x.astype(dtype).reshape(*x.shape[:-2], -1), w.astype(dtype).reshape(-1, w.shape[-1]))
+        return tensordot_project(x, w, dtype, preferred_element_type=preferred_element_type)
 
     import jaxformer.nn.lora as NL
     from jaxformer.train import step as step_mod
@@ -263,8 +268,9 @@ def variant_step(name: str, cfg: C.ExperimentConfig, mesh, state, batch, frozen=
     elif name == "no chunks":
         patch.enter_context(mock.patch.object(A, "_CHUNK", 1 << 30))
     else:
-        for module in (NA, NE, NM, NL):
+        for module in (NA, NE, NM):
             patch.enter_context(mock.patch.object(module, "project", einsum_project))
+        patch.enter_context(mock.patch.object(NL, "project", tensordot_project))
     # make_trainer caches one Trainer (one jitted step, one trace) per config: a cached one would be lowered from
     # the trace it already has, without the patch. Emptied before, so the step is built and traced under the
     # patch, and after, so nothing later is handed the patched trainer.

@@ -152,7 +152,7 @@ class Attention(nnx.Module):
 
         self.w_q_lora, self.w_k_lora, self.w_v_lora, self.w_o_lora = (adapter(n) for n in shapes)
 
-    def _project(self, x, w, b, spec, lora=None):
+    def _project(self, x, w, b, lora=None):
         y = project(x, w[...], self.dtype)
         if lora is not None:
             y = y + lora(x)
@@ -184,13 +184,12 @@ class Attention(nnx.Module):
             raise ValueError(f"context.shape={jnp.shape(context)} must be [B, S, D] with D={self.w_q.shape[0]} "
                              "(cross-attention's context has the model's width)")
         ctx = x if context is None else context
-        q = self._project(x, self.w_q, self.b_q, "BTD,DNH->BTNH", self.w_q_lora)
+        q = self._project(x, self.w_q, self.b_q, self.w_q_lora)
         shared = None
         if self.share != "none":  # keys (and values) from W_q
-            shared = q if context is None else self._project(ctx, self.w_q, self.b_q, "BSD,DNH->BSNH",
-                                                             self.w_q_lora)
-        k = shared if self.w_k is None else self._project(ctx, self.w_k, self.b_k, "BSD,DKH->BSKH", self.w_k_lora)
-        v = shared if self.w_v is None else self._project(ctx, self.w_v, self.b_v, "BSD,DKH->BSKH", self.w_v_lora)
+            shared = q if context is None else self._project(ctx, self.w_q, self.b_q, self.w_q_lora)
+        k = shared if self.w_k is None else self._project(ctx, self.w_k, self.b_k, self.w_k_lora)
+        v = shared if self.w_v is None else self._project(ctx, self.w_v, self.b_v, self.w_v_lora)
         if self.position == "rope":
             if positions is None:
                 if cache is not None:

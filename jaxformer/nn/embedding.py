@@ -78,5 +78,5 @@ class HeadTransform(nnx.Module):
         self.norm = make_norm(norm.kind, d_model, eps=norm.eps, use_bias=use_bias, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
-        h = jnp.matmul(x.astype(self.dtype), self.w[...].astype(self.dtype))  # [..., D] @ [D, D]
+        h = project(x, self.w[...], self.dtype)  # [..., D] @ [D, D]
         return self.norm(activation_fn(self.activation)(add_bias(h, self.b, self.dtype)))

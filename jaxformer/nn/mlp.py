@@ -32,13 +32,11 @@ from jaxformer.ops.activations import activation_fn, geglu, swiglu
 from jaxformer.typing import ArrayLike
 
 _GLU = {"swiglu": swiglu, "geglu": geglu}
-_IN, _OUT = "...D,DF->...F", "...F,FD->...D"  # into the FFN width and back
 _STDS = (0.02, 0.02)  # init standard deviations of the projections into the FFN width and back
 
 
-def dense(x, w, b, dtype, spec: str, lora=None):
-    """``einsum(spec, x, w) (+ lora(x)) (+ b)`` in ``dtype``: ``_IN`` (``[..., D] -> [..., F]``) or ``_OUT``
-    (back)."""
+def dense(x, w, b, dtype, lora=None):
+    """``x W (+ lora(x)) (+ b)`` in ``dtype``: ``x [..., D]``, ``W [D, F]`` -> ``[..., F]`` (or back, ``[F, D]``)."""
     y = project(x, w[...], dtype)
     if lora is not None:
         y = y + lora(x)
@@ -128,11 +126,11 @@ class MLP(nnx.Module):
         if _feature_major(self, x):
             h = activation_fn(self.activation)(dense_t(x, self.w_in_t, self.b_in, self.dtype))
             return dense_from_t(h, self.w_out, self.b_out, self.dtype)
-        pre = dense(x, self.w_in, self.b_in, self.dtype, _IN, self.w_in_lora)
+        pre = dense(x, self.w_in, self.b_in, self.dtype, self.w_in_lora)
         if self.record_stats:
             self.sow(nnx.Intermediate, "fired", pre > 0)
         h = activation_fn(self.activation)(pre)
-        return dense(h, self.w_out, self.b_out, self.dtype, _OUT, self.w_out_lora)
+        return dense(h, self.w_out, self.b_out, self.dtype, self.w_out_lora)
 
 
 class GatedMLP(nnx.Module):
@@ -163,11 +161,11 @@ class GatedMLP(nnx.Module):
             gate, up = (dense_t(x, w, b, self.dtype) for w, b in ((self.w_gate_t, self.b_gate),
                                                                   (self.w_up_t, self.b_up)))
             return dense_from_t(_GLU[self.activation](gate, up), self.w_down, self.b_down, self.dtype)
-        gate = dense(x, self.w_gate, self.b_gate, self.dtype, _IN, self.w_gate_lora)
+        gate = dense(x, self.w_gate, self.b_gate, self.dtype, self.w_gate_lora)
         if self.record_stats:
             self.sow(nnx.Intermediate, "fired", gate > 0)
-        up = dense(x, self.w_up, self.b_up, self.dtype, _IN, self.w_up_lora)
-        return dense(_GLU[self.activation](gate, up), self.w_down, self.b_down, self.dtype, _OUT, self.w_down_lora)
+        up = dense(x, self.w_up, self.b_up, self.dtype, self.w_up_lora)
+        return dense(_GLU[self.activation](gate, up), self.w_down, self.b_down, self.dtype, self.w_down_lora)
 
 
 def make_mlp(d_model: int, cfg: FFNConfig, **kwargs):

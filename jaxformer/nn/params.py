@@ -85,17 +85,20 @@ def project(x, w, dtype, *, n_in: int = 1, preferred_element_type=None):
 
     The einsum's meaning, in the form XLA's CPU backend differentiates fastest: the weight gradient of an
     einsum over ``x [B, T, D]`` contracts two axes of each operand, which XLA lowers to a transposed copy of
-    the output gradient and an Eigen dot with both operands transposed (47 GFLOP/s against 145 for its
-    YNNPACK kernels on one Intel Xeon core), where the 2-D product's is one ``x^T dy``. Every projection of
-    the model (attention, FFN, output head) goes through here; a 4-layer GPT's train step is 1.09-1.23x
-    faster for it (experiments/results/train_throughput.md, "Intel").
+    the output gradient and an Eigen dot with both operands transposed (47 GFLOP/s on one Intel Xeon core);
+    the 2-D product's is one ``x^T dy``, an Eigen dot on ``x`` as it is (73-134 GFLOP/s, where YNNPACK runs
+    the forward products at ~145). The projections of the attention, the FFNs, the output heads and LoRA's
+    adapters go through here (the engine's feature-major FFN copies, inference only, do not); a train step
+    is 1.09-1.5x faster for it (experiments/results/train_throughput.md, "Intel"). The reshapes go one group
+    of axes at a time, which explicit-sharding meshes accept (a batch axis sharded over ``data``).
     """
     lead, inner, outer = x.shape[:x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
     if x.shape[x.ndim - n_in:] != inner:
         raise ValueError(f"project: x.shape={x.shape} does not end in w.shape[:{n_in}]={inner} ({w.shape=})")
-    x2 = x.astype(dtype).reshape(math.prod(lead), math.prod(inner))
+    x2 = x.astype(dtype).reshape(*lead, math.prod(inner)).reshape(math.prod(lead), math.prod(inner))
     w2 = w.astype(dtype).reshape(math.prod(inner), math.prod(outer))
-    return jnp.matmul(x2, w2, preferred_element_type=preferred_element_type).reshape(lead + outer)
+    y = jnp.matmul(x2, w2, preferred_element_type=preferred_element_type)
+    return y.reshape(*lead, math.prod(outer)).reshape(lead + outer)
 
 
 def eager_sharding() -> bool:

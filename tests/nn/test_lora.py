@@ -13,6 +13,7 @@ from tests.nn.builders import attention, gated_mlp, mlp
 from jaxformer.nn import Attention, GatedMLP
 from jaxformer.nn.lora import Dims, LoRA, LoRASpec, lora_delta, lora_scale
 from tests.nn.test_modules import ATOL, RTOL, run
+from tests.nn.test_params import assert_rank2_dots
 
 D, N, K, H, F, R = 16, 4, 2, 4, 24, 3
 
@@ -69,7 +70,7 @@ def test_attention_projections_add_the_scaled_low_rank_update(rslora):
     s = spec.scale
     q_ref = np.einsum("btd,dnh->btnh", x, p["w_q"]) + s * np.einsum(
         "btd,dr,rnh->btnh", x, p["w_q_lora.a"], p["w_q_lora.b"]) + p["b_q"]
-    q = attn._project(jnp.asarray(x), attn.w_q, attn.b_q, "BTD,DNH->BTNH", attn.w_q_lora)
+    q = attn._project(jnp.asarray(x), attn.w_q, attn.b_q, attn.w_q_lora)
     np.testing.assert_allclose(q, q_ref, rtol=RTOL, atol=ATOL)
     o = np.random.default_rng(3).standard_normal((2, 5, N, H))
     o_ref = np.einsum("btnh,nhd->btd", o, p["w_o"]) + s * np.einsum("btnh,nhr,rd->btd", o, p["w_o_lora.a"],
@@ -165,8 +166,5 @@ def test_adapter_gradients_are_plain_2d_products(inputs, outputs):
     def loss(st):
         return jnp.sum(nnx.merge(graphdef, st)(x))
 
-    dots = [e for e in jax.make_jaxpr(jax.grad(loss))(state).eqns if e.primitive.name == "dot_general"]
+    dots = assert_rank2_dots(jax.make_jaxpr(jax.grad(loss))(state))
     assert len(dots) >= 4  # the forward's two products and the gradients' (x^T g B^T, h^T g, g B^T)
-    for e in dots:
-        (lc, rc), _ = e.params["dimension_numbers"]
-        assert [v.aval.ndim for v in e.invars] == [2, 2] and len(lc) == len(rc) == 1, e
