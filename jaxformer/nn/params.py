@@ -89,7 +89,7 @@ def project(x, w, dtype, *, n_in: int = 1, preferred_element_type=None):
     the 2-D product's is one ``x^T dy``, an Eigen dot on ``x`` as it is (73-134 GFLOP/s, where YNNPACK runs
     the forward products at ~145). The projections of the attention, the FFNs, the output heads and LoRA's
     adapters go through here (the engine's feature-major FFN copies, inference only, do not); a train step
-    is 1.09-1.5x faster for it (experiments/results/train_throughput.md, "Intel"). The reshapes go one group
+    is 1.1-1.5x faster for it (experiments/results/train_throughput.md, "Intel"). The reshapes go one group
     of axes at a time, which explicit-sharding meshes accept (a batch axis sharded over ``data``).
     """
     lead, inner, outer = x.shape[:x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
