@@ -16,9 +16,10 @@ def test_every_mutation_matches_once_and_its_tests_exist():
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    stale = {m.name: (ROOT / m.path).read_text().count(m.old) for m in module.MUTATIONS
-             if (ROOT / m.path).read_text().count(m.old) != 1}
+    matches = {m.name: (ROOT / m.path).read_text().count(m.old) for m in module.MUTATIONS}
+    stale = {name: n for name, n in matches.items() if n != 1}
     assert not stale, f"mutations whose text does not match exactly once (name: matches): {stale}"
+
     def exists(test: str) -> bool:  # a file, or a node id "file::name[...]" whose function the file defines
         path, _, node = test.partition("::")
         file = ROOT / path

@@ -245,8 +245,10 @@ def variant_step(name: str, cfg: C.ExperimentConfig, mesh, state, batch, frozen=
 
     import jaxformer.nn.attention as NA
     import jaxformer.nn.embedding as NE
+    import jaxformer.nn.lora as NL
     import jaxformer.nn.mlp as NM
     import jaxformer.ops.attention as A
+    from jaxformer.train import step as step_mod
 
     def autodiff(q, k, v, *, mask=None, scale=None):
         return A.xla_attention(q, k, v, mask=mask, scale=scale)
@@ -258,9 +260,6 @@ def variant_step(name: str, cfg: C.ExperimentConfig, mesh, state, batch, frozen=
         if n_in == 2:  # the attention's output projection was already [B, T, N*H] @ [N*H, D]
             return jnp.matmul(x.astype(dtype).reshape(*x.shape[:-2], -1), w.astype(dtype).reshape(-1, w.shape[-1]))
         return tensordot_project(x, w, dtype, preferred_element_type=preferred_element_type)
-
-    import jaxformer.nn.lora as NL
-    from jaxformer.train import step as step_mod
 
     patch = contextlib.ExitStack()
     if name == "before":
@@ -344,6 +343,8 @@ def main(argv=None):
                    help="per-device peak for MFU (default: datasheet bf16 on GPU/TPU, measured fp32 matmul on CPU)")
     args = p.parse_args(argv)
 
+    if args.set and not args.config:
+        p.error("--set overrides a --config file's keys; give --config")
     if args.config:
         cfg = C.load(args.config, ["mesh.data=1", *args.set])
         args.no_hand, args.vs_torch, args.dtype = True, False, cfg.model.compute_dtype
