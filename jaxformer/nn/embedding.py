@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Integer
 
 from jaxformer.nn.config import NormConfig
 from jaxformer.nn.norms import make_norm
-from jaxformer.nn.params import add_bias, as_dtype, normal, param, project, zeros
+from jaxformer.nn.params import add_bias, as_dtype, normal, param, project, project_rows, zeros
 from jaxformer.ops.activations import activation_fn, is_gated
 from jaxformer.typing import Activations, ArrayLike, Logits
 
@@ -28,7 +28,7 @@ class Embed(nnx.Module):
 
     def attend(self, x: Activations) -> Logits:
         """Tied output head: ``x [B, T, D] @ E^T -> logits float32 [B, T, V]``."""
-        return project(x, self.embedding[...].T, self.dtype, preferred_element_type=jnp.float32)
+        return project_rows(x, self.embedding[...], self.dtype, preferred_element_type=jnp.float32)
 
 
 class LMHead(nnx.Module):

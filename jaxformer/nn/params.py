@@ -91,14 +91,73 @@ def project(x, w, dtype, *, n_in: int = 1, preferred_element_type=None):
     adapters go through here (the engine's feature-major FFN copies, inference only, do not); a train step
     is 1.1-1.5x faster for it (experiments/results/train_throughput.md, "Intel"). The reshapes go one group
     of axes at a time, which explicit-sharding meshes accept (a batch axis sharded over ``data``).
+
+    One row (a batch-1 decode step) on the CPU, with at least ``MATVEC_SPLIT_MIN_WEIGHTS`` weights and no mesh
+    active, goes as :func:`split_matvec`'s ``MATVEC_SPLIT`` halves of the contraction (the same sum, rounded
+    in another order).
     """
     lead, inner, outer = x.shape[:x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
     if x.shape[x.ndim - n_in:] != inner:
         raise ValueError(f"project: x.shape={x.shape} does not end in w.shape[:{n_in}]={inner} ({w.shape=})")
     x2 = x.astype(dtype).reshape(*lead, math.prod(inner)).reshape(math.prod(lead), math.prod(inner))
     w2 = w.astype(dtype).reshape(math.prod(inner), math.prod(outer))
-    y = jnp.matmul(x2, w2, preferred_element_type=preferred_element_type)
+    if _split_matvec(x2.shape[0], w2.shape[0], w2.size):
+        y = split_matvec(x2, w2, preferred_element_type=preferred_element_type)
+    else:
+        y = jnp.matmul(x2, w2, preferred_element_type=preferred_element_type)
     return y.reshape(*lead, math.prod(outer)).reshape(lead + outer)
+
+
+MATVEC_SPLIT = 2
+"""How many parts :func:`split_matvec` cuts a one-row product's contraction into (the 2 cores measured)."""
+MATVEC_SPLIT_MIN_WEIGHTS = 1 << 17
+"""The smallest weight (entries) a one-row product is split for: below it (a 128 x 512 matrix) the two forms ran
+alike, and tiny models keep the plain product's rounding."""
+
+
+def _split_matvec(rows: int, split_len: int, weights: int) -> bool:
+    """Whether a product of ``rows`` rows by ``weights`` weights, cut along an axis of ``split_len``, goes split."""
+    return (rows == 1 and split_len % MATVEC_SPLIT == 0 and weights >= MATVEC_SPLIT_MIN_WEIGHTS
+            and jax.default_backend() == "cpu" and jax.sharding.get_abstract_mesh().empty)
+
+
+def split_matvec(x, w, *, preferred_element_type=None):
+    """``x [1, K] @ w [K, N]`` as ``MATVEC_SPLIT`` products over consecutive slices of ``K`` (one batched dot
+    on free reshapes of both operands), summed: ``[1, N]``.
+
+    XLA's CPU backend runs a one-row product ``[1, K] @ [K, N]`` at 13-18 GB/s of weights read on 2 Intel
+    Xeon cores (a batch-1 decode step is ~200 of them: the whole model's weights per token), and the batched
+    form at 24; a SmolLM2-135M-shaped batch-1 decode is 1.24x as fast for it
+    (``experiments/results/decode_cpu.md``, "split one-row products"). From 2 rows on the batched form is
+    slower (0.7-0.8x), so only one row takes it.
+    """
+    (m, k), n, s = x.shape, w.shape[1], MATVEC_SPLIT
+    if m != 1 or k % s or w.shape[0] != k:
+        raise ValueError(f"split_matvec: needs x [1, K] and w [K, N] with K divisible by {s}, "
+                         f"got {x.shape=} {w.shape=}")
+    parts = jax.lax.dot_general(x.reshape(s, 1, k // s), w.reshape(s, k // s, n), (((2,), (1,)), ((0,), (0,))),
+                                preferred_element_type=preferred_element_type)
+    return parts.sum(0)
+
+
+def project_rows(x, table, dtype, *, preferred_element_type=None):
+    """``x [*B, I]`` times the transpose of ``table [O, I]`` (a tied output head: the embedding table): ``[*B, O]``.
+
+    ``project(x, table.T, ...)``; one row on the CPU (the conditions of :func:`project`) goes as
+    ``MATVEC_SPLIT`` products over consecutive slices of ``table``'s rows instead (a free reshape of it; a
+    split of the contraction would copy the table): each logit the same dot product (XLA's kernels may round
+    it differently), 1.6-1.9x as fast for SmolLM2-135M's ``[49152, 576]`` table on 2 Intel Xeon cores.
+    """
+    rows, s = math.prod(x.shape[:-1]), MATVEC_SPLIT
+    if x.shape[-1:] != table.shape[1:] or table.ndim != 2:
+        raise ValueError(f"project_rows: x.shape={x.shape} does not end in table.shape[1]; {table.shape=}")
+    if not _split_matvec(rows, table.shape[0], table.size):
+        return project(x, table.T, dtype, preferred_element_type=preferred_element_type)
+    o, i = table.shape
+    x3 = jnp.broadcast_to(x.astype(dtype).reshape(1, 1, i), (s, 1, i))
+    parts = jax.lax.dot_general(x3, table.astype(dtype).reshape(s, o // s, i), (((2,), (2,)), ((0,), (0,))),
+                                preferred_element_type=preferred_element_type)  # [s, 1, O/s]
+    return parts.reshape(x.shape[:-1] + (o,))
 
 
 def eager_sharding() -> bool:

@@ -1,13 +1,14 @@
 """jaxformer.nn.params.project (every projection of the model) against a float64 numpy einsum, forward and
 gradients, and the form of its weight gradient (what makes it fast on XLA's CPU backend)."""
 
+import math
 import string
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxformer.nn.params import project
@@ -121,3 +122,94 @@ def test_project_names_the_shapes_it_refuses():
         project(jnp.zeros((2, 3, 5)), jnp.zeros((4, 6)), jnp.float32)
     with pytest.raises(ValueError, match=r"w.shape\[:2\]=\(4, 2\)"):
         project(jnp.zeros((2, 3, 2, 4)), jnp.zeros((4, 2, 6)), jnp.float32, n_in=2)
+
+
+# --- one-row products (a batch-1 decode step) on the CPU: split_matvec / project_rows ---------------------------
+
+
+def _assert_within_dot_bound(y, ref, x64, w64):
+    """``|y - ref| <= 1e-5 * (|x| |w|) + 1e-6`` elementwise: fp32 rounding of a length-K dot, whose error is
+    bounded by K * 2^-24 * sum|x_i w_i| (9e-5 of it at K 1,536) and is ~sqrt(K) * 2^-24 of it for random
+    signs (2.3e-6); 1e-5 leaves headroom for either kernel's summation order and catches a lost term."""
+    bound = 1e-5 * (np.abs(x64) @ np.abs(w64)) + 1e-6
+    assert np.all(np.abs(np.asarray(y, np.float64) - ref) <= bound), np.max(np.abs(np.asarray(y) - ref) / bound)
+
+
+def _batched_dots(jaxpr):
+    return [e for e in jaxpr.eqns if e.primitive.name == "dot_general" and e.params["dimension_numbers"][1][0]]
+
+
+@settings(max_examples=12, deadline=None)
+@given(k=st.sampled_from([256, 512, 576, 1536]), n=st.integers(256, 1100), lead=st.sampled_from([(), (1,), (1, 1)]),
+       seed=st.integers(0, 2**16))
+@example(k=576, n=1536, lead=(1, 1), seed=0)  # SmolLM2-135M's FFN gate at a batch-1 decode step: x [1, 1, D]
+@example(k=1536, n=576, lead=(1,), seed=1)  # its down projection
+def test_project_one_row_split_matches_float64(k, n, lead, seed):
+    """One row of ``x`` by a weight of >= MATVEC_SPLIT_MIN_WEIGHTS entries takes the split product (the jaxpr
+    holds the batched dot); its value and both gradients stay within the fp32 dot bound of a float64 product."""
+    import jaxformer.nn.params as P
+    if k * n < P.MATVEC_SPLIT_MIN_WEIGHTS:
+        n = -(-P.MATVEC_SPLIT_MIN_WEIGHTS // k)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((*lead, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    g = rng.standard_normal((*lead, n)).astype(np.float32)
+    f = jax.jit(lambda a, b: project(a, b, jnp.float32))
+    assert _batched_dots(jax.make_jaxpr(lambda a, b: project(a, b, jnp.float32))(x, w).jaxpr)
+    x64, w64, g64 = (np.asarray(a, np.float64).reshape(-1, a.shape[-1]) for a in (x, w, g))
+    _assert_within_dot_bound(f(x, w).reshape(1, n), x64 @ w64, x64, w64)
+    dx, dw = jax.jit(jax.grad(lambda a, b: jnp.sum(g * project(a, b, jnp.float32)), (0, 1)))(x, w)
+    _assert_within_dot_bound(dx.reshape(1, k), g64 @ w64.T, g64, w64.T)  # dx = g w^T
+    np.testing.assert_allclose(np.asarray(dw), x64.T @ g64, rtol=1e-6, atol=1e-6)  # dw = x^T g: one term each
+
+
+def test_project_splits_only_one_large_row_without_a_mesh():
+    """The split is for one row only (from 2 rows on the batched form is slower), for weights of at least
+    MATVEC_SPLIT_MIN_WEIGHTS (tiny models keep the plain product), for an even contraction, and never under a
+    mesh (the reshape of a sharded contraction would reshard the weight)."""
+    import jaxformer.nn.params as P
+    big = P.MATVEC_SPLIT_MIN_WEIGHTS // 512
+
+    def split(x_shape, w_shape):
+        return bool(_batched_dots(jax.make_jaxpr(lambda a, b: project(a, b, jnp.float32))(
+            jnp.zeros(x_shape), jnp.zeros(w_shape)).jaxpr))
+
+    assert split((1, 512), (512, big))
+    assert not split((2, 512), (512, big))  # two rows
+    assert not split((1, 1, 512), (512, big - 1))  # below the threshold
+    assert not split((1, 513), (513, big))  # an odd contraction
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        assert not split((1, 512), (512, big))
+
+
+@pytest.mark.parametrize("lead", [(1, 1), (3,), (2, 2)])
+def test_project_rows_matches_float64(lead):
+    """The tied head's ``x @ table^T``: one row (split over the table's rows) and several (the plain product),
+    value and both gradients against float64, and the split taken exactly for the one row."""
+    from jaxformer.nn.params import project_rows
+    import jaxformer.nn.params as P
+    o, i = 2 * (P.MATVEC_SPLIT_MIN_WEIGHTS // 256) + 6, 128  # rows even, weights above the threshold
+    rng = np.random.default_rng(len(lead))
+    x = rng.standard_normal((*lead, i)).astype(np.float32)
+    t = rng.standard_normal((o, i)).astype(np.float32)
+    g = rng.standard_normal((*lead, o)).astype(np.float32)
+    fn = lambda a, b: project_rows(a, b, jnp.float32, preferred_element_type=jnp.float32)  # noqa: E731
+    assert bool(_batched_dots(jax.make_jaxpr(fn)(x, t).jaxpr)) == (math.prod(lead) == 1)
+    x64, t64, g64 = (np.asarray(a, np.float64).reshape(-1, a.shape[-1]) for a in (x, t, g))
+    y = jax.jit(fn)(x, t)
+    assert y.shape == (*lead, o) and y.dtype == jnp.float32
+    _assert_within_dot_bound(y.reshape(-1, o), x64 @ t64.T, x64, t64.T)
+    dx, dt = jax.jit(jax.grad(lambda a, b: jnp.sum(g * fn(a, b)), (0, 1)))(x, t)
+    _assert_within_dot_bound(dx.reshape(-1, i), g64 @ t64, g64, t64)
+    _assert_within_dot_bound(dt, g64.T @ x64, g64.T, x64)
+    with pytest.raises(ValueError, match=r"x.shape=\(1, 5\) does not end in table.shape\[1\]"):
+        project_rows(jnp.zeros((1, 5)), jnp.zeros((8, 4)), jnp.float32)
+
+
+def test_split_matvec_names_the_shapes_it_refuses():
+    from jaxformer.nn.params import split_matvec
+    with pytest.raises(ValueError, match=r"x.shape=\(2, 4\) w.shape=\(4, 3\)"):
+        split_matvec(jnp.zeros((2, 4)), jnp.zeros((4, 3)))
+    with pytest.raises(ValueError, match=r"K divisible by 2, got x.shape=\(1, 5\)"):
+        split_matvec(jnp.zeros((1, 5)), jnp.zeros((5, 3)))
