@@ -13,9 +13,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from pallas_kernels.paged_attention.reference import paged_attention_reference
+from pallas_kernels.paged_attention.xla import XLA_MIN_POSITIONS, paged_attention_xla
 from pallas_kernels.typing import BlockTables, DecodeOut, DecodeQuery, Lengths, Pages, Slopes
 
-BACKENDS = ("auto", "gpu", "tpu", "reference")
+BACKENDS = ("auto", "gpu", "tpu", "reference", "xla")
 
 
 def merge_splits(acc: Float[Array, "B K Z G H"], m: Float[Array, "B K Z G"],
@@ -92,8 +93,10 @@ def paged_attention(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_tables
         the query's last ``window``. Positions are relative, so tables may start past dropped pages.
       num_splits / pages_per_split: split-K over pages, ``Z`` splits of ``pages_per_split`` pages
         (at most one of the two).
-      backend: "gpu" (Triton), "tpu" (Mosaic), "reference", or "auto" (the kernel of
-        the default device; the reference on CPU unless ``interpret``).
+      backend: "gpu" (Triton), "tpu" (Mosaic), "reference", "xla" (plain JAX in the form XLA's CPU backend
+        runs fastest at long contexts: :mod:`pallas_kernels.paged_attention.xla`), or "auto" (the kernel of
+        the default device; on the CPU, unless ``interpret``, "xla" from ``XLA_MIN_POSITIONS`` table
+        positions ``M * L`` on and the reference below).
       interpret: run the kernel in Pallas interpret mode (CPU testing).
     Returns:
       ``[B, N, H]`` in ``q.dtype``.
@@ -110,10 +113,14 @@ def paged_attention(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_tables
     scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
     if backend == "auto":
         platform = jax.default_backend()
-        backend = platform if platform in ("gpu", "tpu") else ("gpu" if interpret else "reference")
-    if backend == "reference":
-        return paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, scale=scale,
-                                         alibi_slopes=alibi_slopes, softcap=softcap, window=window)
+        if platform in ("gpu", "tpu") or interpret:
+            backend = platform if platform in ("gpu", "tpu") else "gpu"
+        else:
+            backend = "xla" if M * k_pages.shape[2] >= XLA_MIN_POSITIONS else "reference"
+    if backend in ("reference", "xla"):
+        plain = paged_attention_reference if backend == "reference" else paged_attention_xla
+        return plain(q, k_pages, v_pages, block_tables, lengths, scale=scale, alibi_slopes=alibi_slopes,
+                     softcap=softcap, window=window)
     pps = default_pages_per_split(M, B, K, num_splits, pages_per_split)
     slopes = None
     if alibi_slopes is not None:

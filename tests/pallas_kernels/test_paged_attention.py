@@ -1,5 +1,5 @@
-"""Paged-attention decode kernels (interpret mode) vs the gather+einsum reference, and the
-reference vs jaxformer's dense xla_attention on the gathered cache."""
+"""Paged-attention decode kernels (interpret mode) and the CPU's long-context xla form vs the gather+einsum
+reference, and the reference vs jaxformer's dense xla_attention on the gathered cache and float64 numpy."""
 
 import math
 
@@ -17,6 +17,7 @@ from pallas_kernels.paged_attention import (
     gather_pages,
     paged_attention,
     paged_attention_reference,
+    paged_attention_xla,
 )
 
 
@@ -251,3 +252,63 @@ def test_tpu_kernel_lowers_through_mosaic(monkeypatch):
         low = paged_attention_partials_tpu.trace(*_lowering_args(G, H), scale=0.1, softcap=None, window=window,
                                                  pages_per_split=4).lower(lowering_platforms=("tpu",))
         assert "paged_attention_tpu" in low.as_text()
+
+
+
+@pytest.mark.parametrize("impl", [paged_attention_reference, paged_attention_xla], ids=["reference", "xla"])
+def test_table_entries_past_the_length_are_never_used(impl):
+    """Entries of a table past its sequence's last page (anything: an engine may leave stale ids there, or ids
+    past the pool) change nothing: they are clamped into the pool (the xla form clamps before its in-bounds
+    gather) and their positions masked. The same rows with those entries pointing at valid pages are the result."""
+    q, kp, vp, tables, lengths, slopes = make_case(11, B=4, M=5, lengths=[1, 5, 12, 20])
+    t = np.asarray(tables).copy()
+    P = kp.shape[1]
+    for b, n in enumerate(np.asarray(lengths)):
+        used = -(-int(n) // 4)  # L = 4
+        t[b, used:] = [P + 7, 2**20, -3, P, 0][: 5 - used]
+    got = impl(q, kp, vp, jnp.asarray(t), lengths, alibi_slopes=slopes)
+    np.testing.assert_array_equal(got, impl(q, kp, vp, tables, lengths, alibi_slopes=slopes))
+    np.testing.assert_allclose(got, numpy_paged(q, kp, vp, tables, lengths, scale=1 / math.sqrt(q.shape[-1]),
+                                                slopes=slopes), atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=6, deadline=None)  # each example compiles new shapes; the pinned one turns every feature on
+@example(seed=3, B=3, K=2, G=3, L=4, M=4, alibi=True, softcap=2.0, window=6)
+@given(seed=st.integers(0, 2**16), B=st.integers(1, 4), K=st.sampled_from([1, 3]), G=st.sampled_from([1, 3]),
+       L=st.sampled_from([1, 4, 16]), M=st.integers(1, 6), alibi=st.booleans(), softcap=st.sampled_from([None, 2.0]),
+       window=st.sampled_from([None, 1, 5]))
+def test_xla_form_matches_reference(seed, B, K, G, L, M, alibi, softcap, window):
+    """The CPU's long-context form against the reference (itself checked against dense attention and float64
+    numpy above), every feature, random tables over shuffled pages and lengths 1..M*L: fp32 sums in another
+    order, 1e-5."""
+    rng = np.random.default_rng(seed)
+    N, H, P = K * G, 8, B * M + 3
+    q = jnp.asarray(rng.normal(size=(B, N, H)), jnp.float32)
+    kp = jnp.asarray(rng.normal(size=(K, P, L, H)), jnp.float32)
+    vp = jnp.asarray(rng.normal(size=(K, P, L, H)), jnp.float32)
+    tables = jnp.asarray(rng.permutation(P)[: B * M].reshape(B, M), jnp.int32)
+    lengths = jnp.asarray(rng.integers(1, M * L + 1, size=B), jnp.int32)
+    slopes = jnp.asarray(rng.uniform(0.1, 1.0, size=(B, N)), jnp.float32) if alibi else None
+    kw = dict(alibi_slopes=slopes, softcap=softcap, window=window, scale=0.4)
+    got = jax.jit(lambda *a: paged_attention_xla(*a, **kw))(q, kp, vp, tables, lengths)
+    np.testing.assert_allclose(got, paged_attention_reference(q, kp, vp, tables, lengths, **kw), **TOL32)
+
+
+def test_auto_backend_on_cpu_takes_the_xla_form_from_its_threshold(monkeypatch):
+    """``backend="auto"`` on the CPU: the reference below ``XLA_MIN_POSITIONS`` table positions, the xla form
+    from there on (where it is faster); both give the float64 answer."""
+    import pallas_kernels.paged_attention.api as api
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU's dispatch")
+    calls = []
+    monkeypatch.setattr(api, "paged_attention_xla", lambda *a, **k: calls.append("xla") or paged_attention_xla(*a, **k))
+    monkeypatch.setattr(api, "paged_attention_reference",
+                        lambda *a, **k: calls.append("reference") or paged_attention_reference(*a, **k))
+    L = 16
+    for M, want in ((api.XLA_MIN_POSITIONS // L - 1, "reference"), (api.XLA_MIN_POSITIONS // L, "xla")):
+        q, kp, vp, tables, lengths, _ = make_case(4, B=2, L=L, M=M, lengths=[M * L, 3])
+        got = paged_attention(q, kp, vp, tables, lengths)
+        assert calls[-1] == want, (M, calls)
+        np.testing.assert_allclose(got, numpy_paged(q, kp, vp, tables, lengths, scale=1 / math.sqrt(q.shape[-1])),
+                                   atol=1e-5, rtol=1e-5)
+    assert paged_attention(q, kp, vp, tables, lengths, backend="reference") is not None and calls[-1] == "reference"
