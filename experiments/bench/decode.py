@@ -656,7 +656,7 @@ def vs_transformers_sections(args) -> list[str]:
              ("jitted step", f"{jit:.1f}", ""),
              ("host work between steps (whole - jitted)", f"{wall - jit:.1f}", ""),
              ("matmuls (projections, MLP, head)", f"{p['matmuls']:.1f}", f"{p['torch_matmuls']:.1f}"),
-             ("the same with plain `x @ W` (one-row products unsplit)", f"{p['plain_matmuls']:.1f}", ""),
+             (f"the same with plain `x @ W` ({steps[-1]['B']} rows; one row: unsplit)", f"{p['plain_matmuls']:.1f}", ""),
              ("attention over pages (write + attend)", f"{p['attention']:.1f}", ""),
              ("sampling (greedy)", f"{p['sampling']:.1f}", ""),
              ("weights at the read bandwidth", f"{1e3 / ceiling:.1f}", "")]), ""]

@@ -79,7 +79,7 @@ def add_bias(y, b, dtype):
     return y + b.reshape((1,) * (y.ndim - b.ndim) + b.shape)
 
 
-def project(x, w, dtype, *, n_in: int = 1, preferred_element_type=None):
+def project(x, w, dtype, *, n_in: int = 1, preferred_element_type=None, split: bool = True):
     """``x [*B, *I]`` times ``w [*I, *O]`` (the last ``n_in`` axes of ``x`` against the first ``n_in`` of ``w``)
     in ``dtype``: ``[*B, *O]``, computed as one 2-D product ``[prod B, prod I] @ [prod I, prod O]``.
 
@@ -93,15 +93,16 @@ def project(x, w, dtype, *, n_in: int = 1, preferred_element_type=None):
     of axes at a time, which explicit-sharding meshes accept (a batch axis sharded over ``data``).
 
     One row (a batch-1 decode step) on the CPU, with at least ``MATVEC_SPLIT_MIN_WEIGHTS`` weights and no mesh
-    active, goes as :func:`split_matvec`'s ``MATVEC_SPLIT`` halves of the contraction (the same sum, rounded
-    in another order).
+    active (``split`` not False), goes as :func:`split_matvec`'s ``MATVEC_SPLIT`` parts of the contraction (the
+    same sum, rounded in another order). The check sees shapes only: under ``vmap`` or a legacy ``with mesh:``
+    a one-row example is split too (the same numbers; only the speed may differ).
     """
     lead, inner, outer = x.shape[:x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
     if x.shape[x.ndim - n_in:] != inner:
         raise ValueError(f"project: x.shape={x.shape} does not end in w.shape[:{n_in}]={inner} ({w.shape=})")
     x2 = x.astype(dtype).reshape(*lead, math.prod(inner)).reshape(math.prod(lead), math.prod(inner))
     w2 = w.astype(dtype).reshape(math.prod(inner), math.prod(outer))
-    if _split_matvec(x2.shape[0], w2.shape[0], w2.size):
+    if split and _split_matvec(x2.shape[0], w2.shape[0], w2.size):
         y = split_matvec(x2, w2, preferred_element_type=preferred_element_type)
     else:
         y = jnp.matmul(x2, w2, preferred_element_type=preferred_element_type)
@@ -135,9 +136,11 @@ def split_matvec(x, w, *, preferred_element_type=None):
     if m != 1 or k % s or w.shape[0] != k:
         raise ValueError(f"split_matvec: needs x [1, K] and w [K, N] with K divisible by {s}, "
                          f"got {x.shape=} {w.shape=}")
+    out = jnp.result_type(x, w) if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    acc = jnp.promote_types(out, jnp.float32)  # the parts kept in fp32 (bf16 parts would round twice)
     parts = jax.lax.dot_general(x.reshape(s, 1, k // s), w.reshape(s, k // s, n), (((2,), (1,)), ((0,), (0,))),
-                                preferred_element_type=preferred_element_type)
-    return parts.sum(0)
+                                preferred_element_type=acc)
+    return parts.sum(0).astype(out)
 
 
 def project_rows(x, table, dtype, *, preferred_element_type=None):
@@ -149,10 +152,10 @@ def project_rows(x, table, dtype, *, preferred_element_type=None):
     it differently), 1.6-1.9x as fast for SmolLM2-135M's ``[49152, 576]`` table on 2 Intel Xeon cores.
     """
     rows, s = math.prod(x.shape[:-1]), MATVEC_SPLIT
-    if x.shape[-1:] != table.shape[1:] or table.ndim != 2:
-        raise ValueError(f"project_rows: x.shape={x.shape} does not end in table.shape[1]; {table.shape=}")
-    if not _split_matvec(rows, table.shape[0], table.size):
-        return project(x, table.T, dtype, preferred_element_type=preferred_element_type)
+    if table.ndim != 2 or x.shape[-1:] != table.shape[1:]:
+        raise ValueError(f"project_rows: needs a table [O, I] and x [..., I]; got {x.shape=} {table.shape=}")
+    if not _split_matvec(rows, table.shape[0], table.size):  # never a split of the transposed table's contraction
+        return project(x, table.T, dtype, preferred_element_type=preferred_element_type, split=False)
     o, i = table.shape
     x3 = jnp.broadcast_to(x.astype(dtype).reshape(1, 1, i), (s, 1, i))
     parts = jax.lax.dot_general(x3, table.astype(dtype).reshape(s, o // s, i), (((2,), (2,)), ((0,), (0,))),

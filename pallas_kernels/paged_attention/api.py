@@ -96,7 +96,8 @@ def paged_attention(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_tables
       backend: "gpu" (Triton), "tpu" (Mosaic), "reference", "xla" (plain JAX in the form XLA's CPU backend
         runs fastest at long contexts: :mod:`pallas_kernels.paged_attention.xla`), or "auto" (the kernel of
         the default device; on the CPU, unless ``interpret``, "xla" from ``XLA_MIN_POSITIONS`` table
-        positions ``M * L`` on and the reference below).
+        positions ``M * L`` on with no mesh active (its gather merges the kv-head axis into the pages'), and
+        the reference otherwise).
       interpret: run the kernel in Pallas interpret mode (CPU testing).
     Returns:
       ``[B, N, H]`` in ``q.dtype``.
@@ -116,7 +117,8 @@ def paged_attention(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_tables
         if platform in ("gpu", "tpu") or interpret:
             backend = platform if platform in ("gpu", "tpu") else "gpu"
         else:
-            backend = "xla" if M * k_pages.shape[2] >= XLA_MIN_POSITIONS else "reference"
+            long = M * k_pages.shape[2] >= XLA_MIN_POSITIONS
+            backend = "xla" if long and jax.sharding.get_abstract_mesh().empty else "reference"
     if backend in ("reference", "xla"):
         plain = paged_attention_reference if backend == "reference" else paged_attention_xla
         return plain(q, k_pages, v_pages, block_tables, lengths, scale=scale, alibi_slopes=alibi_slopes,

@@ -28,8 +28,9 @@ XLA_MIN_POSITIONS = 1024
 def gather_rows(pages: Shaped[ArrayLike, "K P L H"], block_tables: BlockTables) -> Shaped[Array, "B K M*L H"]:
     """``[K, P, L, H]`` pages and ``[B, M]`` tables -> ``[B, K, M*L, H]``, as one gather of whole ``[L*H]`` rows.
 
-    The table's entries are clamped into ``[0, P)`` (as jnp indexing clamps) and the gather then promises
-    in-bounds indices: XLA's CPU backend copies rows for it at ~4x the speed of the bounds-checked gather
+    The table's entries are clamped into ``[0, P)`` and the gather then promises in-bounds indices (entries past
+    a sequence's pages may hold anything; those inside its length must be page ids in ``[0, P)``, as for every
+    backend): XLA's CPU backend copies rows for it at ~4x the speed of the bounds-checked gather
     ``pages[:, block_tables]`` fused into its consumer (``experiments/results/decode_cpu.md``).
     """
     K, P, L, H = pages.shape

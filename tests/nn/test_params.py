@@ -139,6 +139,10 @@ def _batched_dots(jaxpr):
     return [e for e in jaxpr.eqns if e.primitive.name == "dot_general" and e.params["dimension_numbers"][1][0]]
 
 
+ON_CPU = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the split is the CPU's form of one-row products")
+
+
+@ON_CPU
 @settings(max_examples=12, deadline=None)
 @given(k=st.sampled_from([256, 512, 576, 1536]), n=st.integers(256, 1100), lead=st.sampled_from([(), (1,), (1, 1)]),
        seed=st.integers(0, 2**16))
@@ -163,6 +167,7 @@ def test_project_one_row_split_matches_float64(k, n, lead, seed):
     np.testing.assert_allclose(np.asarray(dw), x64.T @ g64, rtol=1e-6, atol=1e-6)  # dw = x^T g: one term each
 
 
+@ON_CPU
 def test_project_splits_only_one_large_row_without_a_mesh():
     """The split is for one row only (from 2 rows on the batched form is slower), for weights of at least
     MATVEC_SPLIT_MIN_WEIGHTS (tiny models keep the plain product), for an even contraction, and never under a
@@ -183,6 +188,7 @@ def test_project_splits_only_one_large_row_without_a_mesh():
         assert not split((1, 512), (512, big))
 
 
+@ON_CPU
 @pytest.mark.parametrize("lead", [(1, 1), (3,), (2, 2)])
 def test_project_rows_matches_float64(lead):
     """The tied head's ``x @ table^T``: one row (split over the table's rows) and several (the plain product),
@@ -203,8 +209,10 @@ def test_project_rows_matches_float64(lead):
     dx, dt = jax.jit(jax.grad(lambda a, b: jnp.sum(g * fn(a, b)), (0, 1)))(x, t)
     _assert_within_dot_bound(dx.reshape(-1, i), g64 @ t64, g64, t64)
     _assert_within_dot_bound(dt, g64.T @ x64, g64.T, x64)
-    with pytest.raises(ValueError, match=r"x.shape=\(1, 5\) does not end in table.shape\[1\]"):
+    with pytest.raises(ValueError, match=r"needs a table \[O, I\] and x \[..., I\]; got x.shape=\(1, 5\)"):
         project_rows(jnp.zeros((1, 5)), jnp.zeros((8, 4)), jnp.float32)
+    with pytest.raises(ValueError, match=r"table.shape=\(8, 4, 1\)"):
+        project_rows(jnp.zeros((1, 4)), jnp.zeros((8, 4, 1)), jnp.float32)
 
 
 def test_split_matvec_names_the_shapes_it_refuses():
@@ -213,3 +221,30 @@ def test_split_matvec_names_the_shapes_it_refuses():
         split_matvec(jnp.zeros((2, 4)), jnp.zeros((4, 3)))
     with pytest.raises(ValueError, match=r"K divisible by 2, got x.shape=\(1, 5\)"):
         split_matvec(jnp.zeros((1, 5)), jnp.zeros((5, 3)))
+
+
+@ON_CPU
+def test_project_rows_odd_table_takes_the_plain_product():
+    """A table with an odd number of rows (GPT-2's 50,257) cannot be split over its rows; one row then takes the
+    plain product, never a split of the transposed table's contraction (which copies the whole table)."""
+    from jaxformer.nn.params import project_rows
+    import jaxformer.nn.params as P
+    o, i = 2 * (P.MATVEC_SPLIT_MIN_WEIGHTS // 128) + 1, 128
+    jaxpr = jax.make_jaxpr(lambda a, b: project_rows(a, b, jnp.float32))(jnp.zeros((1, 1, i)), jnp.zeros((o, i)))
+    assert not _batched_dots(jaxpr.jaxpr)
+
+
+@ON_CPU
+def test_split_matvec_bf16_keeps_the_parts_in_fp32():
+    """bf16 operands: the parts are summed in fp32 and rounded once, so the split product is the plain product
+    (fp32 accumulation, one rounding to bf16) up to one bf16 ulp; rounding each part to bf16 first is up to ~2."""
+    from jaxformer.nn.params import split_matvec
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((1, 1024)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((1024, 512)), jnp.bfloat16)
+    y = split_matvec(x, w)
+    assert y.dtype == jnp.bfloat16
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    ulp = np.abs(np.asarray(jnp.asarray(ref, jnp.bfloat16), np.float64)) * 2.0 ** -7  # bf16: 8 significant bits
+    assert np.all(np.abs(np.asarray(y, np.float64) - ref) <= ulp + 1e-3), np.max(np.abs(np.asarray(y, np.float64) - ref) / (ulp + 1e-3))
+    assert split_matvec(x, w, preferred_element_type=jnp.float32).dtype == jnp.float32

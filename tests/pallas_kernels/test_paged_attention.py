@@ -258,8 +258,9 @@ def test_tpu_kernel_lowers_through_mosaic(monkeypatch):
 @pytest.mark.parametrize("impl", [paged_attention_reference, paged_attention_xla], ids=["reference", "xla"])
 def test_table_entries_past_the_length_are_never_used(impl):
     """Entries of a table past its sequence's last page (anything: an engine may leave stale ids there, or ids
-    past the pool) change nothing: they are clamped into the pool (the xla form clamps before its in-bounds
-    gather) and their positions masked. The same rows with those entries pointing at valid pages are the result."""
+    past the pool, or negative ones) change nothing: they are read somewhere in the pool (jnp indexing clamps
+    or wraps them, the xla form clamps before its in-bounds gather) and their positions masked. The same rows
+    with those entries pointing at valid pages are the result."""
     q, kp, vp, tables, lengths, slopes = make_case(11, B=4, M=5, lengths=[1, 5, 12, 20])
     t = np.asarray(tables).copy()
     P = kp.shape[1]
@@ -311,4 +312,33 @@ def test_auto_backend_on_cpu_takes_the_xla_form_from_its_threshold(monkeypatch):
         assert calls[-1] == want, (M, calls)
         np.testing.assert_allclose(got, numpy_paged(q, kp, vp, tables, lengths, scale=1 / math.sqrt(q.shape[-1])),
                                    atol=1e-5, rtol=1e-5)
-    assert paged_attention(q, kp, vp, tables, lengths, backend="reference") is not None and calls[-1] == "reference"
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):  # a mesh active: the reference (the xla form's gather merges kv heads and pages)
+        got = paged_attention(q, kp, vp, tables, lengths)
+    assert calls[-1] == "reference"
+    np.testing.assert_allclose(got, numpy_paged(q, kp, vp, tables, lengths, scale=1 / math.sqrt(q.shape[-1])),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_xla_form_gradients_and_bf16_match_reference():
+    """The xla form's gradients (its in-bounds gather and optimisation barrier are differentiated) against the
+    reference's, w.r.t. the query and both pools, ALiBi and a window on; and bf16 pools against the reference
+    in bf16 (both round the same bf16 products; 2e-2 covers the different fp32 summation orders, rounded)."""
+    q, kp, vp, tables, lengths, slopes = make_case(9, B=3, M=4, lengths=[16, 7, 1])
+    kw = dict(alibi_slopes=slopes, window=6, scale=0.5)
+    g = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+
+    def loss(f):
+        return lambda q, kp, vp: jnp.sum(g * f(q, kp, vp, tables, lengths, **kw))
+
+    got = jax.grad(loss(paged_attention_xla), (0, 1, 2))(q, kp, vp)
+    want = jax.grad(loss(paged_attention_reference), (0, 1, 2))(q, kp, vp)
+    for a, b in zip(got, want):
+        assert np.all(np.isfinite(np.asarray(a)))
+        np.testing.assert_allclose(a, b, **TOL32)
+    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, kp, vp))
+    got = paged_attention_xla(qb, kb, vb, tables, lengths, **kw)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32),
+                               np.asarray(paged_attention_reference(qb, kb, vb, tables, lengths, **kw), np.float32),
+                               atol=2e-2, rtol=2e-2)
