@@ -114,8 +114,10 @@ def paged_attention(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_tables
     scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
     if backend == "auto":
         platform = jax.default_backend()
-        if platform in ("gpu", "tpu") or interpret:
-            backend = platform if platform in ("gpu", "tpu") else "gpu"
+        if platform in ("gpu", "tpu"):
+            backend = platform
+        elif interpret:
+            backend = "gpu"
         else:
             long = M * k_pages.shape[2] >= XLA_MIN_POSITIONS
             backend = "xla" if long and jax.sharding.get_abstract_mesh().empty else "reference"

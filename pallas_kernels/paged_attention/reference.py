@@ -18,7 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Shaped
+from jaxtyping import Array, Float, Shaped
 
 from pallas_kernels.typing import ArrayLike, BlockTables, DecodeOut, DecodeQuery, Lengths, Pages, Slopes
 
@@ -29,6 +29,32 @@ def gather_pages(pages: Shaped[ArrayLike, "K P L H"], block_tables: BlockTables)
     B, M = block_tables.shape
     g = pages[:, block_tables]  # [K, B, M, L, H]
     return jnp.transpose(g, (1, 2, 3, 0, 4)).reshape(B, M * L, K, H)
+
+
+def decode_weights(s: Float[Array, "B K G S"], lengths: Lengths, *, alibi_slopes: Slopes | None = None,
+                   softcap: float | None = None, window: int | None = None) -> Float[Array, "B K G S"]:
+    """Scaled fp32 logits ``s [B, K, G, S]`` of each sequence's query (at position ``lengths[b] - 1``) against
+    its positions ``0 .. S-1`` -> attention weights: softcap, ALiBi, the length (and window) mask, softmax, in
+    the order of the module docstring. Rows with no visible key give zeros; gradients stay finite."""
+    B, K, G, S = s.shape
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    pos = jnp.arange(S, dtype=jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if alibi_slopes is not None:
+        slopes = jnp.broadcast_to(jnp.asarray(alibi_slopes, jnp.float32), (B, K * G)).reshape(B, K, G, 1)
+        dist = (lengths[:, None] - 1 - pos[None, :]).astype(jnp.float32)  # [B, S]
+        s = s - slopes * dist[:, None, None, :]
+    valid = pos[None, :] < lengths[:, None]  # [B, S]
+    if window is not None:
+        valid &= pos[None, :] >= lengths[:, None] - window
+    # Row max as a constant, masked logits replaced before exp and zeroed after: finite gradients.
+    ok = jnp.broadcast_to(valid[:, None, None, :], s.shape)
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(ok, jnp.exp(jnp.where(ok, s - m, 0.0)), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(denom == 0.0, 1.0, denom)
 
 
 def paged_attention_reference(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_tables: BlockTables,
@@ -48,24 +74,7 @@ def paged_attention_reference(q: DecodeQuery, k_pages: Pages, v_pages: Pages, bl
     S = M * L
     s = jnp.einsum("BKGH,KBMLH->BKGML", q.reshape(B, K, G, H), k,
                    preferred_element_type=jnp.float32).reshape(B, K, G, S) * jnp.float32(scale)
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    pos = jnp.arange(S, dtype=jnp.int32)
-    lengths = jnp.asarray(lengths, jnp.int32)
-    if alibi_slopes is not None:
-        slopes = jnp.broadcast_to(jnp.asarray(alibi_slopes, jnp.float32), (B, N)).reshape(B, K, G, 1)
-        dist = (lengths[:, None] - 1 - pos[None, :]).astype(jnp.float32)  # [B, S]
-        s = s - slopes * dist[:, None, None, :]
-    valid = pos[None, :] < lengths[:, None]  # [B, S]
-    if window is not None:
-        valid &= pos[None, :] >= lengths[:, None] - window
-    # Row max as a constant, masked logits replaced before exp and zeroed after: finite gradients.
-    ok = jnp.broadcast_to(valid[:, None, None, :], s.shape)
-    m = jax.lax.stop_gradient(jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(ok, jnp.exp(jnp.where(ok, s - m, 0.0)), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    w = p / jnp.where(denom == 0.0, 1.0, denom)
+    w = decode_weights(s, lengths, alibi_slopes=alibi_slopes, softcap=softcap, window=window)
     out = jnp.einsum("BKGML,KBMLH->BKGH", w.reshape(B, K, G, M, L).astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     return out.reshape(B, N, H).astype(q.dtype)

@@ -3,7 +3,8 @@
 The same meaning as :func:`pallas_kernels.paged_attention.reference.paged_attention_reference` (see its module),
 computed differently: the pages are gathered as whole ``[L*H]`` rows with in-bounds indices (the table clamped
 into the pool first), into ``[B, K, S, H]``, and the logits are computed ``[B, K, S, G]`` with the keys as the
-product's rows, then swapped to ``[B, K, G, S]`` behind an optimisation barrier. The reference's gather of
+product's rows, then swapped to ``[B, K, G, S]`` behind an optimisation barrier; from the logits on (softcap,
+ALiBi, mask, softmax) it is the reference's :func:`decode_weights`. The reference's gather of
 ``pages[:, tables]`` is fused by XLA into a bounds-checked loop that also transposes the keys for the logits'
 product, at 2-3 GB/s. On 2 Intel Xeon cores (SmolLM2-135M's shape, ``experiments/results/decode_cpu.md``) a
 batch-1 decode step at 4,096 cached tokens takes 72-74 ms this way against 114-126 ms; at 64 cached tokens
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Shaped
 
+from pallas_kernels.paged_attention.reference import decode_weights
 from pallas_kernels.typing import ArrayLike, BlockTables, DecodeOut, DecodeQuery, Lengths, Pages, Slopes
 
 XLA_MIN_POSITIONS = 1024
@@ -49,10 +51,8 @@ def paged_attention_xla(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_ta
     """``q [B, N, H]`` against paged ``k_pages, v_pages [K, P, L, H]`` -> ``[B, N, H]``: the reference's result
     (arguments as there), for the CPU at long contexts."""
     B, N, H = q.shape
-    K, _, L, _ = k_pages.shape
-    M = block_tables.shape[1]
+    K = k_pages.shape[0]
     G = N // K
-    S = M * L
     scale = 1.0 / math.sqrt(H) if scale is None else scale
     k = gather_rows(k_pages, block_tables)  # [B, K, S, H]: the pages of each sequence, in table order
     v = gather_rows(v_pages, block_tables)
@@ -61,23 +61,6 @@ def paged_attention_xla(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_ta
     s = jnp.einsum("BKSH,BKGH->BKSG", k, q.reshape(B, K, G, H), preferred_element_type=jnp.float32)
     s = jnp.swapaxes(jax.lax.optimization_barrier(s), 2, 3) * jnp.float32(scale)  # the barrier: XLA would fold
     # the swap into the product, back to the transposed keys
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    pos = jnp.arange(S, dtype=jnp.int32)
-    lengths = jnp.asarray(lengths, jnp.int32)
-    if alibi_slopes is not None:
-        slopes = jnp.broadcast_to(jnp.asarray(alibi_slopes, jnp.float32), (B, N)).reshape(B, K, G, 1)
-        dist = (lengths[:, None] - 1 - pos[None, :]).astype(jnp.float32)  # [B, S]
-        s = s - slopes * dist[:, None, None, :]
-    valid = pos[None, :] < lengths[:, None]  # [B, S]
-    if window is not None:
-        valid &= pos[None, :] >= lengths[:, None] - window
-    # Row max as a constant, masked logits replaced before exp and zeroed after: finite gradients.
-    ok = jnp.broadcast_to(valid[:, None, None, :], s.shape)
-    m = jax.lax.stop_gradient(jnp.max(jnp.where(ok, s, -jnp.inf), axis=-1, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.where(ok, jnp.exp(jnp.where(ok, s - m, 0.0)), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    w = p / jnp.where(denom == 0.0, 1.0, denom)
+    w = decode_weights(s, lengths, alibi_slopes=alibi_slopes, softcap=softcap, window=window)
     out = jnp.einsum("BKGS,BKSH->BKGH", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(B, N, H).astype(q.dtype)

@@ -121,6 +121,21 @@ def test_gpu_kernel_bf16_and_zero_length():
     assert np.all(np.asarray(got[0]) == 0)
 
 
+def random_case(seed, B, K, G, L, M, alibi, *, slopes_shape):
+    """fp32 q, pools of ``B * M + 2`` pages of head dim 8, tables over shuffled pages, lengths 1..M*L, and ALiBi
+    slopes (``[N]`` for "heads", ``[B, N]`` for "rows") or None."""
+    rng = np.random.default_rng(seed)
+    N, H, P = K * G, 8, B * M + 2
+    q = jnp.asarray(rng.normal(size=(B, N, H)), jnp.float32)
+    kp = jnp.asarray(rng.normal(size=(K, P, L, H)), jnp.float32)
+    vp = jnp.asarray(rng.normal(size=(K, P, L, H)), jnp.float32)
+    tables = jnp.asarray(rng.permutation(P)[: B * M].reshape(B, M), jnp.int32)
+    lengths = jnp.asarray(rng.integers(1, M * L + 1, size=B), jnp.int32)
+    shape = (N,) if slopes_shape == "heads" else (B, N)
+    slopes = jnp.asarray(rng.uniform(0.1, 1.0, size=shape), jnp.float32) if alibi else None
+    return q, kp, vp, tables, lengths, slopes
+
+
 @settings(max_examples=5)  # each example compiles new shapes; the pinned one turns every feature on
 @example(seed=3, B=3, K=2, G=3, L=4, M=4, alibi=True, softcap=2.0, window=6)
 @given(
@@ -137,14 +152,7 @@ def test_gpu_kernel_bf16_and_zero_length():
 def test_reference_matches_dense_attention_on_gathered_cache(seed, B, K, G, L, M, alibi, softcap, window):
     """Independent check of the reference: the query at position length-1 under
     MaskSpec(causal, window=(W-1, 0), q_offset=length-1, kv_lengths=length) in xla_attention."""
-    rng = np.random.default_rng(seed)
-    N, H, P = K * G, 8, B * M + 2
-    q = jnp.asarray(rng.normal(size=(B, N, H)), jnp.float32)
-    kp = jnp.asarray(rng.normal(size=(K, P, L, H)), jnp.float32)
-    vp = jnp.asarray(rng.normal(size=(K, P, L, H)), jnp.float32)
-    tables = jnp.asarray(rng.permutation(P)[: B * M].reshape(B, M), jnp.int32)
-    lengths = jnp.asarray(rng.integers(1, M * L + 1, size=B), jnp.int32)
-    slopes = jnp.asarray(rng.uniform(0.1, 1.0, size=(N,)), jnp.float32) if alibi else None
+    q, kp, vp, tables, lengths, slopes = random_case(seed, B, K, G, L, M, alibi, slopes_shape="heads")
     got = paged_attention_reference(q, kp, vp, tables, lengths, alibi_slopes=slopes, softcap=softcap,
                                     window=window)
     # gather with numpy, independent of gather_pages
@@ -279,17 +287,11 @@ def test_table_entries_past_the_length_are_never_used(impl):
        L=st.sampled_from([1, 4, 16]), M=st.integers(1, 6), alibi=st.booleans(), softcap=st.sampled_from([None, 2.0]),
        window=st.sampled_from([None, 1, 5]))
 def test_xla_form_matches_reference(seed, B, K, G, L, M, alibi, softcap, window):
-    """The CPU's long-context form against the reference (itself checked against dense attention and float64
-    numpy above), every feature, random tables over shuffled pages and lengths 1..M*L: fp32 sums in another
-    order, 1e-5."""
-    rng = np.random.default_rng(seed)
-    N, H, P = K * G, 8, B * M + 3
-    q = jnp.asarray(rng.normal(size=(B, N, H)), jnp.float32)
-    kp = jnp.asarray(rng.normal(size=(K, P, L, H)), jnp.float32)
-    vp = jnp.asarray(rng.normal(size=(K, P, L, H)), jnp.float32)
-    tables = jnp.asarray(rng.permutation(P)[: B * M].reshape(B, M), jnp.int32)
-    lengths = jnp.asarray(rng.integers(1, M * L + 1, size=B), jnp.int32)
-    slopes = jnp.asarray(rng.uniform(0.1, 1.0, size=(B, N)), jnp.float32) if alibi else None
+    """The CPU's long-context form (its own gather and logit layout; the softcap / ALiBi / mask / softmax rules
+    are the reference's ``decode_weights``, which the tests above check against dense attention and float64
+    numpy) against the reference: every feature, random tables over shuffled pages, lengths 1..M*L; fp32 sums
+    in another order, 1e-5."""
+    q, kp, vp, tables, lengths, slopes = random_case(seed, B, K, G, L, M, alibi, slopes_shape="rows")
     kw = dict(alibi_slopes=slopes, softcap=softcap, window=window, scale=0.4)
     got = jax.jit(lambda *a: paged_attention_xla(*a, **kw))(q, kp, vp, tables, lengths)
     np.testing.assert_allclose(got, paged_attention_reference(q, kp, vp, tables, lengths, **kw), **TOL32)
