@@ -76,8 +76,11 @@ class PagedKVCache:
             vc = gather_pages(new.v_pages, self.block_tables)
             band = None if self.window is None else (self.window - 1, 0)
             mask = MaskSpec(causal=True, window=band, q_offset=self.lengths, kv_lengths=total)
+            # "auto" is blockwise on every platform here: the offset is traced, so the Pallas kernels would
+            # fall back to it, and on CPU it beats the dense reference at every chunk measured (a 128-token
+            # chunk over 512 cached positions of SmolLM2-135M's heads: 1.9 vs 3.2 ms a layer)
             out = dot_product_attention(q, kc, vc, mask=mask, scale=scale, alibi_slopes=alibi_slopes,
-                                        softcap=softcap, impl=impl)
+                                        softcap=softcap, impl="blockwise" if impl == "auto" else impl)
         return out, dataclasses.replace(new, lengths=total)
 
 
@@ -87,7 +90,12 @@ def init_page_pools(config, num_pages: int, page_size: int, dtype=None) -> list[
         raise ValueError(f"paged decoding needs a decoder-only model; got config.kind={config.kind!r}")
     dtype = jnp.dtype(config.compute_dtype if dtype is None else dtype)
     shape = (config.resolved_kv_heads, num_pages, page_size, config.resolved_head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.n_decoder_layers)]
+    return _zero_pools(shape, dtype, config.n_decoder_layers)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _zero_pools(shape, dtype, layers):  # one call: a 30-layer model's 60 eager zeros cost ~30 ms
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(layers)]
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -78,7 +78,7 @@ class GenerateOptions:
     num_pages: int | None = None  # default: max_batch sequences of the longest request
     page_size: int = 16
     max_batch: int = 8
-    chunk_size: int = 128
+    chunk_size: int = 256
     window: int | None = None
 
     @classmethod
@@ -115,8 +115,9 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
     unless it sets its own. The engine's ``max_context`` is what
     the requests can reach (the longest prompt plus its new tokens, at most the model's context), and
     ``num_pages`` defaults to enough for ``max_batch`` sequences each holding that many. Prompts are computed
-    ``chunk_size`` tokens per step (128: a 512-token prompt on a 135M model in 0.66 s against 0.81 s in chunks of
-    64, 2 CPU cores; ``experiments/results/decode_cpu.md``). ``window``: a sliding
+    ``chunk_size`` tokens per step (256: a 512-token prompt on a 135M model's engine steps in 0.66-0.73 s against
+    0.77-0.79 s in chunks of 128 and 0.63 s in one of 512, 2 Intel cores; 512 would pad a 300-token prompt to 512
+    rows; ``experiments/results/decode_cpu.md``). ``window``: a sliding
     KV window, so generation may run past the context (RoPE / ALiBi models; see
     :mod:`jaxformer.decode.engine`). Each record: ``index, prompt, completion, tokens,
     finish_reason ("stop" | "length" | "error"), stopped_by ("stop_token" |

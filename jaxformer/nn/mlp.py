@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
@@ -56,15 +57,21 @@ def add_transposed_inputs(model: nnx.Module, min_weights: int = 0) -> int:
     least ``min_weights`` entries per layer (``D * F``), ``[F, D]`` copies of its input projections (``w_in_t``;
     ``w_gate_t``, ``w_up_t``), in place; returns how many modules got them. Stacked (scanned) layers get stacked
     copies. The copies hold the same numbers: a new model state."""
-    n = 0
+    todo = []
     for _, m in nnx.iter_modules(model):
         names = getattr(type(m), "INPUTS", ())
         if (isinstance(m, (MLP, GatedMLP)) and all(getattr(m, f"{k}_lora") is None for k in m.PROJECTIONS)
                 and math.prod(getattr(m, names[0]).shape[-2:]) >= min_weights):  # the fast path has no adapters
-            for k in names:
-                setattr(m, f"{k}_t", TransposedCopy(jnp.swapaxes(getattr(m, k)[...], -1, -2)))
-            n += 1
-    return n
+            todo += [(m, k) for k in names]
+    copies = _swapped([getattr(m, k)[...] for m, k in todo])  # one call: 60 eager swaps cost 3x the copy
+    for (m, k), w in zip(todo, copies):
+        setattr(m, f"{k}_t", TransposedCopy(w))
+    return len({id(m) for m, _ in todo})
+
+
+@jax.jit
+def _swapped(ws):
+    return [jnp.swapaxes(w, -1, -2) for w in ws]
 
 
 def _feature_major(module, x) -> bool:

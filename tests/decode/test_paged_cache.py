@@ -74,3 +74,38 @@ def test_attend_shape_error():
     c = PagedKVCache(pages, pages, jnp.zeros((1, M), jnp.int32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32))
     with pytest.raises(ValueError, match="does not fit"):
         c.attend(jnp.zeros((1, 1, 4, H)), jnp.zeros((1, 1, 3, H)), jnp.zeros((1, 1, 3, H)), scale=1.0)
+
+
+@pytest.mark.parametrize("impl, blockwise_calls", [("auto", 1), ("xla", 0)])
+def test_prefill_chunk_auto_is_blockwise(monkeypatch, impl, blockwise_calls):
+    """A chunk of several tokens over the pages runs blockwise under "auto" on every platform (its offset is
+    traced; on CPU the dense reference is slower at every chunk measured); an explicit impl is kept."""
+    import jaxformer.ops.blockwise as blockwise
+
+    calls = []
+    real = blockwise.blockwise_attention
+    monkeypatch.setattr(blockwise, "blockwise_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    rng = np.random.default_rng(0)
+    _, paged, tables = setup_history(rng, [0, 5, 13])
+    q = jnp.asarray(rng.normal(size=(B, 3, K * G, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, 3, K, H)), jnp.float32) for _ in range(2))
+    cache = PagedKVCache(paged.k_pages, paged.v_pages, tables, jnp.asarray([0, 5, 13], jnp.int32),
+                         jnp.full(B, 3, jnp.int32))
+    cache.attend(q, k, v, scale=0.35, impl=impl)
+    assert len(calls) == blockwise_calls
+
+
+def test_init_page_pools_zero_and_distinct_buffers():
+    """The pools come from one jitted call: every layer's K and V must be its own zeroed buffer (the engine
+    updates them in place, donated; two layers sharing one would overwrite each other's history)."""
+    from types import SimpleNamespace
+
+    from jaxformer.decode.paged_cache import init_page_pools
+
+    cfg = SimpleNamespace(kind="decoder", compute_dtype="float32", resolved_kv_heads=2, resolved_head_dim=8,
+                          n_decoder_layers=3)
+    pools = init_page_pools(cfg, num_pages=5, page_size=4)
+    arrays = [a for kv in pools for a in kv]
+    assert len(arrays) == 6 and all(a.shape == (2, 5, 4, 8) and a.dtype == jnp.float32 for a in arrays)
+    assert all(not np.asarray(a).any() for a in arrays)
+    assert len({a.unsafe_buffer_pointer() for a in arrays}) == 6

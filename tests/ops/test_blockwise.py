@@ -105,6 +105,35 @@ def test_dead_blocks_are_skipped_not_masked():
     _close(dv[:, 16:], dv_d[:, 16:], 1e-4, "dv")
 
 
+@pytest.mark.parametrize("S, offsets, window, nan_keys", [
+    (64, [20, 8], None, [slice(48, 64)]),                   # past every row's causal band and length
+    (80, [40, 36], (8, 0), [slice(0, 16), slice(64, 80)]),  # also before every row's window
+])
+def test_traced_offset_skips_blocks_no_row_reaches(S, offsets, window, nan_keys):
+    """A prefill chunk over a cache (a traced offset per sequence, kv_lengths = offset + T): the kv blocks
+    that no row's band or length reaches are never read, forward or backward (NaN there would leak through
+    ``0 * NaN``), and the rest matches the dense reference on clean data (fp32, the check's tolerances)."""
+    T, bk = 16, 16
+    q, k, v, do = _inputs(2, T, S, 4, 2, 8, seed=3)
+    off = jnp.asarray(offsets, jnp.int32)
+    mask = MaskSpec(causal=True, window=window, q_offset=off, kv_lengths=off + T)
+    k_bad, v_bad = np.array(k), np.array(v)
+    for sl in nan_keys:
+        k_bad[:, sl] = v_bad[:, sl] = np.nan
+
+    def run(fn, k, v):
+        o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, mask), q, k, v)
+        return o, vjp(do)
+
+    got = jax.jit(lambda k, v: run(lambda q, k, v, m: blockwise_attention(q, k, v, mask=m, block_k=bk,
+                                                                          block_q=8), k, v))(k_bad, v_bad)
+    want = jax.jit(lambda k, v: run(lambda q, k, v, m: xla_attention(q, k, v, mask=m), k, v))(k, v)
+    ftol, gtol = TOL[jnp.float32]
+    _close(got[0], want[0], ftol, "out")
+    for n, a, b in zip(("dq", "dk", "dv"), got[1], want[1]):
+        _close(a, b, gtol, n)
+
+
 def _all_shapes(jaxpr):
     for eqn in jaxpr.eqns:
         for var in eqn.outvars:
@@ -136,18 +165,22 @@ def test_no_t_by_s_matrix_forward_or_backward():
 # the two-sided window with cross lengths, so coverage does not hang on the draw.
 @settings(max_examples=4)
 @example(B=2, T=29, S=23, K=2, G=3, causal=True, window=(6, 2), offset=-3, use_seg=True, use_len=True,
-         use_alibi=True, softcap=4.0, block_k=7, block_q=3, seed=5)
+         use_alibi=True, softcap=4.0, block_k=7, block_q=3, traced=False, seed=5)
 @example(B=1, T=17, S=30, K=1, G=1, causal=False, window=(4, None), offset=5, use_seg=False, use_len=True,
-         use_alibi=True, softcap=None, block_k=16, block_q=None, seed=6)
+         use_alibi=True, softcap=None, block_k=16, block_q=None, traced=False, seed=6)
+@example(B=2, T=13, S=29, K=2, G=3, causal=True, window=(6, None), offset=5, use_seg=False, use_len=True,
+         use_alibi=True, softcap=None, block_k=7, block_q=3, traced=True, seed=7)
 @given(B=st.integers(1, 2), T=st.integers(1, 30), S=st.integers(1, 30), K=st.sampled_from([1, 2]),
        G=st.sampled_from([1, 3]), causal=st.booleans(), window=st.sampled_from([None, (4, None), (6, 2), (None, 0)]),
        offset=st.sampled_from([None, 0, -3, 5]), use_seg=st.booleans(), use_len=st.booleans(),
        use_alibi=st.booleans(), softcap=st.sampled_from([None, 4.0]), block_k=st.sampled_from([1, 7, 16]),
-       block_q=st.sampled_from([None, 3, 32]), seed=st.integers(0, 99))
+       block_q=st.sampled_from([None, 3, 32]), traced=st.booleans(), seed=st.integers(0, 99))
 def test_drawn(B, T, S, K, G, causal, window, offset, use_seg, use_len, use_alibi, softcap, block_k, block_q,
-               seed):
+               seed, traced):
     rng = np.random.default_rng(seed)
     N = K * G
+    if traced and offset is not None:  # per-sequence offsets as an array: the kv range is computed in the graph
+        offset = jnp.asarray(offset + rng.integers(0, 4, (B,)), jnp.int32)
     mask = MaskSpec(
         causal=causal, window=window, q_offset=offset,
         q_segment_ids=jnp.asarray(rng.integers(0, 2, (B, T))) if use_seg else None,
