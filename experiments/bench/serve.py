@@ -276,7 +276,7 @@ def in_process(model: Path, requests, max_batch: int, max_context: int, chunk_si
     for name, res in out.items():
         for key in ("sequential", "engine"):
             res[key] = tuple(statistics.median(x) for x in zip(*res[key]))  # (tokens/s, seconds), each's median
-        res["copies"] = engines[name]._model is not engines["feature_major=False"]._model
+        res["copies"] = engines[name]._step_model(16)[0] is not engines["feature_major=False"]._step_model(16)[0]
     return out
 
 

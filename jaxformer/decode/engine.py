@@ -58,7 +58,7 @@ from jaxformer.decode.block_manager import BlockManager, OutOfPages
 from jaxformer.decode.generate import check_prompt
 from jaxformer.decode.paged_cache import PagedKVCache, copy_pages, init_page_pools
 from jaxformer.decode.sampling import SamplingParams, request_keys, sample
-from jaxformer.nn.mlp import add_transposed_inputs
+from jaxformer.nn.mlp import FEATURE_MAJOR_ROWS, add_transposed_inputs
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
 MIN_TABLE_TOKENS = 256  # narrowest block table a step sends, in tokens: fewer compiled programs, and below
@@ -309,7 +309,8 @@ class Engine:
         self.results: dict[Hashable, Result] = {}
         self._ids = itertools.count()
         self.stats = collections.Counter()
-        self._model, self._leaves = step_model(graphdef, state, o.feature_major)
+        self._plain = step_model(graphdef, state, False)
+        self._feature_major = None  # built at the first call of FEATURE_MAJOR_ROWS rows (a 212 MB copy at 135M)
 
     # -- requests
     def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, request_id=None) -> Hashable:
@@ -381,9 +382,21 @@ class Engine:
             z = np.zeros(B, np.int32)
             inputs = StepInputs(np.zeros((B, T), np.int32), np.zeros((B, T), np.int32), np.zeros((B, M), np.int32),
                                 z, z, np.zeros(B, np.uint32), z, np.zeros(B, np.float32), z, np.ones(B, np.float32))
-            _, self.pools = engine_step(self._model, self._leaves, self.pools, inputs, self.options)
+            _, self.pools = engine_step(*self._step_model(B * T), self.pools, inputs, self.options)
         jax.block_until_ready(self.pools)
         return len(shapes)
+
+    def _step_model(self, rows: int) -> tuple[StaticModel, list]:
+        """The step's model for a call of ``rows`` tokens: with the FFNs' ``[F, D]`` copies for the rows they
+        serve (:data:`jaxformer.nn.mlp.FEATURE_MAJOR_ROWS`), made at the first such call, so an engine that
+        never batches (one prompt: batch-1 decode, long prefill chunks) never copies its FFNs (~80 ms and
+        212 MB at 135M). Other rows run the plain model, which computes them the same way."""
+        o = self.engine_options
+        if rows not in FEATURE_MAJOR_ROWS or o.feature_major is False:
+            return self._plain
+        if self._feature_major is None:
+            self._feature_major = step_model(self.graphdef, self.state, o.feature_major)
+        return self._feature_major
 
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """Most pages a request of this prompt length and ``max_new_tokens`` holds at once: what
@@ -523,7 +536,8 @@ class Engine:
         for group in ([(r, n) for r, n in plan if n == 1], [(r, n) for r, n in plan if n > 1]):
             if group:
                 inputs = self._inputs(group)
-                nxt, self.pools = engine_step(self._model, self._leaves, self.pools, inputs, self.options)
+                nxt, self.pools = engine_step(*self._step_model(inputs.tokens.size), self.pools, inputs,
+                                              self.options)
                 sampled.update(zip((id(r) for r, _ in group), np.asarray(nxt).tolist()))
         self.stats["steps"] += 1
         self.stats["tokens_computed"] += sum(n for _, n in plan)

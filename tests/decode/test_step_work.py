@@ -184,10 +184,15 @@ def test_engines_over_one_model_share_compiled_steps(llama, monkeypatch):
     assert dict(eng.TRACE_COUNTS) == before
     geometry = dict(num_pages=10, page_size=L, max_batch=4, chunk_size=8)
     off = eng.Engine(graphdef, state, cfg, **geometry, feature_major=False)
+    own = eng.StaticModel.of(graphdef, jax.tree.structure(state))
     # the tiny model's FFNs are below the CPU default's size: no copies, the step model is the model's own
-    assert e._model is off._model is eng.StaticModel.of(graphdef, jax.tree.structure(state))
+    assert all(x._step_model(rows)[0] is own for x in (e, off) for rows in (1, 4, 64))
     if jax.default_backend() != "cpu":  # the copies are a CPU default
         return
     monkeypatch.setattr(eng, "FEATURE_MAJOR_MIN_WEIGHTS", 0)  # as for a model of SmolLM2's size
     on = eng.Engine(graphdef, state, cfg, **geometry)
-    assert on._model is eng.Engine(graphdef, state, cfg, **geometry, feature_major=True)._model is not off._model
+    assert on._feature_major is None  # the copies wait for the first call of 2-32 rows
+    assert on._step_model(1)[0] is on._step_model(64)[0] is own and on._feature_major is None
+    fm = on._step_model(4)[0]
+    assert fm is eng.Engine(graphdef, state, cfg, **geometry, feature_major=True)._step_model(32)[0]
+    assert fm is not own and on._step_model(2)[0] is fm and on._step_model(33)[0] is own
