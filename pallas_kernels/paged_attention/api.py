@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from pallas_kernels.paged_attention.reference import paged_attention_reference
+from pallas_kernels.paged_attention.reference import check_decode_inputs, paged_attention_reference
 from pallas_kernels.paged_attention.xla import XLA_MIN_POSITIONS, paged_attention_xla
 from pallas_kernels.typing import BlockTables, DecodeOut, DecodeQuery, Lengths, Pages, Slopes
 
@@ -32,30 +32,6 @@ def merge_splits(acc: Float[Array, "B K Z G H"], m: Float[Array, "B K Z G"],
     denom = jnp.sum(w * l, axis=2)  # [B, K, G]
     num = jnp.sum(w[..., None] * acc, axis=2)  # [B, K, G, H]
     return num / jnp.where(denom == 0.0, 1.0, denom)[..., None]
-
-
-def _check(q, k_pages, v_pages, block_tables, lengths, alibi_slopes, window):
-    if q.ndim != 3 or k_pages.ndim != 4:
-        raise ValueError(f"paged_attention expects q [B,N,H] and pages [K,P,L,H]; got {q.shape=} {k_pages.shape=}")
-    if k_pages.shape != v_pages.shape:
-        raise ValueError(f"k_pages and v_pages differ: {k_pages.shape=} {v_pages.shape=}")
-    B, N, H = q.shape
-    K, _, _, Hk = k_pages.shape
-    if Hk != H:
-        raise ValueError(f"head dim mismatch: {q.shape=} {k_pages.shape=}")
-    if K == 0 or N % K:
-        raise ValueError(f"{q.shape=} {k_pages.shape=}: heads {N} not divisible by kv heads {K}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != B:
-        raise ValueError(f"block_tables must be [B, M] with B={B}; got {block_tables.shape=}")
-    if jnp.shape(lengths) != (B,):
-        raise ValueError(f"lengths must be [B]=({B},); got {jnp.shape(lengths)=}")
-    lengths_dtype = jnp.asarray(lengths).dtype
-    if not jnp.issubdtype(block_tables.dtype, jnp.integer) or not jnp.issubdtype(lengths_dtype, jnp.integer):
-        raise ValueError(f"block_tables and lengths must be integer; got {block_tables.dtype=} {lengths_dtype=}")
-    if alibi_slopes is not None and jnp.shape(alibi_slopes) not in ((N,), (B, N)):
-        raise ValueError(f"alibi_slopes.shape={jnp.shape(alibi_slopes)} must be [N]=({N},) or [B, N]=({B}, {N})")
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ValueError(f"window={window!r} must be None or a Python int >= 1 (keys each query sees)")
 
 
 def default_pages_per_split(M: int, B: int, K: int, num_splits: int | None, pages_per_split: int | None) -> int:
@@ -102,11 +78,9 @@ def paged_attention(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_tables
     Returns:
       ``[B, N, H]`` in ``q.dtype``.
     """
-    _check(q, k_pages, v_pages, block_tables, lengths, alibi_slopes, window)
+    check_decode_inputs(q, k_pages, v_pages, block_tables, lengths, alibi_slopes, window, softcap)
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap={softcap} must be > 0")
     B, N, H = q.shape
     K = k_pages.shape[0]
     G = N // K

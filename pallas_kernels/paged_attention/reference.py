@@ -57,6 +57,36 @@ def decode_weights(s: Float[Array, "B K G S"], lengths: Lengths, *, alibi_slopes
     return p / jnp.where(denom == 0.0, 1.0, denom)
 
 
+def check_decode_inputs(q, k_pages, v_pages, block_tables, lengths, alibi_slopes=None, window=None, softcap=None):
+    """ValueError naming the shapes for inputs no paged-decode path accepts (every public entry point calls
+    this at trace time: :func:`paged_attention`, the reference, the xla form)."""
+    if q.ndim != 3 or k_pages.ndim != 4:
+        raise ValueError(f"paged_attention expects q [B,N,H] and pages [K,P,L,H]; got {q.shape=} {k_pages.shape=}")
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages and v_pages differ: {k_pages.shape=} {v_pages.shape=}")
+    B, N, H = q.shape
+    K, P, L, Hk = k_pages.shape
+    if Hk != H:
+        raise ValueError(f"head dim mismatch: {q.shape=} {k_pages.shape=}")
+    if K == 0 or N % K:
+        raise ValueError(f"{q.shape=} {k_pages.shape=}: heads {N} not divisible by kv heads {K}")
+    if P == 0 or L == 0:
+        raise ValueError(f"{k_pages.shape=}: the pool needs at least one page of at least one slot")
+    if block_tables.ndim != 2 or block_tables.shape[0] != B or block_tables.shape[1] == 0:
+        raise ValueError(f"block_tables must be [B, M] with B={B} and M >= 1; got {block_tables.shape=}")
+    if jnp.shape(lengths) != (B,):
+        raise ValueError(f"lengths must be [B]=({B},); got {jnp.shape(lengths)=}")
+    lengths_dtype = jnp.asarray(lengths).dtype
+    if not jnp.issubdtype(block_tables.dtype, jnp.integer) or not jnp.issubdtype(lengths_dtype, jnp.integer):
+        raise ValueError(f"block_tables and lengths must be integer; got {block_tables.dtype=} {lengths_dtype=}")
+    if alibi_slopes is not None and jnp.shape(alibi_slopes) not in ((N,), (B, N)):
+        raise ValueError(f"alibi_slopes.shape={jnp.shape(alibi_slopes)} must be [N]=({N},) or [B, N]=({B}, {N})")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"window={window!r} must be None or a Python int >= 1 (keys each query sees)")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap} must be > 0")
+
+
 def paged_attention_reference(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_tables: BlockTables,
                               lengths: Lengths, *, scale: float | None = None, alibi_slopes: Slopes | None = None,
                               softcap: float | None = None, window: int | None = None) -> DecodeOut:
@@ -64,6 +94,7 @@ def paged_attention_reference(q: DecodeQuery, k_pages: Pages, v_pages: Pages, bl
 
     ``alibi_slopes``: ``[N]`` or ``[B, N]``; ``window``: None or an int >= 1 (keys seen).
     """
+    check_decode_inputs(q, k_pages, v_pages, block_tables, lengths, alibi_slopes, window, softcap)
     B, N, H = q.shape
     K, _, L, _ = k_pages.shape
     M = block_tables.shape[1]

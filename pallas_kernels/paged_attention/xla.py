@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Shaped
 
-from pallas_kernels.paged_attention.reference import decode_weights
+from pallas_kernels.paged_attention.reference import check_decode_inputs, decode_weights
 from pallas_kernels.typing import ArrayLike, BlockTables, DecodeOut, DecodeQuery, Lengths, Pages, Slopes
 
 XLA_MIN_POSITIONS = 1024
@@ -50,6 +50,7 @@ def paged_attention_xla(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_ta
                         softcap: float | None = None, window: int | None = None) -> DecodeOut:
     """``q [B, N, H]`` against paged ``k_pages, v_pages [K, P, L, H]`` -> ``[B, N, H]``: the reference's result
     (arguments as there), for the CPU at long contexts."""
+    check_decode_inputs(q, k_pages, v_pages, block_tables, lengths, alibi_slopes, window, softcap)
     B, N, H = q.shape
     K = k_pages.shape[0]
     G = N // K

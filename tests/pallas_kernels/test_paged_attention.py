@@ -221,6 +221,22 @@ def test_bad_inputs_raise_value_error():
         paged_attention(q, kp, vp, tables, lengths, window=0)
 
 
+@pytest.mark.no_typecheck
+@pytest.mark.parametrize("fn", [paged_attention, paged_attention_reference, paged_attention_xla])
+def test_every_entry_point_checks_its_inputs(fn):
+    """The reference and the xla form are exported too: each names the shapes of a bad call (an empty table or
+    pool, a wrong softcap) instead of failing inside XLA."""
+    q, kp, vp, tables, lengths, _ = make_case(0)
+    with pytest.raises(ValueError, match=r"block_tables must be \[B, M\] with B=\d+ and M >= 1"):
+        fn(q, kp, vp, tables[:, :0], lengths)
+    with pytest.raises(ValueError, match="at least one page"):
+        fn(q, kp[:, :0], vp[:, :0], tables, lengths)
+    with pytest.raises(ValueError, match="not divisible by kv heads"):
+        fn(q[:, :3], kp, vp, tables, lengths)
+    with pytest.raises(ValueError, match="softcap"):
+        fn(q, kp, vp, tables, lengths, softcap=0.0)
+
+
 def test_auto_backend_and_default_scale_against_float64_numpy():
     """``backend="auto"`` (the reference on CPU, the kernel on a device) with the default 1/sqrt(H)."""
     q, kp, vp, tables, lengths, _ = make_case(2)
