@@ -388,14 +388,17 @@ class Engine:
 
     def _step_model(self, rows: int) -> tuple[StaticModel, list]:
         """The step's model for a call of ``rows`` tokens: with the FFNs' ``[F, D]`` copies for the rows they
-        serve (:data:`jaxformer.nn.mlp.FEATURE_MAJOR_ROWS`), made at the first such call, so an engine that
-        never batches (one prompt: batch-1 decode, long prefill chunks) never copies its FFNs (~80 ms and
-        212 MB at 135M). Other rows run the plain model, which computes them the same way."""
+        serve (:data:`jaxformer.nn.mlp.FEATURE_MAJOR_ROWS`), made at the first such call, so an engine whose
+        calls all have one row or more than 32 (one long prompt in chunks of more than 32 tokens, then batch-1
+        decode) never copies its FFNs (~80 ms and 212 MB at 135M); a prompt's chunk of 2-32 tokens or a batch of
+        2-32 sequences makes them. Other rows run the plain model, which computes them the same way."""
         o = self.engine_options
         if rows not in FEATURE_MAJOR_ROWS or o.feature_major is False:
             return self._plain
-        if self._feature_major is None:
-            self._feature_major = step_model(self.graphdef, self.state, o.feature_major)
+        if self._feature_major is None:  # from the plain model's leaves: the weights the engine was built with
+            plain, leaves = self._plain
+            self._feature_major = step_model(self.graphdef, jax.tree.unflatten(plain.treedef, leaves),
+                                             o.feature_major)
         return self._feature_major
 
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:

@@ -48,7 +48,7 @@ class _Cfg:
     bk: int
     scale: float
     softcap: float | None
-    kv_lo: tuple[int, ...] | None  # per q block; None: every kv block
+    kv_lo: tuple[int, ...] | None  # per q block, static; None: computed in the graph (_kv_range)
     kv_hi: tuple[int, ...] | None
 
     @property
@@ -143,6 +143,8 @@ def _kv_range(mask: MaskSpec, cfg: _Cfg, ops: _MaskOperands, i):
     if ops.lengths is not None:
         last = ops.lengths - 1 if last is None else jnp.minimum(last, ops.lengths - 1)
     first = band_first(ops.q_pos[:, first_row], mask.window)
+    if first is not None and last is not None:  # a sequence that sees nothing here (an idle row) holds no block
+        first = jnp.where(jnp.maximum(first, 0) <= last, first, cfg.nk * cfg.bk)
     lo = 0 if first is None else jnp.clip(jnp.min(first) // cfg.bk, 0, cfg.nk)
     hi = cfg.nk if last is None else jnp.clip(jnp.max(last) // cfg.bk + 1, 0, cfg.nk)
     return lo, hi

@@ -211,6 +211,7 @@ def test_feature_major_steps_equal_the_usual_ones(llama, alone, scan_layers):
     assert engines[True][1] == engines[False][1]
     mlps = [m for _, m in nnx.iter_modules(nnx.merge(graphdef, state)) if isinstance(m, GatedMLP)]
     assert len(mlps) == (1 if scan_layers else cfg.n_layers)
+    assert engines[True][0]._feature_major is not None and engines[False][0]._feature_major is None  # the runs
     with_copies, plain = engines[True][0]._step_model(4)[1], engines[False][0]._step_model(4)[1]
     assert len(with_copies) == len(plain) + 2 * len(mlps)
     # the caller's model is left as it was: the same leaves, and no copies in its modules

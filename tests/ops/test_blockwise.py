@@ -108,6 +108,7 @@ def test_dead_blocks_are_skipped_not_masked():
 @pytest.mark.parametrize("S, offsets, window, nan_keys", [
     (64, [20, 8], None, [slice(48, 64)]),                   # past every row's causal band and length
     (80, [40, 36], (8, 0), [slice(0, 16), slice(64, 80)]),  # also before every row's window
+    (80, [40, 0], (8, 0), [slice(0, 16), slice(64, 80)]),   # an idle row (length 0) holds no block
 ])
 def test_traced_offset_skips_blocks_no_row_reaches(S, offsets, window, nan_keys):
     """A prefill chunk over a cache (a traced offset per sequence, kv_lengths = offset + T): the kv blocks
@@ -116,7 +117,8 @@ def test_traced_offset_skips_blocks_no_row_reaches(S, offsets, window, nan_keys)
     T, bk = 16, 16
     q, k, v, do = _inputs(2, T, S, 4, 2, 8, seed=3)
     off = jnp.asarray(offsets, jnp.int32)
-    mask = MaskSpec(causal=True, window=window, q_offset=off, kv_lengths=off + T)
+    lengths = jnp.where(off > 0, off + T, 0)  # offset 0 here: an idle row, as the engine pads a step's batch
+    mask = MaskSpec(causal=True, window=window, q_offset=off, kv_lengths=lengths)
     k_bad, v_bad = np.array(k), np.array(v)
     for sl in nan_keys:
         k_bad[:, sl] = v_bad[:, sl] = np.nan
