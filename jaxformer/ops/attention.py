@@ -234,7 +234,9 @@ def default_impl(T: int, S: int, mask: MaskSpec | None = None) -> str:
 
     The CPU crossover is measured on a whole llama-style train step (d 128, 4 layers, 3 K tokens
     per step, 2 cores; ``experiments/bench/attention_step.py``): blockwise / xla step time
-    0.96 at T=256, 0.86 at 512, 0.45 at 1024.
+    0.96 at T=256, 0.86 at 512, 0.45 at 1024 on an AMD EPYC (Zen 5). On an Intel Xeon (Sapphire
+    Rapids) xla stays ahead to 1024 (1.06 at 128, 1.20 at 256, 1.15 at 512, 1.13 at 1024, 2026-12-04):
+    the crossover is the CPU's, and this one is Zen 5's.
     Masks with global tokens or random blocks: xla for short, sparse for long, on every platform.
     """
     if mask is not None and mask.has_pattern:
