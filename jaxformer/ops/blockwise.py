@@ -13,8 +13,9 @@ Skipping: with a static ``q_offset`` the kv loop of q block ``i`` runs only over
 the live blocks of ``MaskSpec.block_map`` (first to last live one), so blocks
 above the causal diagonal or outside the window are never computed. With a
 traced ``q_offset`` (a prefill chunk over a KV cache) the range is computed in
-the graph from the block's first and last query positions and ``kv_lengths``. Each tile evaluates the
-mask rule (``pallas_kernels.mask``) that :meth:`MaskSpec.dense` evaluates on the whole matrix.
+the graph from the block's first and last query positions and ``kv_lengths``.
+Each tile evaluates the mask rule (``pallas_kernels.mask``) that
+:meth:`MaskSpec.dense` evaluates on the whole matrix.
 
 GQA/MQA contract ``BTKGH,BSKH`` directly; K/V are never repeated. ALiBi slopes,
 segment ids, lengths and offsets get zero cotangents.
