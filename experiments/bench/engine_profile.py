@@ -23,7 +23,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
-import glob  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -35,14 +34,11 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import checkpoint_dir  # noqa: E402
-from timing import cpu_line  # noqa: E402
+from timing import cpu_line, xla_op_ns  # noqa: E402
 
 import jaxformer.decode.engine as eng  # noqa: E402
 from jaxformer.decode.sampling import SamplingParams  # noqa: E402
 from jaxformer.interop.hf import load_pretrained  # noqa: E402
-
-_RUNTIME = ("ThunkExecutor", "SlinkyThreadPool", "end: ", "ThreadpoolListener")
-
 
 def scenario_engine(name: str, cfg, graphdef, state, chunk: int, rng) -> tuple[eng.Engine, int]:
     """A fresh engine holding the scenario's requests, and how many steps to trace."""
@@ -89,19 +85,12 @@ def profile(name: str, cfg, graphdef, state, chunk: int):
                     t0 = time.perf_counter()
                     e.step()
                     walls.append(time.perf_counter() - t0)
-            data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+            op_ns = xla_op_ns(d, steps)
     finally:
         eng.engine_step = real
     shapes = [tuple(a[3].tokens.shape) + (a[3].tables.shape[1],) for a in calls]
     # one compiled step per shape; two modules may share an op name (then the first module's shape is shown)
     hlo = "\n".join({(id(a[0]), sh): real.lower(*a).compile().as_text() for a, sh in zip(calls, shapes)}.values())
-    op_ns = collections.Counter()
-    for plane in data.planes:
-        for line in plane.lines:
-            if line.name.startswith("tf_XLA"):
-                for ev in line.events:
-                    if not ev.name.startswith(_RUNTIME):
-                        op_ns[ev.name] += ev.duration_ns / steps
     out_shape = {}
     for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+\[[\d,]*\])", hlo, re.M):
         out_shape.setdefault(m[1], m[2])

@@ -51,3 +51,23 @@ def cpu_line() -> str:
     isa = " ".join(f for f in ISA_FLAGS if f in flags) or "none of " + " ".join(ISA_FLAGS)
     return (f"CPU: {model}, {os.cpu_count()} cores, ISA {isa}; load average "
             f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1 / 5 / 15 min)")
+
+
+XLA_RUNTIME_SPANS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener", "end: ")  # the executor's own
+
+
+def xla_op_ns(trace_dir: str, steps: int) -> dict[str, float]:
+    """Nanoseconds per step of each XLA CPU op in a ``jax.profiler.trace(trace_dir)`` of ``steps`` steps run
+    with ``--xla_cpu_enable_xprof_traceme=true``: ops by HLO instruction name, summed over XLA's threads."""
+    import collections
+    import glob
+
+    data = jax.profiler.ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+    op_ns = collections.Counter()
+    for plane in data.planes:
+        for line in plane.lines:
+            if line.name.startswith("tf_XLA"):
+                for ev in line.events:
+                    if not ev.name.startswith(XLA_RUNTIME_SPANS):
+                        op_ns[ev.name] += ev.duration_ns / steps
+    return op_ns

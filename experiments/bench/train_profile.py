@@ -22,7 +22,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
-import glob  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
@@ -35,10 +34,7 @@ from jaxformer.train import sharding as S  # noqa: E402
 from jaxformer.train.corpus import build_corpus  # noqa: E402
 from jaxformer.train.pipeline import TrainIterator  # noqa: E402
 from jaxformer.train.step import make_trainer  # noqa: E402
-from timing import cpu_line  # noqa: E402
-
-_RUNTIME = ("ThunkExecutor", "SlinkyThreadPool", "end: ")  # the executor's own spans, not ops
-
+from timing import cpu_line, xla_op_ns  # noqa: E402
 
 def _shapes(hlo: str) -> dict[str, list[int]]:
     return {m[1]: [int(d) for d in m[2].split(",") if d] for m in re.finditer(r"%([\w.\-]+) = \w+\[([\d,]*)\]", hlo)}
@@ -92,14 +88,7 @@ def profile_library(cfg, mesh, batch, steps: int):
             for _ in range(steps):
                 state, m = compiled(state, batch)
             jax.block_until_ready(state)
-        data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    op_ns = collections.Counter()
-    for plane in data.planes:
-        for line in plane.lines:
-            if line.name.startswith("tf_XLA"):
-                for ev in line.events:
-                    if not ev.name.startswith(_RUNTIME):
-                        op_ns[ev.name] += ev.duration_ns / steps
+        op_ns = xla_op_ns(d, steps)
     return classify_xla(op_ns, compiled.as_text())
 
 
