@@ -3,7 +3,8 @@ and output shape, for the three steps the speed issues are about (SmolLM2-135M's
 
 - ``prefill``: one 512-token prompt in chunks of ``--chunk`` (``run_prompts``' default 256);
 - ``batched-prefill``: 16 prompts of 128 tokens in chunks of 16 (the serving bench's steps that hold prefill);
-- ``decode``: 16 sequences decoding one token each (the serving bench's batch-16 decode steps).
+- ``decode``: 16 sequences decoding one token each (the serving bench's batch-16 decode steps);
+- ``decode-1``: one sequence decoding (``jaxformer generate`` with one prompt: the batch-1 figure).
 
     python experiments/bench/engine_profile.py [--scenario prefill batched-prefill decode] [--chunk 256]
 
@@ -48,11 +49,12 @@ def scenario_engine(name: str, cfg, graphdef, state, chunk: int, rng) -> tuple[e
                                                                                         temperature=0.0))
         return e, -(-512 // chunk)
     n_prompt, steps = (128, 4) if name == "batched-prefill" else (16, 8)
+    n_seq = 1 if name == "decode-1" else 16
     e = eng.Engine(graphdef, state, cfg, page_size=16, max_batch=16, chunk_size=16, max_context=256)
-    for _ in range(16):
+    for _ in range(n_seq):
         e.submit(list(map(int, rng.integers(3, cfg.vocab_size, n_prompt))),
                  SamplingParams(max_new_tokens=64, temperature=0.0))
-    if name == "decode":
+    if name.startswith("decode"):
         for _ in range(20):  # through the prompts (a 16-token prompt is one chunk), then 4 decode steps
             if e.running and all(len(r.generated) >= 4 for r in e.running):
                 break
@@ -104,7 +106,7 @@ def profile(name: str, cfg, graphdef, state, chunk: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scenario", nargs="+", default=["prefill", "batched-prefill", "decode"],
-                    choices=["prefill", "batched-prefill", "decode"])
+                    choices=["prefill", "batched-prefill", "decode", "decode-1"])
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk of the 'prefill' scenario")
     ap.add_argument("--top", type=int, default=16)
     args = ap.parse_args(argv)
