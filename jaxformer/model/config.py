@@ -220,8 +220,12 @@ class ModelConfig(BaseModel):
         "init_std, and norm.placement deepnorm always uses Xavier with its beta")
     param_dtype: Dtype = "float32"
     compute_dtype: Dtype = "float32"
-    remat: bool = False
-    scan_layers: bool = False
+    remat: bool = Field(False, description="recompute each block's activations in the backward pass. With "
+                        "scan_layers on the CPU it is also faster when the attention probabilities (N T^2 per "
+                        "sequence) outweigh the activations (T d_model): the scan otherwise stacks them per layer "
+                        "(48 layers of width 32 at T 128: 304 vs 419 ms a step; 24 x 64: 214 vs 275 ms unscanned)")
+    scan_layers: bool = Field(False, description="one block compiled and run by jax.lax.scan over the stacked "
+                              "layers (compile time independent of depth)")
     lora: LoRAConfig | None = Field(None, description="low-rank adapters on the projections (None: none)")
 
     @model_validator(mode="before")
