@@ -6,7 +6,7 @@ and output shape, for the three steps the speed issues are about (SmolLM2-135M's
 - ``decode``: 16 sequences decoding one token each (the serving bench's batch-16 decode steps);
 - ``decode-1``: one sequence decoding (``jaxformer generate`` with one prompt: the batch-1 figure).
 
-    python experiments/bench/engine_profile.py [--scenario prefill batched-prefill decode] [--chunk 256]
+    python experiments/bench/engine_profile.py [--scenario prefill batched-prefill decode decode-1] [--chunk 256]
 
 Each scenario builds an engine, runs its steps once to compile, then traces them under ``jax.profiler`` with
 ``--xla_cpu_enable_xprof_traceme=true`` (set here before JAX starts). The op names are looked up in the HLO of
@@ -55,7 +55,8 @@ def scenario_engine(name: str, cfg, graphdef, state, chunk: int, rng) -> tuple[e
         e.submit(list(map(int, rng.integers(3, cfg.vocab_size, n_prompt))),
                  SamplingParams(max_new_tokens=64, temperature=0.0))
     if name.startswith("decode"):
-        for _ in range(20):  # through the prompts (a 16-token prompt is one chunk), then 4 decode steps
+        # one prefill step (a 16-token prompt is one chunk; it samples the first token), then 3 decode steps
+        for _ in range(20):
             if e.running and all(len(r.generated) >= 4 for r in e.running):
                 break
             e.step()

@@ -315,9 +315,17 @@ class Engine:
     # -- requests
     def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, request_id=None) -> Hashable:
         """Queue a request; a bad one is answered at once with an error ``Result``. Returns its id."""
-        rid = next(self._ids) if request_id is None else request_id
-        if rid in self.results or any(r.rid == rid for r in itertools.chain(self.waiting, self.running)):
-            raise ValueError(f"request id {rid!r} is already in use")
+        def in_use(rid) -> bool:
+            return rid in self.results or any(r.rid == rid for r in itertools.chain(self.waiting, self.running))
+
+        if request_id is None:  # the next automatic id that no request (a caller-named one included) holds
+            rid = next(self._ids)
+            while in_use(rid):
+                rid = next(self._ids)
+        elif in_use(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        else:
+            rid = request_id
         params = SamplingParams() if params is None else params
         try:
             prompt = check_prompt(list(prompt), self.config)
@@ -456,10 +464,9 @@ class Engine:
             try:
                 copies += self.manager.prepare_write(req.rid, n)
             except OutOfPages:
-                victim = self._preempt_newest()
+                victim = self._preempt_newest()  # the last running request: not yet in the plan (running[:i])
                 if victim is req:
                     break
-                plan = [(r, k) for r, k in plan if r is not victim]
                 continue
             plan.append((req, n))
             i += 1

@@ -26,7 +26,7 @@ class PagedKVCache:
 
     ``k_pages, v_pages [K, P, L, H]``; ``block_tables int32 [B, M]``; ``lengths [B]``
     tokens already cached; ``num_new [B]`` how many of the chunk's ``T`` tokens are real
-    (the rest is padding and is not written). Decode (``T == 1``) attends through the
+    (the rest is padding and is not written; so is a token past the table's ``M * L`` positions). Decode (``T == 1``) attends through the
     paged-attention kernel; longer chunks gather the table's pages and use
     ``dot_product_attention`` with ``MaskSpec(causal, q_offset=lengths, kv_lengths=lengths+num_new)``.
     ``window`` W (static): each query sees only its last W keys (a sliding window). Tables
@@ -53,7 +53,9 @@ class PagedKVCache:
         M = self.block_tables.shape[1]
         pos = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
         page = jnp.take_along_axis(self.block_tables, jnp.minimum(pos // L, M - 1), axis=1)
-        page = jnp.where(jnp.arange(T)[None, :] < self.num_new[:, None], page, P)  # P: dropped
+        # P: dropped. Padding columns, and a token past the table's M * L positions (a table too narrow for
+        # the chunk: the lengths are traced, so it cannot be refused here), which would land on a cached row
+        page = jnp.where((jnp.arange(T)[None, :] < self.num_new[:, None]) & (pos < M * L), page, P)
         row = pos % L
 
         def put(pages, x):

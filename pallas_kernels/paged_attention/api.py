@@ -62,7 +62,8 @@ def paged_attention(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_tables
       k_pages, v_pages: ``[K, P, L, H]`` page pools (``N % K == 0``).
       block_tables: ``[B, M]`` int, page ids of each sequence's logical pages.
       lengths: ``[B]`` int, tokens in each sequence (``<= M * L``; 0 gives zeros).
-      scale: logits scale, default ``1/sqrt(H)``.
+      scale: logits scale, default ``1/sqrt(H)``; a traced one only with the "reference" and "xla" forms
+        (the kernels need a number: ValueError).
       alibi_slopes: ``[N]`` or ``[B, N]``; adds ``-slope * (lengths[b] - 1 - pos)``.
       softcap: logit soft-capping, applied before ALiBi.
       window: sliding window (static int): only keys at ``pos >= lengths[b] - window`` are seen,
@@ -85,7 +86,7 @@ def paged_attention(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_tables
     K = k_pages.shape[0]
     G = N // K
     M = block_tables.shape[1]
-    scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(H) if scale is None else scale
     if backend == "auto":
         platform = jax.default_backend()
         if platform in ("gpu", "tpu"):
@@ -99,6 +100,11 @@ def paged_attention(q: DecodeQuery, k_pages: Pages, v_pages: Pages, block_tables
         plain = paged_attention_reference if backend == "reference" else paged_attention_xla
         return plain(q, k_pages, v_pages, block_tables, lengths, scale=scale, alibi_slopes=alibi_slopes,
                      softcap=softcap, window=window)
+    try:  # the kernels close over the scale; the plain forms above also take a traced one
+        scale = float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        raise ValueError(f"paged_attention(backend={backend!r}) needs a static scale (a Python or NumPy number), "
+                         f"got {scale!r}; backend='reference' or 'xla' takes a traced one") from None
     pps = default_pages_per_split(M, B, K, num_splits, pages_per_split)
     slopes = None
     if alibi_slopes is not None:

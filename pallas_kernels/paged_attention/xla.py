@@ -7,7 +7,7 @@ product's rows, then swapped to ``[B, K, G, S]`` behind an optimisation barrier;
 ALiBi, mask, softmax) it is the reference's :func:`decode_weights`. The reference's gather of
 ``pages[:, tables]`` is fused by XLA into a bounds-checked loop that also transposes the keys for the logits'
 product, at 2-3 GB/s. On 2 Intel Xeon cores (SmolLM2-135M's shape, ``experiments/results/decode_cpu.md``) a
-batch-1 decode step at 4,096 cached tokens takes 72-74 ms this way against 114-126 ms; at 64 cached tokens
+batch-1 decode step at 4,096 cached tokens takes 72-86 ms this way against 114-133 ms; at 64 cached tokens
 it is ~4% slower, and at 16 sequences of 80 3-7% slower: so ``paged_attention(backend="auto")`` takes it on
 the CPU from ``XLA_MIN_POSITIONS`` table positions on, and the reference below that.
 """

@@ -114,6 +114,11 @@ def test_bad_requests_fail_alone(llama, alone):
     assert res[good].tokens == alone[0] and res[good2].tokens == alone[3]
     with pytest.raises(ValueError, match="already in use"):
         e.submit([1], request_id=good)
+    # an automatic id skips the ids callers chose (and those already given), never refusing its own pick
+    nxt = max(res) + 1  # the next automatic id
+    taken = {e.submit([1], request_id=n) for n in (nxt, nxt + 1, nxt + 3)}
+    auto = [e.submit([1]) for _ in range(3)]
+    assert len(set(auto)) == 3 and not set(auto) & (taken | set(res)), (auto, taken)
     small = eng.Engine(graphdef, state, cfg, **{**GEOMETRY, "num_pages": 4})
     rid = small.submit([1] * 14, SamplingParams(max_new_tokens=4))  # 17 tokens: 5 pages > 4
     assert "needs 5 pages of 4 tokens; the pool has 4" in small.results[rid].error

@@ -57,6 +57,18 @@ def test_paged_attend_equals_contiguous_attend(T, backend):
     np.testing.assert_array_equal(new.lengths, np.asarray(hist) + T)
 
 
+def test_write_drops_tokens_past_the_table_instead_of_overwriting_cached_ones():
+    """A table of one 4-token page holding 3 tokens, and a chunk of 2: the first fills the page's last row; the
+    second has no page and is dropped (clamped into the last page it would land on row 0, over token 0)."""
+    kp = jnp.asarray(np.arange(1, 1 + 2 * 3 * 4 * 1, dtype=np.float32).reshape(1, 3, 4, 2)[:, :3])  # K1 P3 L4 H2
+    cache = PagedKVCache(kp, kp, jnp.asarray([[1]], jnp.int32), jnp.asarray([3]), jnp.asarray([2]))
+    new = jnp.full((1, 2, 1, 2), -1.0, jnp.float32)
+    got = np.asarray(jax.jit(lambda c, k: c.write(k, k))(cache, new).k_pages)
+    want = np.asarray(kp).copy()
+    want[0, 1, 3] = -1.0  # position 3: page 1 (the table's only page), row 3
+    np.testing.assert_array_equal(got, want)
+
+
 def test_copy_pages_copies_every_layer_and_skips_padding():
     rng = np.random.default_rng(0)
     pools = [tuple(jnp.asarray(rng.normal(size=(K, 6, L, H)), jnp.float32) for _ in range(2)) for _ in range(2)]

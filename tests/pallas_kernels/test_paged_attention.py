@@ -247,6 +247,19 @@ def test_auto_backend_and_default_scale_against_float64_numpy():
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.no_typecheck  # the annotations say `scale: float`, as in ops.attention; a traced one works there too
+def test_traced_scale_with_the_plain_forms_and_a_clear_error_from_the_kernels():
+    """The reference and xla forms take a traced scale (as ``paged_attention_reference`` does); the Pallas kernels
+    close over it, so they refuse one with a ValueError naming it instead of a concretization error."""
+    q, kp, vp, tables, lengths, _ = make_case(5)
+    for backend in ("reference", "xla"):
+        got = jax.jit(lambda s: paged_attention(q, kp, vp, tables, lengths, scale=s, backend=backend))(0.3)
+        want = numpy_paged(q, kp, vp, tables, lengths, scale=0.3)
+        np.testing.assert_allclose(got, want, **TOL32)
+    with pytest.raises(ValueError, match="needs a static scale"):
+        jax.jit(lambda s: paged_attention(q, kp, vp, tables, lengths, scale=s, backend="gpu", interpret=True))(0.3)
+
+
 def _lowering_args(G=4, H=128):
     B, K, L, P, M = 4, 2, 16, 64, 8
     z = jnp.zeros
