@@ -26,8 +26,8 @@ class PagedKVCache:
 
     ``k_pages, v_pages [K, P, L, H]``; ``block_tables int32 [B, M]``; ``lengths [B]``
     tokens already cached; ``num_new [B]`` how many of the chunk's ``T`` tokens are real
-    (the rest is padding and is not written; so is a token past the table's ``M * L`` positions). Decode (``T == 1``) attends through the
-    paged-attention kernel; longer chunks gather the table's pages and use
+    (the rest is padding and is not written; nor is a token past the table's ``M * L`` positions).
+    Decode (``T == 1``) attends through the paged-attention kernel; longer chunks gather the table's pages and use
     ``dot_product_attention`` with ``MaskSpec(causal, q_offset=lengths, kv_lengths=lengths+num_new)``.
     ``window`` W (static): each query sees only its last W keys (a sliding window). Tables
     may start past dropped pages (``lengths`` then count from the table's first page).
