@@ -16,29 +16,14 @@ import argparse
 
 import jax
 import numpy as np
-from norms import alternate, iqr
+from norms import TrainCase, alternate, iqr
 from timing import cpu_line
 
-from jaxformer.train import config as C
-from jaxformer.train import sharding as S
-from jaxformer.train.corpus import build_corpus
-from jaxformer.train.pipeline import TrainIterator
-from jaxformer.train.step import make_trainer
 
-
-def step_fns(config: str, heads: list[int], batch: int) -> dict:
-    """The main job's model with each head count (kv heads equal: study 3's ``n_kv_heads: null``): a jitted
-    train step, its state and one batch, all from seed 0."""
-    out = {}
-    for n in heads:
-        cfg = C.load(config, [f"model.attention.n_heads={n}", "model.attention.n_kv_heads=null",
-                              f"batch_size={batch}", "mesh.data=1"])
-        trainer = make_trainer(cfg, S.make_mesh(cfg.mesh))
-        corpus = build_corpus(cfg.data)
-        batch_arrays = S.put_batch(next(TrainIterator(corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
-                                                      seed=0)), trainer.mesh)
-        out[n] = [trainer, trainer.init_state(0), batch_arrays, cfg]
-    return out
+def step_fns(config: str, heads: list[int], batch: int) -> dict[int, TrainCase]:
+    """The main job's model with each head count (kv heads equal: study 3's ``n_kv_heads: null``)."""
+    return {n: TrainCase(config, [f"model.attention.n_heads={n}", "model.attention.n_kv_heads=null",
+                                  f"batch_size={batch}"]) for n in heads}
 
 
 def main(argv=None) -> int:
@@ -56,16 +41,8 @@ def main(argv=None) -> int:
         p.error(f"--baseline {args.baseline} is not among --heads {args.heads}")
     steps = step_fns(args.config, args.heads, args.batch)
 
-    def run_step(n):
-        entry = steps[n]
-
-        def one():  # the step donates its state: thread it through
-            entry[1], m = entry[0].train_step(entry[1], entry[2])
-            return m["loss"]
-        return one
-
-    med, per = alternate({n: run_step(n) for n in args.heads}, lambda n: (), args.rounds, 2 if args.quick else 5)
-    cfg = steps[args.baseline][3]
+    med, per = alternate(steps, lambda n: (), args.rounds, 2 if args.quick else 5)
+    cfg = steps[args.baseline].cfg
     print(cpu_line())
     print(f"train step: {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, {args.batch} x {cfg.seq_len} "
           f"tokens; ratios against {args.baseline} heads")

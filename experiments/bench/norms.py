@@ -43,18 +43,27 @@ def op_fns(shape):
     return (x, scale, bias), fwd, bwd
 
 
-def step_fns(args):
-    """The main job's model (stdlib_bytes.yaml) with each norm: a jitted train step and one batch."""
-    out = {}
-    for norm in ("layernorm", "rmsnorm"):
-        cfg = C.load(args.config, [f"model.norm.kind={norm}", f"batch_size={args.batch}", "mesh.data=1"])
-        trainer = make_trainer(cfg, S.make_mesh(cfg.mesh))
-        state = trainer.init_state(0)
-        corpus = build_corpus(cfg.data)
-        batch = S.put_batch(next(TrainIterator(corpus, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=0)),
-                            trainer.mesh)
-        out[norm] = (trainer, state, batch, cfg)
-    return out
+class TrainCase:
+    """A jitted train step of ``config`` with ``overrides``, its state (seed 0) and one batch; calling it runs one
+    step and returns the loss, threading the state through (the step donates it)."""
+
+    def __init__(self, config: str, overrides: list[str]):
+        self.cfg = C.load(config, [*overrides, "mesh.data=1"])
+        self.trainer = make_trainer(self.cfg, S.make_mesh(self.cfg.mesh))
+        self.state = self.trainer.init_state(0)
+        it = TrainIterator(build_corpus(self.cfg.data), seq_len=self.cfg.seq_len, batch_size=self.cfg.batch_size,
+                           seed=0)
+        self.batch = S.put_batch(next(it), self.trainer.mesh)
+
+    def __call__(self):
+        self.state, m = self.trainer.train_step(self.state, self.batch)
+        return m["loss"]
+
+
+def step_fns(args) -> dict[str, TrainCase]:
+    """The main job's model (stdlib_bytes.yaml) with each norm."""
+    return {norm: TrainCase(args.config, [f"model.norm.kind={norm}", f"batch_size={args.batch}"])
+            for norm in ("layernorm", "rmsnorm")}
 
 
 def alternate(fns: dict, args_of, rounds: int, reps: int) -> tuple[dict, list[dict]]:
@@ -100,18 +109,8 @@ def main(argv=None) -> int:
         args.batch = 2
     steps = step_fns(args)
 
-    states = {k: v[1] for k, v in steps.items()}  # the step donates its state: thread it through
-
-    def run_step(k):
-        trainer, _, batch, _ = steps[k]
-
-        def one():
-            states[k], m = trainer.train_step(states[k], batch)
-            return m["loss"]
-        return one
-
-    med, per = alternate({k: run_step(k) for k in steps}, lambda k: (), rounds, 2 if args.quick else 5)
-    cfg = steps["layernorm"][3]
+    med, per = alternate(steps, lambda k: (), rounds, 2 if args.quick else 5)
+    cfg = steps["layernorm"].cfg
     rows.append((f"train step ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}, "
                  f"{args.batch} x {cfg.seq_len} tokens)", med["layernorm"], med["rmsnorm"], per))
 

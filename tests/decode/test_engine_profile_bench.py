@@ -14,17 +14,16 @@ def tiny():
     return (cfg, *init(cfg, jax.random.key(0)))
 
 
-@pytest.mark.parametrize("scenario, shapes", [
-    ("prefill", {(1, 256, 16), (1, 256, 32)}),  # 512 tokens in two chunks of 256: the table 256, then 512 wide
-    ("batched-prefill", {(16, 16, 16)}),         # 16 rows x 16 tokens, a table of 256 positions
-    ("decode", {(16, 1, 16)}),
-    ("decode-1", {(1, 1, 16)}),                  # one sequence: the batch-1 figure
+@pytest.mark.parametrize("scenario, shapes, steps", [
+    ("prefill", {(1, 256, 16), (1, 256, 32)}, 2),  # 512 tokens in two chunks of 256: the table 256, then 512 wide
+    ("batched-prefill", {(16, 16, 16)}, 4),         # 16 rows x 16 tokens, a table of 256 positions
+    ("decode", {(16, 1, 16)}, 8),
+    ("decode-1", {(1, 1, 16)}, 8),                  # one sequence: the batch-1 figure
 ])
-def test_scenarios_profile_their_steps(tiny, scenario, shapes):
+def test_scenarios_profile_their_steps(tiny, scenario, shapes, steps):
     bench = load_bench("engine_profile")
     walls, groups, calls = bench.profile(scenario, *tiny, chunk=256)
-    assert set(calls) == shapes and len(walls) == {"prefill": 2, "batched-prefill": 4, "decode": 8,
-                                                                 "decode-1": 8}[scenario]
+    assert set(calls) == shapes and len(walls) == steps
     total = sum(groups.values())
     named = sum(ns for k, ns in groups.items() if not k.endswith("?"))
     assert total > 0 and named > 0.9 * total, groups.most_common(5)
