@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -47,12 +48,34 @@ def cases(lengths, modes, repeats: int, mem_limit_gb: float):
 
 def fit(results, key: str, min_t: int = FIT_FROM) -> dict:
     """``{(impl, mode): exponent}`` of ``key`` (seconds or temp_bytes) vs T, over the lengths >= ``min_t``."""
+    return {k: bench.slope(v) for k, v in fit_points(results, key, min_t).items()}
+
+
+def slope_interval(points, confidence: float = 0.95) -> tuple[float, float] | None:
+    """The ``confidence`` interval of the least-squares slope of log(y) vs log(T) over ``points`` ``(T, y)``:
+    slope ± t(n - 2) x its standard error (the residuals' spread); None below 3 points."""
+    from jaxformer.study.stats import t_quantile
+
+    pts = [(math.log(t), math.log(y)) for t, y in points]
+    n = len(pts)
+    if n < 3:
+        return None
+    b = bench.slope(points)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    resid = sum((y - my - b * (x - mx)) ** 2 for x, y in pts)
+    half = t_quantile(0.5 + confidence / 2, n - 2) * math.sqrt(resid / (n - 2) / sxx)
+    return b - half, b + half
+
+
+def fit_points(results, key: str, min_t: int = FIT_FROM) -> dict:
+    """``{(impl, mode): [(T, value)]}`` that :func:`fit` fits."""
     out = {}
     for r in results:
         pts = out.setdefault((r["impl"], r["mode"]), [])
         if r["T"] >= min_t and r.get(key, 0) > 0 and "skipped" not in r and "error" not in r:
             pts.append((r["T"], r[key]))
-    return {k: bench.slope(v) for k, v in out.items()}
+    return out
 
 
 def plot(results, out: Path) -> list[str]:
@@ -106,9 +129,16 @@ def table(results) -> str:
         for min_t in sorted({FIT_FROM, shortest}, reverse=True):
             f = fit(results, key, min_t)
             span = f"T >= {min_t:,}" if min_t > shortest else "every T"
+            pts = fit_points(results, key, min_t)
             for mode in ("fwd", "fwd+bwd"):
-                cells = [f"{f[(i, mode)]:.2f}" if f.get((i, mode)) is not None else "-" for i in IMPLS]
+                cells = []
+                for i in IMPLS:
+                    b, ci = f.get((i, mode)), slope_interval(pts.get((i, mode), []))
+                    cells.append("-" if b is None else f"{b:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
                 lines.append(f"| {what} | {span} | {mode} | " + " | ".join(cells) + " |")
+    lines += ["", "[95% interval]: the least-squares slope's, Student's t with n - 2 degrees of freedom on the "
+              "residuals of the log-log fit (one median time per length: the spread of the points about a "
+              "straight line, not the timing noise of each point)"]
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxformer.study.rows import arms, label, mean_spread, probe, probe_keys, quick_warning, setting_color, settings
-from jaxformer.study.sweep import Sweep, chosen_values, format_value, tune_grid, tune_metric, tuning_results
+from jaxformer.study.sweep import Sweep, chosen_values, format_value, run_dir, tune_grid, tune_metric, tuning_results
 from jaxformer.train.metrics import read_metrics
 
 
@@ -60,12 +60,23 @@ def _x_positions(sweep: Sweep, ax) -> dict:
     return {json.dumps(v): float(i) for i, v in enumerate(values)}
 
 
+CURVE_PLOTS = ("loss_curves", "val_curves")  # drawn from each run directory's metrics.jsonl
+
+
 def draw_plots(sweep: Sweep, out: Path, rows: list[dict]) -> list[str]:
+    """Draw the sweep file's plots into ``out``; the names of the PNGs the report shows. A curve plot is not
+    redrawn while a row's run directory is missing (a report rebuilt from ``summary.jsonl`` alone): the
+    PNG drawn when the runs were there is kept and shown, not replaced by one with curves missing."""
     plt = _pyplot()
     made = []
     quick = quick_warning(rows)
     names = list(sweep.spec.report.plots) + (["tuning_curves"] if sweep.spec.tune is not None else [])
+    runs_missing = any(not (run_dir(out, r["name"]) / "metrics.jsonl").exists() for r in rows)
     for name in names:
+        if name in CURVE_PLOTS and runs_missing:
+            if (out / f"{name}.png").exists():
+                made.append(f"{name}.png")
+            continue
         fig = PLOT_FUNCTIONS[name](plt, sweep, out, rows)
         if fig is None:
             continue
@@ -84,7 +95,7 @@ def _plot_loss_curves(plt, sweep, out, rows):
     fig, ax = plt.subplots(figsize=(11 if many else 7, 4.5), layout="constrained")
 
     def curve(r):
-        return dict((m["step"], m["loss"]) for m in read_metrics(out / r["name"])
+        return dict((m["step"], m["loss"]) for m in read_metrics(run_dir(out, r["name"]))
                     if "loss" in m and isinstance(m["loss"], float))
 
     for values, rs in settings(sweep, rows):
@@ -174,7 +185,7 @@ def _plot_val_curves(plt, sweep, out, rows):
         for r in rs:
             if r["diverged"]:
                 continue
-            evals = [m for m in read_metrics(out / r["name"]) if isinstance(m.get(metric), (int, float))
+            evals = [m for m in read_metrics(run_dir(out, r["name"])) if isinstance(m.get(metric), (int, float))
                      and "final" in m]
             curves.append({m["step"]: m[metric] for m in evals if not m["final"]})
             finals += [(m["step"], m[metric]) for m in evals if m["final"]]
@@ -300,7 +311,8 @@ def _plot_probes(plt, sweep, out, rows):
             ax.set_yscale("log")
         ax.set_xlabel(x or "")
         ax.set_title(key, fontsize=9)
-    axes[0].legend(fontsize=6)
+    handles, labels = axes[0].get_legend_handles_labels()  # below the panels: never over a panel's points
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4) or 1, fontsize=6)
     fig.suptitle(f"{sweep.name} probes: open / dashed at init, filled / solid after training", fontsize=9)
     return fig
 

@@ -23,12 +23,13 @@ across every plot (and in each PNG's ``Title`` metadata), so it is never read as
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from jaxformer.study.plots import draw_plots
+from jaxformer.study.plots import CURVE_PLOTS, draw_plots
 from jaxformer.study.rows import arms, fmt, gather, label, mean_spread, probe, probe_keys, quick_warning, setting_key, settings
 from jaxformer.study.stats import PairedDifference, paired_difference
-from jaxformer.study.sweep import Sweep, chosen_values, format_value, tune_grid, tune_metric, tuning_results
+from jaxformer.study.sweep import Sweep, chosen_values, format_value, read_rows, run_dir, tune_grid, tune_metric, tuning_results
 
 
 def baseline_of(sweep: Sweep, values: dict) -> dict | None:
@@ -108,26 +109,43 @@ def tuning_lines(sweep: Sweep, out: Path) -> list[str]:
     return lines
 
 
+SUPERSEDED = "superseded.jsonl"
+
+
 def write_report(sweep: Sweep, out: str | Path) -> Path:
-    """Write ``summary.jsonl``, ``report.md`` and the plots into ``out``; returns the report's path."""
+    """Write ``summary.jsonl`` (``tuning.jsonl`` with ``tune:``), ``report.md`` and the plots into ``out``;
+    returns the report's path. The rows come from the run directories, else from the row files as they were
+    (:func:`jaxformer.study.sweep.read_point`), so a report rebuilt from ``summary.jsonl`` alone reproduces
+    its tables; a row of the old files that is not one of the sweep's points as its file now defines them
+    (another config, a renamed point) is moved to ``superseded.jsonl``, never dropped."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = gather(sweep, out)
-    with (out / "summary.jsonl").open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    files = {"summary.jsonl": gather(sweep, out)}
     if sweep.spec.tune is not None:
-        with (out / "tuning.jsonl").open("w") as f:
-            for r in gather(sweep, out, tuning=True):
-                f.write(json.dumps(r) + "\n")
+        files["tuning.jsonl"] = gather(sweep, out, tuning=True)
+    reported = {r["name"]: r for rows in files.values() for r in rows}
+    superseded = [r for name in files for r in read_rows(out / name) if r["name"] not in reported]
+    if superseded:
+        _write_rows(out / SUPERSEDED, read_rows(out / SUPERSEDED) + superseded)
+    for name, rows in files.items():
+        _write_rows(out / name, rows)
+    rows = files["summary.jsonl"]
     plots = draw_plots(sweep, out, rows) if rows else []
     path = out / "report.md"
-    path.write_text(report_markdown(sweep, rows, plots, out=out))
+    path.write_text(report_markdown(sweep, rows, plots, out=out, superseded=len(superseded)))
     return path
 
 
-def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str], *, out: Path | None = None) -> str:
-    """The report's text (``out``: the sweep's directory, where the tuning rows are read from)."""
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+
+
+def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str], *, out: Path | None = None,
+                    superseded: int = 0) -> str:
+    """The report's text (``out``: the sweep's directory, where the tuning rows are read from;
+    ``superseded``: how many old rows this report moved to ``superseded.jsonl``)."""
     spec, keys = sweep.spec, sweep.spec.varied
     metric = spec.report.metric
     n_seeds = len(spec.seeds)
@@ -168,9 +186,9 @@ def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str], *, out: Pa
                 evs = [r.get("eval_lengths", {}).get(str(n), {}) for r in rs if not r["diverged"]]
                 cells.append(fmt(*mean_spread([e.get(metric) for e in evs])))
             lines.append("| " + " | ".join(cells) + " |")
-    if spec.probes:
+    if spec.probes and probe_keys(rows):
         lines += ["", "Probes (attention: mean over layers, one validation batch; dead_fraction: FFN units never "
-                  "positive on the validation windows): at initialisation → after training", ""]
+                  "positive on the validation windows, ReLU FFNs only): at initialisation → after training", ""]
         pkeys = probe_keys(rows)
         head = [k.split(".")[-1] for k in keys] + pkeys
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -195,6 +213,14 @@ def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str], *, out: Pa
             lines.append("| " + " | ".join(cells) + " |")
     if spec.tune is not None and out is not None:
         lines += tuning_lines(sweep, out)
+    missing = [r["name"] for r in rows if out is not None and not (run_dir(out, r["name"]) / "metrics.jsonl").exists()]
+    if missing:
+        lines += ["", f"{len(missing)} of {len(rows)} rows come from the row files alone (no run directory here "
+                  f"with their metrics.jsonl, e.g. `{missing[0]}`): the tables above are theirs; the curve plots "
+                  f"({', '.join(f'{n}.png' for n in CURVE_PLOTS)}) were not redrawn"]
+    if superseded:
+        lines += ["", f"{superseded} row(s) of the previous row files are not points of the sweep file as it now "
+                  f"reads (another config, or renamed): moved to `{SUPERSEDED}`, not reported"]
     if plots:
         lines += [""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
@@ -207,7 +233,8 @@ def add_sweep_options(a) -> None:
     a("--shard", help="I/N: run points I, I+N, I+2N, ... (a job array); --report gathers all shards")
     a("--dry-run", action="store_true", help="list the points and their resolved configs; run nothing")
     a("--quick", action="store_true", help="each point for a few steps with tiny evaluations (smoke test)")
-    a("--report", action="store_true", help="only gather what the points wrote into the report")
+    a("--report", action="store_true", help="only gather what the points wrote into the report (their run "
+      "directories, else the rows of --out's summary.jsonl / tuning.jsonl: the tables rebuild from those alone)")
 
 
 def sweep_command(args) -> int:

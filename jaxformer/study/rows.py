@@ -16,7 +16,8 @@ PROBE_KEYS = ("logit_var", "entropy_ratio", "max_weight", "qk_grad_norm", "grad_
 
 def probe_keys(rows: list[dict]) -> list[str]:
     """The probe columns the rows have (attention statistics and/or dead FFN units)."""
-    have = {k for r in rows for when in r.get("probes", {}).values() for k in when}
+    have = {k for r in rows for when, vals in r.get("probes", {}).items() for k in vals
+            if probe(r, when, k) is not None}
     return [k for k in PROBE_KEYS if k in have]
 
 
@@ -66,8 +67,16 @@ def settings(sweep: Sweep, rows: list[dict]) -> list[tuple[dict, list[dict]]]:
     return [g for g in groups.values() if g[1]]
 
 
+DEAD_KEYS = ("dead_fraction", "dead_fraction_layers")
+
+
 def probe(row: dict, when: str, key: str) -> float | None:
-    """A probe value of a row (None where the row lacks it: diverged, or another set of probes)."""
+    """A probe value of a row (None where the row lacks it: diverged, or another set of probes). The dead-unit
+    fraction only for a ReLU FFN (rows without a config: as recorded): with GeLU, SiLU or a gated FFN a unit
+    never positive on the data still passes a gradient, so it is not dead, and the row keeps the count unread."""
+    if key in DEAD_KEYS and (row.get("config") or {}).get("model", {}).get("ffn", {}).get("activation",
+                                                                                          "relu") != "relu":
+        return None
     return row.get("probes", {}).get(when, {}).get(key)
 
 

@@ -32,7 +32,9 @@ whose config is that of a finished tuning point (the same seed at the chosen val
 that run directory is copied, its row recorded with ``copy_of`` naming the tuning point (training is
 deterministic for a given config, so a second run would repeat the first).
 ``shard=(i, n)`` runs points ``i, i+n, i+2n, ...`` of the tuning points followed by the final ones (a job array);
-:func:`jaxformer.study.report.write_report` gathers what every shard wrote. A run that diverges
+:func:`jaxformer.study.report.write_report` gathers what every shard wrote (a point without a run directory
+there, from the row ``summary.jsonl`` or ``tuning.jsonl`` recorded for it: :func:`read_point`; the runner
+itself only counts run directories as finished). A run that diverges
 (non-finite loss, or its last train losses above its first by ``divergence_margin``: :func:`blew_up`)
 is recorded as diverged, and the sweep goes on; the train-loss verdict of a finished point is taken again
 from its logged losses whenever the sweep reads it, so changing the margin never needs a re-run.
@@ -323,14 +325,16 @@ def tune_metric(sweep: Sweep) -> str:
     return sweep.spec.tune.metric or sweep.spec.report.metric
 
 
-def tuning_results(sweep: Sweep, out: Path, values: dict) -> list[tuple[dict, float | None, list[dict]]]:
+def tuning_results(sweep: Sweep, out: Path, values: dict, *, recorded: bool = True
+                   ) -> list[tuple[dict, float | None, list[dict]]]:
     """``(tuned values, mean metric over the tuning seeds or None, rows)`` per combination of one arm; a
-    diverged or unfinished run counts as no value (None when any seed lacks one)."""
+    diverged or unfinished run counts as no value (None when any seed lacks one); ``recorded``: as
+    :func:`read_point`."""
     metric = tune_metric(sweep)
     by: dict[str, tuple[dict, list[dict | None]]] = {}
     for p in sweep.tune_points:
         if p.values == values:
-            row = read_point(sweep, out, p)
+            row = read_point(sweep, out, p, recorded=recorded)
             by.setdefault(json.dumps(p.tuned, sort_keys=True), (p.tuned, []))[1].append(row)
     results = []
     for tuned, rows in by.values():
@@ -340,11 +344,11 @@ def tuning_results(sweep: Sweep, out: Path, values: dict) -> list[tuple[dict, fl
     return results
 
 
-def chosen_values(sweep: Sweep, out: Path, values: dict) -> dict | None:
+def chosen_values(sweep: Sweep, out: Path, values: dict, *, recorded: bool = True) -> dict | None:
     """The tuned values an arm's final points run at: the combination with the best mean tuning metric
     (ties: the first listed; combinations that diverged are never chosen), or None while any of its tuning
     points is unfinished. ValueError when every combination diverged."""
-    results = tuning_results(sweep, out, values)
+    results = tuning_results(sweep, out, values, recorded=recorded)
     n_seeds = sweep.spec.tune.seeds
     if any(len(rows) < n_seeds for _, _, rows in results):
         return None
@@ -356,12 +360,12 @@ def chosen_values(sweep: Sweep, out: Path, values: dict) -> dict | None:
     return min(scored, key=lambda x: (sign * x[0], x[1]))[2]
 
 
-def tuned_point(sweep: Sweep, point: Point, out: Path) -> Point | None:
+def tuned_point(sweep: Sweep, point: Point, out: Path, *, recorded: bool = True) -> Point | None:
     """A final point with its arm's chosen tuned values in its config (itself without ``tune:``), or None
     while its arm's tuning is unfinished (other shards may still be running it)."""
     if sweep.spec.tune is None or point.tuning:
         return point
-    chosen = chosen_values(sweep, out, point.values)
+    chosen = chosen_values(sweep, out, point.values, recorded=recorded)
     if chosen is None:
         return None
     cfg = sweep.config({**point.values, **chosen}, point.seed, f"{sweep.path} (point {point.name})")
@@ -408,13 +412,70 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def read_point(sweep: Sweep, out: Path, point: Point) -> dict | None:
+ROW_FILES = ("summary.jsonl", "tuning.jsonl")  # what a report writes: the rows, final and tuning
+
+
+def read_point(sweep: Sweep, out: Path, point: Point, *, recorded: bool = True) -> dict | None:
     """A finished point's row (None when unfinished), its train-loss divergence judged with the sweep
-    file's ``divergence_margin``."""
-    path = out / point.name / POINT_FILE
-    if not path.exists():
+    file's ``divergence_margin`` (:func:`run_dir` says where). Without its run directory, the row ``out``'s
+    ``summary.jsonl`` or ``tuning.jsonl`` recorded for it (:func:`recorded_row`): a study's committed results
+    keep the rows, not always the runs, and a report rebuilt from them must neither lose them nor invent any.
+    ``recorded=False`` (what :func:`run_sweep` reads): run directories only, so a point whose directory was
+    deleted runs again."""
+    where = run_dir(out, point.name)
+    if not (where / POINT_FILE).exists():
+        return recorded_row(sweep, out, point) if recorded else None
+    return rejudged(json.loads((where / POINT_FILE).read_text()), where, sweep.spec.divergence_margin)
+
+
+def run_dir(out: Path, name: str) -> Path:
+    """Where point ``name``'s finished run is read from: ``out/name``, or ``out/points/name`` where only that
+    holds one (a study's committed results keep each run's sweep_point.json and metrics.jsonl there)."""
+    here, kept = out / name, out / "points" / name
+    return kept if not (here / POINT_FILE).exists() and (kept / POINT_FILE).exists() else here
+
+
+def recorded_row(sweep: Sweep, out: Path, point: Point) -> dict | None:
+    """``point``'s row in ``out``'s row files, as recorded (its divergence verdict included), if its saved
+    config is the one the sweep file gives that point now (at the row's own tuned values, which must be its
+    arm's choice where that is known; a ``--quick`` row at the quick config); else None, so a row of an older
+    design of the sweep is never reported as new."""
+    row = _recorded(out).get(point.name)
+    if row is None or row.get("config") is None or bool(row.get("tuning")) != point.tuning:
         return None
-    return rejudged(json.loads(path.read_text()), out / point.name, sweep.spec.divergence_margin)
+    if sweep.spec.tune is not None and not point.tuning:  # a final row at a value its arm no longer chooses
+        try:
+            chosen = chosen_values(sweep, out, point.values)
+        except ValueError:
+            chosen = None
+        if chosen is not None and row.get("tuned") != chosen:
+            return None
+    cfg = sweep.config({**point.values, **(row.get("tuned") or {})}, point.seed, f"{sweep.path} ({point.name})")
+    try:
+        saved = C.from_dict(row["config"], f"{out} ({point.name})")
+    except C.ConfigError:  # a config of a schema the library no longer reads: not this point's
+        return None
+    return None if C.diff(saved, quick_config(cfg) if row.get("quick") else cfg) else copy.deepcopy(row)
+
+
+def _recorded(out: Path) -> dict[str, dict]:
+    """Every row of ``out``'s row files by point name (re-read when a file changes)."""
+    stamp = tuple((f.stat().st_mtime_ns, f.stat().st_size) if f.exists() else None
+                  for f in (out / n for n in ROW_FILES))
+    key = str(out.resolve())
+    if _RECORDED.get(key, (None,))[0] != stamp:
+        _RECORDED[key] = (stamp, {r["name"]: r for n in ROW_FILES for r in read_rows(out / n)})
+    return _RECORDED[key][1]
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The named rows of a row file (none when it does not exist)."""
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if isinstance(r, dict) and "name" in r]
+
+
+_RECORDED: dict[str, tuple[tuple, dict[str, dict]]] = {}
 
 
 def rejudged(row: dict, run_dir: Path, margin: float | None) -> dict:
@@ -457,18 +518,22 @@ def run_sweep(sweep: Sweep, out: str | Path, *, shard: tuple[int, int] = (0, 1),
     out.mkdir(parents=True, exist_ok=True)
     mine = shard_points(sweep.tune_points + sweep.points, shard)  # tuning first: final points need it
     for point in mine:  # refuse before any work if a finished point disagrees with the sweep file
-        done = read_point(sweep, out, point)
-        if done is not None and (resolved := tuned_point(sweep, point, out)) is not None:
+        done = read_point(sweep, out, point, recorded=False)
+        if done is not None and (resolved := tuned_point(sweep, point, out, recorded=False)) is not None:
             check_finished(resolved, done, quick_config(resolved.config) if quick else resolved.config, quick,
                            out / point.name / POINT_FILE)
     rows, waiting = [], []
     for i, point in enumerate(mine, 1):
-        done = read_point(sweep, out, point)
+        done = read_point(sweep, out, point, recorded=False)
         if done is not None:
+            # a final point's arm may have finished its tuning in this very run, after the check above
+            if not point.tuning and (resolved := tuned_point(sweep, point, out, recorded=False)) is not None:
+                check_finished(resolved, done, quick_config(resolved.config) if quick else resolved.config, quick,
+                               out / point.name / POINT_FILE)
             say(f"[{i}/{len(mine)}] {point.name}: finished, skipped")
             rows.append(done)
             continue
-        resolved = tuned_point(sweep, point, out)
+        resolved = tuned_point(sweep, point, out, recorded=False)
         if resolved is None:
             say(f"[{i}/{len(mine)}] {point.name}: its arm's tuning points are not all finished (another shard?); "
                 "skipped for now")

@@ -74,3 +74,26 @@ def test_within_noise_and_format():
     assert clear.lo > 0
     with pytest.raises(ValueError, match="confidence"):
         paired_difference({0: 1.0}, {0: 1.0}, confidence=1.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n", [3, 4, 6])
+def test_long_context_slope_interval_equals_scipy_linregress(seed, n):
+    """Study 9's exponent intervals: slope ± t(n - 2) x the slope's standard error, as scipy computes them."""
+    import importlib.util
+    from pathlib import Path
+
+    from scipy import stats
+
+    path = Path(__file__).resolve().parents[2] / "experiments" / "studies" / "long_context.py"
+    spec = importlib.util.spec_from_file_location("long_context_study", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    rng = np.random.default_rng(seed)
+    T = 2048 * 2 ** np.arange(n)
+    y = 1e-9 * T ** rng.uniform(1, 2.2) * np.exp(rng.normal(0, 0.2, n))
+    lo, hi = study.slope_interval(list(zip(T.tolist(), y.tolist())))
+    ref = stats.linregress(np.log(T), np.log(y))
+    half = stats.t.ppf(0.975, n - 2) * ref.stderr
+    assert (lo, hi) == pytest.approx((ref.slope - half, ref.slope + half), rel=1e-9, abs=1e-12)
+    assert study.slope_interval(list(zip(T.tolist(), y.tolist()))[:2]) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -119,6 +120,88 @@ def test_a_sweep_resumes_elsewhere_from_its_points_rows_and_metrics(tmp_path, fa
     S.run_sweep(sweep, moved, say=said.append)
     assert len(fake_training) == ran and all("finished, skipped" in s for s in said)
     assert write_report(sweep, moved).read_text() == first
+
+
+def test_a_report_rebuilds_from_its_row_files_alone(tmp_path, fake_training):
+    """A study's committed results may keep summary.jsonl and tuning.jsonl without the run directories:
+    `--report` there reproduces every table, keeps both files' rows and the curve plots drawn from the runs;
+    a row the sweep file no longer gives (its config changed) is moved to superseded.jsonl, not reported."""
+    from jaxformer.cli import main
+
+    path = write_sweep(tmp_path, {"axes": {"model.position": ["rope", "alibi"]}, "seeds": [0, 1, 2],
+                                  "tune": {"keys": {"optimizer.lr": [1e-3, 3e-3, 1e-2]}},
+                                  "report": {"plots": ["loss_curves", "final_metric"],
+                                             "baseline": {"model.position": "rope"}}})
+    sweep = S.load_sweep(path)
+    out, rows_only = tmp_path / "out", tmp_path / "rows_only"
+    S.run_sweep(sweep, out, say=lambda s: None)
+    for p in sweep.tune_points + sweep.points:
+        (out / p.name / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0 + p.seed}) + "\n")
+    first = write_report(sweep, out).read_text()
+    rows_only.mkdir()
+    for name in ("summary.jsonl", "tuning.jsonl", "loss_curves.png"):
+        (rows_only / name).write_bytes((out / name).read_bytes())
+    curves = (out / "loss_curves.png").read_bytes()
+    assert main(["sweep", str(path), "--out", str(rows_only), "--report"]) == 0
+    for name in ("summary.jsonl", "tuning.jsonl"):
+        assert S.read_rows(rows_only / name) == S.read_rows(out / name) and len(S.read_rows(out / name)) == 6
+    rebuilt = (rows_only / "report.md").read_text()
+    note = "6 of 6 rows come from the row files alone"
+    assert note in rebuilt and note not in first
+    line = next(x for x in rebuilt.splitlines() if x.startswith(note))
+    assert rebuilt.replace(f"\n\n{line}", "") == first  # every table as it was
+    assert (rows_only / "loss_curves.png").read_bytes() == curves and (rows_only / "final_metric.png").exists()
+    assert not (rows_only / "superseded.jsonl").exists()
+    kept = tmp_path / "kept"  # the committed layout: each run's row and metrics under points/
+    for p in sweep.tune_points + sweep.points:
+        (kept / "points" / p.name).mkdir(parents=True)
+        for name in (S.POINT_FILE, "metrics.jsonl"):
+            (kept / "points" / p.name / name).write_bytes((out / p.name / name).read_bytes())
+    assert write_report(sweep, kept).read_text() == first
+    assert (kept / "loss_curves.png").read_bytes() == curves
+
+    stale = S.read_rows(rows_only / "summary.jsonl")
+    stale[4]["config"]["steps"] += 1  # as if the sweep file had changed since that row was run
+    (rows_only / "summary.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stale))
+    assert main(["sweep", str(path), "--out", str(rows_only), "--report"]) == 0
+    kept = S.read_rows(rows_only / "summary.jsonl")
+    assert [r["name"] for r in kept] == [r["name"] for r in stale if r is not stale[4]]
+    assert S.read_rows(rows_only / "superseded.jsonl") == [stale[4]]
+    assert "5 of 6 points finished" in (rows_only / "report.md").read_text()
+    assert "moved to `superseded.jsonl`" in (rows_only / "report.md").read_text()
+
+
+def test_final_runs_at_a_value_the_tuning_no_longer_chooses_are_not_results(tmp_path, fake_training, monkeypatch):
+    """Tuning finished again with another best value (a re-run tuning point): the finished final runs of that
+    arm are refused, naming the key, also when the tuning finished in the same invocation; in a report
+    rebuilt from the row files alone they are moved to superseded.jsonl."""
+    path = tune_sweep(tmp_path)
+    sweep = S.load_sweep(path)
+    out, rows_only = tmp_path / "out", tmp_path / "rows_only"
+    S.run_sweep(sweep, out, say=lambda s: None)
+    write_report(sweep, out)
+    rows_only.mkdir()
+    for name in ("summary.jsonl", "tuning.jsonl"):
+        (rows_only / name).write_bytes((out / name).read_bytes())
+    monkeypatch.setitem(BEST, "alibi", 1e-3)  # alibi's tuning run at 1e-3, run again, now wins
+    stale = S.point_name({"model.position": "alibi"}, 0)
+    shutil.rmtree(out / f"tune-{S.point_name({'model.position': 'alibi', 'optimizer.lr': 1e-3}, 0)}")
+    with pytest.raises(C.ConfigError, match=rf"point {stale} finished with another config: optimizer.lr "
+                                            r"\(saved 0.01, now 0.001\)"):
+        S.run_sweep(sweep, out, say=lambda s: None)
+    tuning = S.read_rows(rows_only / "tuning.jsonl")
+    for r in tuning:
+        if r["values"] == {"model.position": "alibi"} and r["tuned"] == {"optimizer.lr": 1e-3}:
+            r["val_bpb"] = 0.5
+    (rows_only / "tuning.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tuning))
+    report = write_report(sweep, rows_only).read_text()
+    assert "3 of 6 points finished" in report and "moved to `superseded.jsonl`" in report
+    assert sorted(r["name"] for r in S.read_rows(rows_only / "superseded.jsonl")) == [
+        S.point_name({"model.position": "alibi"}, seed) for seed in range(3)]
+    # the sweep runs only where run directories are (recorded rows are not runs): every point runs again here
+    S.run_sweep(sweep, rows_only, say=lambda s: None)
+    assert all(S.read_point(sweep, rows_only, p)["tuned"] == {"optimizer.lr": 1e-3} for p in sweep.points
+               if p.values == {"model.position": "alibi"})
 
 
 def test_shards_wait_for_tuning_run_elsewhere_then_finish(tmp_path, fake_training):
@@ -304,3 +387,26 @@ def test_final_metric_and_probe_points_are_joined_only_on_a_numeric_axis(tmp_pat
         if name == "final_metric":
             np.testing.assert_allclose(np.asarray(lines[0].get_ydata(), float), [2.0, 2.1, 2.2], rtol=1e-12)
         plt.close(fig)
+
+
+def test_dead_units_are_reported_for_relu_ffns_only(tmp_path):
+    """Issue 25: a unit that is never positive is dead only under ReLU (zero gradient below 0); with GeLU or a
+    gated FFN it still learns, so the report's table and the probe plot show dead_fraction for ReLU arms alone
+    (the raw rows keep the count), and drop the column when no arm is ReLU."""
+    import matplotlib.pyplot as plt
+
+    from jaxformer.study import plots as P
+
+    sweep = S.load_sweep(write_sweep(tmp_path, {"axes": {"model.activation": ["relu", "gelu", "swiglu"]},
+                                                "seeds": [0], "probes": ["mlp"], "report": {"plots": ["probes"]}}))
+    rows = [{"name": p.name, "values": p.values, "seed": p.seed, "params": 1, "diverged": False, "val_bpb": 2.0,
+             "quick": False, "config": C.to_dict(p.config),
+             "probes": {"init": {"dead_fraction": 0.25 + i}, "final": {"dead_fraction": 0.5 + i}}}
+            for i, p in enumerate(sweep.points)]
+    table = report_markdown(sweep, rows, [])
+    assert "| relu | 0.25 → 0.5 |" in table and "| gelu | n/a → n/a |" in table and "| swiglu | n/a → n/a |" in table
+    fig = P.PLOT_FUNCTIONS["probes"](plt, sweep, tmp_path, rows)
+    plotted = sorted(float(y) for ln in fig.axes[0].get_lines() for y in ln.get_ydata())
+    assert plotted == [0.25, 0.5]
+    plt.close(fig)
+    assert "dead_fraction" not in report_markdown(sweep, rows[1:], [])
