@@ -9,11 +9,11 @@ checkpoint has no EOS) to a real ``jaxformer serve`` process, as a Poisson proce
 request throughput, output tokens/s, time to first token (TTFT), time per output token after the first
 (TPOT, per request) and inter-token latency (ITL, every gap between streamed tokens), mean / median / p99, and
 the requests that failed; first the same requests one at a time (an idle server: the TTFT baseline). Then,
-in this process without HTTP, on one engine of the server's geometry: the same requests one after another
-(``jaxformer generate``'s engine serving one prompt at a time, without its process start and compilation)
-and all at once (the engine's own ceiling), each also with ``feature_major=False`` (the engine's matmuls in
-the training layout: what the feature-major steps gain), the two engines taking turns for ``--repeats``
-rounds (medians), with every engine step timed by kind.
+in this process without HTTP: the same requests one after another on an engine of ``jaxformer generate``'s
+geometry (its prefill chunks of ``GenerateOptions.chunk_size`` = 256 tokens: one prompt at a time, without
+its process start and compilation) and all at once on one of the server's (the engine's own ceiling), each
+also with ``feature_major=False`` (the engine's matmuls in the training layout: what the feature-major steps
+gain), the engines taking turns for ``--repeats`` rounds (medians), with every engine step timed by kind.
 
 The model: a random checkpoint of SmolLM2-135M's shape (a Llama, 30 layers, d 576, GQA 9:3, vocabulary
 49,152) written by jaxformer's own ``save_pretrained`` with a word-level tokenizer (``t0 .. t49151``), or with
@@ -46,6 +46,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import cpu_line  # noqa: E402  (the CPU model, ISA flags, cores and load average)
+
+from jaxformer.decode.prompts import GenerateOptions  # noqa: E402  (generate's prefill chunk: the baseline's)
 
 SMOLLM2_135M = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
                     intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -237,11 +239,12 @@ def profile_lines(profiles: dict[str, collections.Counter]) -> list[str]:
 
 
 def in_process(model: Path, requests, max_batch: int, max_context: int, chunk_size: int, repeats: int = 2) -> dict:
-    """The requests without HTTP, on engines of the server's geometry (every step shape compiled first, as the
-    server's ``--precompile``): the default engine (feature-major steps on the CPU) and one with
-    ``feature_major=False`` (every matmul in the training layout), taking turns, ``repeats`` rounds: one after
-    another (each run to its end before the next is submitted: what ``jaxformer generate`` does for one prompt,
-    minus its process start and compilation), and all submitted at once (the engine's own ceiling). Returns
+    """The requests without HTTP (every step shape compiled first, as the server's ``--precompile``): the
+    default engine (feature-major steps on the CPU) and one with ``feature_major=False`` (every matmul in the
+    training layout), taking turns, ``repeats`` rounds: one after another at ``jaxformer generate``'s prefill
+    chunk (each run to its end before the next is submitted: what ``jaxformer generate`` does for one prompt,
+    minus its process start and compilation), and all submitted at once at the server's ``chunk_size`` (the
+    engine's own ceiling). Returns
     ``{engine: {"sequential" | "engine": (output tokens/s, seconds), "profile": {mode: Counter}}}``, the
     medians over the rounds (the engines take turns, each going first every other round), the profile summed
     over rounds (:func:`run_profiled`), ``"copies"`` whether the engine's step model got FFN copies."""
@@ -250,17 +253,19 @@ def in_process(model: Path, requests, max_batch: int, max_context: int, chunk_si
     from jaxformer.serve.server import build_engine
 
     config, graphdef, state, _ = load_hf_decoder(str(model), dtype="float32", command="generate")
-    engines = {name: build_engine(graphdef, state, config, max_batch=max_batch, max_context=max_context,
-                                  chunk_size=chunk_size, feature_major=fm)
-               for name, fm in (("default", None), ("feature_major=False", False))}
+    chunks = {"sequential": GenerateOptions.chunk_size, "engine": chunk_size}  # generate's, the server's
+    engines = {(name, key): build_engine(graphdef, state, config, max_batch=max_batch, max_context=max_context,
+                                         chunk_size=chunks[key], feature_major=fm)
+               for name, fm in (("default", None), ("feature_major=False", False)) for key in chunks}
     for engine in engines.values():
         engine.compile_all()
+    names = ("default", "feature_major=False")
     out = {name: {"profile": {"one after another": collections.Counter(), "all at once": collections.Counter()},
-                  "sequential": [], "engine": []} for name in engines}
+                  "sequential": [], "engine": []} for name in names}
     total = sum(n for _, n in requests)
     for r in range(repeats):
         for key, mode in (("sequential", "one after another"), ("engine", "all at once")):
-            turns = list(engines.items())
+            turns = [(name, engines[name, key]) for name in names]
             for name, engine in turns if r % 2 == 0 else turns[::-1]:  # in turns, each first every other round
                 profile = out[name]["profile"][mode]
                 t0 = time.perf_counter()
@@ -276,8 +281,8 @@ def in_process(model: Path, requests, max_batch: int, max_context: int, chunk_si
     for name, res in out.items():
         for key in ("sequential", "engine"):
             res[key] = tuple(statistics.median(x) for x in zip(*res[key]))  # (tokens/s, seconds), each's median
-        fm = engines[name]._feature_major  # made at the first call of 2-32 rows, if the runs had one
-        res["copies"] = fm is not None and fm[0] is not engines[name]._plain[0]
+        fm = engines[name, "engine"]._feature_major  # made at the first call of 2-32 rows, if the runs had one
+        res["copies"] = fm is not None and fm[0] is not engines[name, "engine"]._plain[0]
     return out
 
 
@@ -342,9 +347,8 @@ def main(argv=None) -> int:
     for label, s in rows:
         lines.append(f"| {label} | {s['req_s']:.2f} | {s['tok_s']:.1f} | {stats(s['ttft'])} | {stats(s['tpot'])} | "
                      f"{stats(s['itl'])} | {s['failed']} of {s['requests']} |")
-    lines.append(f"| no server: one after another (`generate`'s engine) | {args.requests / seq_wall:.2f} | "
-                 f"{seq_tok_s:.1f} "
-                 f"| | | | 0 of {args.requests} |")
+    lines.append(f"| no server: one after another (`generate`'s engine, prefill chunks of {GenerateOptions.chunk_size}) "
+                 f"| {args.requests / seq_wall:.2f} | {seq_tok_s:.1f} | | | | 0 of {args.requests} |")
     lines.append(f"| the engine alone, all {args.requests} submitted at once (no HTTP) | "
                  f"{args.requests / engine_wall:.2f} | {engine_tok_s:.1f} | | | | |")
     for label, (tok_s, wall) in (("one after another", usual["sequential"]), ("all at once", usual["engine"])):
