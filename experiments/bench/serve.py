@@ -347,7 +347,8 @@ def main(argv=None) -> int:
     for label, s in rows:
         lines.append(f"| {label} | {s['req_s']:.2f} | {s['tok_s']:.1f} | {stats(s['ttft'])} | {stats(s['tpot'])} | "
                      f"{stats(s['itl'])} | {s['failed']} of {s['requests']} |")
-    lines.append(f"| no server: one after another (`generate`'s engine, prefill chunks of {GenerateOptions.chunk_size}) "
+    lines.append("| no server: one after another (`generate`'s engine, prefill chunks of "
+                 f"{GenerateOptions.chunk_size}) "
                  f"| {args.requests / seq_wall:.2f} | {seq_tok_s:.1f} | | | | 0 of {args.requests} |")
     lines.append(f"| the engine alone, all {args.requests} submitted at once (no HTTP) | "
                  f"{args.requests / engine_wall:.2f} | {engine_tok_s:.1f} | | | | |")

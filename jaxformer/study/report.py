@@ -27,9 +27,11 @@ import os
 from pathlib import Path
 
 from jaxformer.study.plots import CURVE_PLOTS, draw_plots
-from jaxformer.study.rows import arms, fmt, gather, label, mean_spread, probe, probe_keys, quick_warning, setting_key, settings
+from jaxformer.study.rows import (arms, fmt, gather, label, mean_spread, probe, probe_keys, quick_warning,
+                                  setting_key, settings)
 from jaxformer.study.stats import PairedDifference, paired_difference
-from jaxformer.study.sweep import Sweep, chosen_values, format_value, read_rows, run_dir, tune_grid, tune_metric, tuning_results
+from jaxformer.study.sweep import (Sweep, chosen_values, format_value, read_rows, run_dir, tune_grid, tune_metric,
+                                   tuning_results)
 
 
 def baseline_of(sweep: Sweep, values: dict) -> dict | None:
@@ -116,15 +118,22 @@ def write_report(sweep: Sweep, out: str | Path) -> Path:
     """Write ``summary.jsonl`` (``tuning.jsonl`` with ``tune:``), ``report.md`` and the plots into ``out``;
     returns the report's path. The rows come from the run directories, else from the row files as they were
     (:func:`jaxformer.study.sweep.read_point`), so a report rebuilt from ``summary.jsonl`` alone reproduces
-    its tables; a row of the old files that is not one of the sweep's points as its file now defines them
-    (another config, a renamed point) is moved to ``superseded.jsonl``, never dropped."""
+    its tables; a row of the old files that is not reported now (a row without a run directory that is not one
+    of the sweep's points as its file now defines them: another config, a value its arm no longer chooses, a
+    renamed point; or one whose run directory now holds another run) is moved to ``superseded.jsonl``, never
+    dropped. A run directory's row is reported as it is (the runner refuses a stale one:
+    :func:`jaxformer.study.sweep.check_finished`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     files = {"summary.jsonl": gather(sweep, out)}
     if sweep.spec.tune is not None:
         files["tuning.jsonl"] = gather(sweep, out, tuning=True)
     reported = {r["name"]: r for rows in files.values() for r in rows}
-    superseded = [r for name in files for r in read_rows(out / name) if r["name"] not in reported]
+    def replaced(r):  # an old row that is not what is reported under its name now
+        now = reported.get(r["name"])
+        return now is None or any(r.get(k) != now.get(k) for k in ("config", "tuned", "seed"))
+
+    superseded = [r for name in files for r in read_rows(out / name) if replaced(r)]
     if superseded:
         _write_rows(out / SUPERSEDED, read_rows(out / SUPERSEDED) + superseded)
     for name, rows in files.items():
@@ -220,7 +229,8 @@ def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str], *, out: Pa
                   f"({', '.join(f'{n}.png' for n in CURVE_PLOTS)}) were not redrawn"]
     if superseded:
         lines += ["", f"{superseded} row(s) of the previous row files are not points of the sweep file as it now "
-                  f"reads (another config, or renamed): moved to `{SUPERSEDED}`, not reported"]
+                  f"reads (another config, a value its arm no longer chooses, renamed, or run again): moved to "
+                  f"`{SUPERSEDED}`, not reported"]
     if plots:
         lines += [""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"

@@ -37,7 +37,8 @@ there, from the row ``summary.jsonl`` or ``tuning.jsonl`` recorded for it: :func
 itself only counts run directories as finished). A run that diverges
 (non-finite loss, or its last train losses above its first by ``divergence_margin``: :func:`blew_up`)
 is recorded as diverged, and the sweep goes on; the train-loss verdict of a finished point is taken again
-from its logged losses whenever the sweep reads it, so changing the margin never needs a re-run.
+from its logged losses whenever the sweep reads it, so changing the margin never needs a re-run (a row read
+from the row files alone keeps the verdict it was recorded with).
 """
 
 from __future__ import annotations
@@ -521,7 +522,7 @@ def run_sweep(sweep: Sweep, out: str | Path, *, shard: tuple[int, int] = (0, 1),
         done = read_point(sweep, out, point, recorded=False)
         if done is not None and (resolved := tuned_point(sweep, point, out, recorded=False)) is not None:
             check_finished(resolved, done, quick_config(resolved.config) if quick else resolved.config, quick,
-                           out / point.name / POINT_FILE)
+                           run_dir(out, point.name) / POINT_FILE)
     rows, waiting = [], []
     for i, point in enumerate(mine, 1):
         done = read_point(sweep, out, point, recorded=False)
@@ -529,7 +530,7 @@ def run_sweep(sweep: Sweep, out: str | Path, *, shard: tuple[int, int] = (0, 1),
             # a final point's arm may have finished its tuning in this very run, after the check above
             if not point.tuning and (resolved := tuned_point(sweep, point, out, recorded=False)) is not None:
                 check_finished(resolved, done, quick_config(resolved.config) if quick else resolved.config, quick,
-                               out / point.name / POINT_FILE)
+                               run_dir(out, point.name) / POINT_FILE)
             say(f"[{i}/{len(mine)}] {point.name}: finished, skipped")
             rows.append(done)
             continue
@@ -566,7 +567,7 @@ def finished_twin(sweep: Sweep, point: Point, out: Path, quick: bool) -> Point |
     if point.tuning or point.tuned is None:
         return None
     for t in sweep.tune_points:
-        path = out / t.name / POINT_FILE
+        path = run_dir(out, t.name) / POINT_FILE  # a committed points/ run is a twin too
         if (t.values, t.seed, t.tuned) == (point.values, point.seed, point.tuned) and path.exists():
             check_finished(t, json.loads(path.read_text()), quick_config(t.config) if quick else t.config, quick,
                            path)
@@ -579,8 +580,8 @@ def copy_twin(out: Path, point: Point, twin: Point) -> dict:
     the twin's, renamed, not a tuning row, with ``copy_of``."""
     dst, tmp = out / point.name, out / f".{point.name}.copy{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(out / twin.name, tmp, symlinks=True)
-    row = json.loads((out / twin.name / POINT_FILE).read_text())
+    shutil.copytree(run_dir(out, twin.name), tmp, symlinks=True)
+    row = json.loads((run_dir(out, twin.name) / POINT_FILE).read_text())
     row.update(name=point.name, tuning=False, copy_of=twin.name)
     _write_json(tmp / POINT_FILE, row)
     shutil.rmtree(dst, ignore_errors=True)

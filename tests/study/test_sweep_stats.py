@@ -2,6 +2,7 @@
 paired t-test and a coverage simulation in numpy."""
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -88,7 +89,13 @@ def test_long_context_slope_interval_equals_scipy_linregress(seed, n):
     path = Path(__file__).resolve().parents[2] / "experiments" / "studies" / "long_context.py"
     spec = importlib.util.spec_from_file_location("long_context_study", path)
     study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
+    saved_path, saved_modules = list(sys.path), set(sys.modules)
+    try:
+        spec.loader.exec_module(study)  # puts experiments/bench on sys.path and imports its `sparse`
+    finally:  # neither leaks into other tests
+        sys.path[:] = saved_path
+        for name in set(sys.modules) - saved_modules:
+            del sys.modules[name]
     rng = np.random.default_rng(seed)
     T = 2048 * 2 ** np.arange(n)
     y = 1e-9 * T ** rng.uniform(1, 2.2) * np.exp(rng.normal(0, 0.2, n))
