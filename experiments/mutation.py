@@ -385,6 +385,11 @@ MUTATIONS = [
              'return now is None or any(r.get(k) != now.get(k) for k in ("config", "tuned", "seed"))',
              "return now is None", ("tests/study/test_sweep_tune.py",),
              "an old row whose point was run again is overwritten, not kept in superseded.jsonl"),
+    Mutation("sweep_report_row_at_any_tuned_value", "jaxformer/study/sweep.py",
+             "    if point.tuning or sweep.spec.tune is None:  # the point's config is whole already\n        cfg = point.config\n",
+             "    if point.tuning:\n        cfg = point.config\n    elif sweep.spec.tune is None:\n"
+             "        cfg = sweep.config({**point.values, **(row.get('tuned') or {})}, point.seed, 'x')\n",
+             ("tests/study/test_sweep_tune.py",), "without tune:, a final row is accepted at the rate it was tuned to"),
     Mutation("engine_copies_at_construction", "jaxformer/decode/engine.py",
              "self._feature_major = None  # built at the first call",
              "self._feature_major = step_model(graphdef, state, o.feature_major)  # built at the first call",

@@ -451,7 +451,13 @@ def recorded_row(sweep: Sweep, out: Path, point: Point) -> dict | None:
             chosen = None
         if chosen is not None and row.get("tuned") != chosen:
             return None
-    cfg = sweep.config({**point.values, **(row.get("tuned") or {})}, point.seed, f"{sweep.path} ({point.name})")
+    if point.tuning or sweep.spec.tune is None:  # the point's config is whole already
+        cfg = point.config
+    else:  # a final point's: at the row's tuned values, which must be a combination of the current grid
+        tuned = row.get("tuned") or {}
+        if tuned not in tune_grid(sweep.spec.tune):
+            return None
+        cfg = sweep.config({**point.values, **tuned}, point.seed, f"{sweep.path} ({point.name})")
     try:
         saved = C.from_dict(row["config"], f"{out} ({point.name})")
     except C.ConfigError:  # a config of a schema the library no longer reads: not this point's

@@ -9,6 +9,7 @@ import math
 import shutil
 
 import numpy as np
+import yaml
 import pytest
 
 from jaxformer.train import config as C
@@ -166,6 +167,13 @@ def test_a_report_rebuilds_from_its_row_files_alone(tmp_path, fake_training):
     write_report(sweep, out)
     assert S.read_rows(out / "superseded.jsonl") == [old[0]]
     assert S.read_rows(out / "summary.jsonl")[0]["tuned"] != {"optimizer.lr": 0.5}
+
+    path.with_name("untuned.yaml").write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "tune": None}))
+    untuned = S.load_sweep(path.with_name("untuned.yaml"))
+    base_lr = untuned.points[0].config.optimizer.lr  # without tune: the final rows' tuned rates are not its points'
+    at_base = [r["tuned"]["optimizer.lr"] == base_lr for r in S.read_rows(rows_only / "summary.jsonl")]
+    assert any(at_base) and not all(at_base)
+    assert [S.read_point(untuned, rows_only, p) is not None for p in untuned.points] == at_base
 
     stale = S.read_rows(rows_only / "summary.jsonl")
     stale[4]["config"]["steps"] += 1  # as if the sweep file had changed since that row was run
