@@ -311,8 +311,11 @@ def _plot_probes(plt, sweep, out, rows):
             ax.set_yscale("log")
         ax.set_xlabel(x or "")
         ax.set_title(key, fontsize=9)
-    handles, labels = axes[0].get_legend_handles_labels()  # below the panels: never over a panel's points
-    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4) or 1, fontsize=6)
+    entries = {}  # every panel's series once (one may lack a probe another has), below the panels
+    for ax in axes:
+        entries.update((lab, h) for h, lab in zip(*ax.get_legend_handles_labels()) if lab not in entries)
+    fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncol=min(len(entries), 4) or 1,
+               fontsize=6)
     fig.suptitle(f"{sweep.name} probes: open / dashed at init, filled / solid after training", fontsize=9)
     return fig
 
