@@ -18,6 +18,7 @@ Three measurements, all ``experiments/bench/decode.py``'s own functions (no code
     python experiments/studies/kv_cache.py --out experiments/results/studies/kv_cache   # ~8 min, 2 cores
     python experiments/studies/kv_cache.py --dry-run
     python experiments/studies/kv_cache.py --quick
+    python experiments/studies/kv_cache.py --table-from experiments/results/studies/kv_cache   # table.md again
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -46,7 +48,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--quick", action="store_true", help="contexts 16, 32 with 2 new tokens; pages 16")
     ap.add_argument("--out", type=Path, help="directory for results.json, table.md and the plots")
+    ap.add_argument("--table-from", type=Path, metavar="DIR",
+                    help="write DIR/table.md again from DIR/results.json, running nothing")
     args = ap.parse_args(argv)
+    if args.table_from:
+        print(rerender(args.table_from))
+        return 0
     contexts, pages, new = ((16, 32), (16,), 2) if args.quick else (CONTEXTS, PAGES, 16)
     seeds = SEEDS[:2] if args.quick else SEEDS
     engines = ((("d_model 64, 1 layer", 64, 1, 8),) if args.quick else ENGINES)
@@ -80,6 +87,27 @@ def main(argv=None) -> int:
                                 max_context=s["max_context"]))
         print(f"{name}: paged {s['tokens_per_s']['pages']:.0f} tok/s, reserved {s['tokens_per_s']['context']:.0f} "
               f"tok/s ({s['ratio']:.2f}x)", file=sys.stderr, flush=True)
+    text = render(decode_rows, mem_rows, engine_rows, seeds, bench.cpu_line())
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps({"cpu": bench.cpu_line(), "seeds": list(seeds),
+                                                           "decode": decode_rows, "memory": mem_rows,
+                                                           "engine": engine_rows}, indent=1))
+        (args.out / "table.md").write_text(text + "\n")
+        plot(decode_rows, mem_rows, lengths, args.out)
+        if engine_rows:
+            plot_engine(engine_rows, args.out)
+    return 0
+
+
+def _ms_per_step(row: dict, mode: str) -> float:
+    """An engine row's milliseconds per step in ``mode``: its median timed round over its step count."""
+    return 1e3 * statistics.median(row["seconds"][mode]) / row["steps"][mode]
+
+
+def render(decode_rows: list[dict], mem_rows: list[dict], engine_rows: list[dict], seeds, cpu: str) -> str:
+    """The study's tables (``table.md``) from its rows, as ``results.json`` keeps them."""
     lines = ["| context | KV cache tokens/s | recompute tokens/s | speed-up |", "|---:|---:|---:|---:|"]
     lines += [f"| {r['context']} | {r['cache']:,.1f} | {r['recompute']:,.1f} | {r['cache'] / r['recompute']:.1f}x |"
               for r in decode_rows]
@@ -100,24 +128,25 @@ def main(argv=None) -> int:
                   f"{e0['max_context']}), paged vs reserving the context per sequence; the same greedy requests "
                   "(outputs equal), median of the timed rounds:", "",
                   "| model | parameters | requests | new tokens | paged tok/s | reserved tok/s | paged / reserved | "
-                  "sequences at once, mean (peak): paged | reserved | steps: paged | reserved | preemptions |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "sequences at once, mean (peak): paged | reserved | steps: paged | reserved | ms per step (median "
+                  "round / steps): paged | reserved | preemptions |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['model']} | {r['params']:,} | {r['requests']} | {r['tokens']:,} | "
                   f"{r['tokens_per_s']['pages']:,.0f} | {r['tokens_per_s']['context']:,.0f} | {r['ratio']:.2f}x | "
                   f"{r['mean_running']['pages']:.1f} ({r['peak_running']['pages']}) | "
-                  f"{r['mean_running']['context']:.1f} ({r['peak_running']['context']}) | {r['steps']['pages']} | "
-                  f"{r['steps']['context']} | {r['preemptions']['pages']} |" for r in engine_rows]
-    text = bench.cpu_line() + "\n\n" + "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"decode": decode_rows, "memory": mem_rows,
-                                                           "engine": engine_rows}, indent=1))
-        (args.out / "table.md").write_text(text + "\n")
-        plot(decode_rows, mem_rows, lengths, args.out)
-        if engine_rows:
-            plot_engine(engine_rows, args.out)
-    return 0
+                  f"{r['mean_running']['context']:.1f} ({r['peak_running']['context']}) | {r['steps']['pages']:,} | "
+                  f"{r['steps']['context']:,} | {_ms_per_step(r, 'pages'):.1f} | {_ms_per_step(r, 'context'):.1f} | "
+                  f"{r['preemptions']['pages']} |" for r in engine_rows]
+    return cpu + "\n\n" + "\n".join(lines)
+
+def rerender(out: Path) -> str:
+    """``out``'s ``table.md`` written again from its ``results.json`` (a table format change needs no re-run);
+    the CPU line from the results, or else from the old table's first line."""
+    res = json.loads((out / "results.json").read_text())
+    cpu = res.get("cpu") or (out / "table.md").read_text().splitlines()[0]
+    text = render(res["decode"], res["memory"], res["engine"], res.get("seeds", SEEDS), cpu)
+    (out / "table.md").write_text(text + "\n")
+    return text
 
 
 def plot(decode_rows, mem_rows, lengths, out: Path) -> None:

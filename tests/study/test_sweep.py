@@ -4,6 +4,7 @@ evaluation; and every study file under ``experiments/studies/`` parses, expands 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -508,5 +509,25 @@ def test_benchmark_studies_dry_run_and_quick(script, tmp_path):
     quick = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path)], env=env,
                            capture_output=True, text=True, timeout=600, cwd=REPO)
     assert quick.returncode == 0, quick.stderr[-3000:]
-    assert (tmp_path / "table.md").read_text().count("|") > 10
+    table = (tmp_path / "table.md").read_text()
+    assert table.count("|") > 10
     assert len(list(tmp_path.glob("*.png"))) == (3 if script.stem == "kv_cache" else 2)
+    if script.stem == "kv_cache":  # the table comes back from results.json alone
+        (tmp_path / "table.md").unlink()
+        again = subprocess.run([sys.executable, str(script), "--table-from", str(tmp_path)], env=env,
+                               capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert (tmp_path / "table.md").read_text() == table
+
+
+def test_kv_cache_page_table_is_rendered_from_its_results(tmp_path):
+    """Study 10's committed table (every figure the page quotes, ms per step included) is what its
+    script renders from the committed results.json, not numbers derived by hand."""
+    committed = REPO / "experiments" / "results" / "studies" / "kv_cache"
+    shutil.copy(committed / "results.json", tmp_path / "results.json")
+    shutil.copy(committed / "table.md", tmp_path / "table.md")
+    spec = importlib.util.spec_from_file_location("kv_cache_study", REPO / "experiments" / "studies" / "kv_cache.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.rerender(tmp_path) == (committed / "table.md").read_text().rstrip("\n")
+    assert "ms per step" in (committed / "table.md").read_text()
