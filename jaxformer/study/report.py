@@ -30,8 +30,8 @@ from jaxformer.study.plots import CURVE_PLOTS, draw_plots
 from jaxformer.study.rows import (arms, fmt, gather, label, mean_spread, probe, probe_keys, quick_warning,
                                   setting_key, settings)
 from jaxformer.study.stats import PairedDifference, paired_difference
-from jaxformer.study.sweep import (Sweep, chosen_values, format_value, read_rows, run_dir, tune_grid, tune_metric,
-                                   tuning_results)
+from jaxformer.study.sweep import (SUMMARY_FILE, TUNING_FILE, Sweep, chosen_values, format_value, read_rows, run_dir,
+                                   tune_grid, tune_metric, tuning_results)
 
 
 def baseline_of(sweep: Sweep, values: dict) -> dict | None:
@@ -125,9 +125,9 @@ def write_report(sweep: Sweep, out: str | Path) -> Path:
     :func:`jaxformer.study.sweep.check_finished`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    files = {"summary.jsonl": gather(sweep, out)}
+    files = {SUMMARY_FILE: gather(sweep, out)}
     if sweep.spec.tune is not None:
-        files["tuning.jsonl"] = gather(sweep, out, tuning=True)
+        files[TUNING_FILE] = gather(sweep, out, tuning=True)
     reported = {r["name"]: r for rows in files.values() for r in rows}
     def replaced(r):  # an old row that is not what is reported under its name now
         now = reported.get(r["name"])
@@ -138,7 +138,7 @@ def write_report(sweep: Sweep, out: str | Path) -> Path:
         _write_rows(out / SUPERSEDED, read_rows(out / SUPERSEDED) + superseded)
     for name, rows in files.items():
         _write_rows(out / name, rows)
-    rows = files["summary.jsonl"]
+    rows = files[SUMMARY_FILE]
     plots = draw_plots(sweep, out, rows) if rows else []
     path = out / "report.md"
     path.write_text(report_markdown(sweep, rows, plots, out=out, superseded=len(superseded)))

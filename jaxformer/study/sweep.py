@@ -413,7 +413,8 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-ROW_FILES = ("summary.jsonl", "tuning.jsonl")  # what a report writes: the rows, final and tuning
+SUMMARY_FILE, TUNING_FILE = "summary.jsonl", "tuning.jsonl"  # what a report writes: the rows, final and tuning
+ROW_FILES = (SUMMARY_FILE, TUNING_FILE)
 
 
 def read_point(sweep: Sweep, out: Path, point: Point, *, recorded: bool = True) -> dict | None:
