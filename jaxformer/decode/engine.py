@@ -69,7 +69,8 @@ MIN_TABLE_TOKENS = 256  # narrowest block table a step sends, in tokens: fewer c
 class Result:
     """What became of one request. ``finish_reason``: "stop" | "length" | "error" | "cancelled"
     (:meth:`Engine.cancel`); ``stopped_by``, the finer cause: "stop_token" | "max_new_tokens" | "context" (the
-    sequence filled ``max_context``; a sliding window never does) | "error" | "cancelled"."""
+    sequence filled ``max_context``; a sliding window never does) | "error" | "cancelled" (the server's worker
+    reports a request a stop string ended as "stop" | "stop_string")."""
 
     request_id: Hashable
     prompt: list[int]

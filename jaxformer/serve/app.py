@@ -157,7 +157,7 @@ class Service:
         st.tokens += tokens
         delta = st.stream.add(tokens)
         if st.stream.stopped and not st.cancel_sent:
-            self.worker.cancel([st.rid])  # a stop string ended it: the engine need not go on
+            self.worker.cancel([st.rid], ended=True)  # a stop string ended it: the engine need not go on
             st.cancel_sent = True
         if result is not None:
             if result.finish_reason == "error":
@@ -176,8 +176,10 @@ class Service:
             return None
         n, width = len(st.prompt), sampling.top_logprobs
         s = P.scored(st.prompt + st.tokens, st.scores, 0 if with_prompt else n + a, n + b)
-        if chat:
-            return P.chat_logprobs(s, self.piece, width)
+        if chat:  # the message's tokens: the end of the turn (a stop token) is not part of it
+            keep = [k for k, t in enumerate(s.tokens) if t not in self.stop_tokens]
+            return P.chat_logprobs(P.Scored(*([x[k] for k in keep] for x in (s.tokens, s.logprobs, s.top))),
+                                   self.piece, width)
         offsets = self.offsets(st.prompt, 0, len(st.prompt_text)) if with_prompt else []
         if st.token_offsets is None:  # one pass per choice, however many chunks a stream slices it into
             base = len(st.prompt_text) if sampling.echo else 0

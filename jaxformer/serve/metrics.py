@@ -30,7 +30,7 @@ class Metrics:
                                 ["endpoint", "status"], registry=r)
         self.sequences = Counter("jaxformer_sequences_finished", "Sequences finished, by finish reason",
                                  ["finish_reason"], registry=r)
-        self.cancelled = Counter("jaxformer_sequences_cancelled", "Sequences cancelled (client gone, stop string)",
+        self.cancelled = Counter("jaxformer_sequences_cancelled", "Sequences cancelled (client gone, shutdown)",
                                  registry=r)
         self.ttft = Histogram("jaxformer_time_to_first_token_seconds", "Queued to first generated token",
                               buckets=LATENCY_BUCKETS, registry=r)

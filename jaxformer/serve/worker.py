@@ -63,6 +63,7 @@ class Choice:
     sent: int = 0
     submitted: float = 0.0
     first_token: float | None = None
+    ended: bool = False  # cancelled because its text is complete (a stop string): still scored and counted done
 
 
 @dataclasses.dataclass
@@ -85,6 +86,7 @@ class EngineWorker:
         self._queued = 0  # choices in the inbox (submitted, not yet in the engine)
         self._engine_waiting = 0  # len(engine.waiting) after the last step
         self._cancel: set[int] = set()
+        self._ended: set[int] = set()  # of those, the ones a stop string ended (see cancel)
         self._cancel_all = False
         self._active: dict[int, tuple[Job, int, Choice]] = {}  # engine request id -> (job, index, choice)
         self._ids = itertools.count()
@@ -120,11 +122,14 @@ class EngineWorker:
         self._wake.set()
         return [c.rid for c in job.choices]
 
-    def cancel(self, rids) -> None:
-        """Cancel these choices (a client went away, or a stop string ended them): their pages are freed
-        before the engine's next step. Unknown or finished ids are ignored."""
+    def cancel(self, rids, *, ended: bool = False) -> None:
+        """Cancel these choices: their pages are freed before the engine's next step. ``ended``: their text is
+        complete (a stop string ended them), so they still get their log-probabilities and count as finished,
+        not cancelled; else a client went away. Unknown or finished ids are ignored."""
         with self._lock:
             self._cancel.update(rids)
+            if ended:
+                self._ended.update(rids)
         self._wake.set()
 
     def cancel_all(self) -> None:
@@ -183,11 +188,14 @@ class EngineWorker:
     def _apply_cancels(self) -> None:
         with self._lock:
             rids, self._cancel = self._cancel, set()
+            ended, self._ended = self._ended, set()
             if self._cancel_all:
                 rids, self._cancel_all = set(self._active), False
         for rid in rids:
             if rid in self._active and self.engine.cancel(rid):
-                if self.metrics is not None:
+                if rid in ended:
+                    self._active[rid][2].ended = True
+                elif self.metrics is not None:
                     self.metrics.cancelled.inc()
 
     def _publish(self) -> None:
@@ -217,6 +225,8 @@ class EngineWorker:
 
     def _finish(self, job: Job, i: int, c: Choice, result: Result, new: list[int] = ()) -> None:
         scores = None
+        if c.ended and result.finish_reason == "cancelled":  # a stop string's end is a complete answer
+            result = dataclasses.replace(result, finish_reason="stop", stopped_by="stop_string")
         if c.top is not None and result.finish_reason not in ("error", "cancelled"):  # nobody reads a cancelled one
             try:
                 scores = token_logprobs(self.engine.graphdef, self.engine.state, c.prompt + result.tokens,

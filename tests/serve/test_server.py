@@ -160,6 +160,36 @@ def test_stop_strings_end_the_text_before_them(server):
     assert (missing.text, missing.finish_reason) == (full.text, full.finish_reason)
 
 
+def test_a_stop_string_keeps_the_log_probabilities(server):
+    """A choice a stop string ends (the engine request cancelled early) is a finished answer: it has its
+    log-probabilities (the unstopped run's first tokens: through the one that completed the stop string),
+    and counts as finished with "stop", not as cancelled, in /metrics."""
+    client = server.client()
+    kw = dict(model="tiny-llama3", prompt=PROMPTS[1], max_tokens=40, temperature=0, logprobs=1)
+    full = client.completions.create(**kw).choices[0]
+    stop = full.text[12:15]
+    before = server.metrics()
+    for stream in (False, True):
+        if stream:
+            chunks = [c.choices[0] for c in client.completions.create(stream=True, stop=[stop], **kw) if c.choices]
+            lp = [c.logprobs for c in chunks if c.logprobs is not None]
+            assert lp, "a stopped stream sent no logprobs"
+            tokens, logprobs = sum((x.tokens for x in lp), []), sum((x.token_logprobs for x in lp), [])
+            text, reason = "".join(c.text for c in chunks), [c.finish_reason for c in chunks if c.finish_reason][0]
+        else:
+            c = client.completions.create(stop=[stop], **kw).choices[0]
+            assert c.logprobs is not None
+            tokens, logprobs, text, reason = c.logprobs.tokens, c.logprobs.token_logprobs, c.text, c.finish_reason
+        k = len(tokens)
+        assert (text, reason) == (full.text[:full.text.find(stop)], "stop"), stream
+        assert 0 < k < len(full.logprobs.tokens) and tokens == full.logprobs.tokens[:k], stream
+        assert stop in "".join(tokens) and stop not in "".join(tokens[:-1]), stream  # through the stop's end
+        assert logprobs == pytest.approx(full.logprobs.token_logprobs[:k], abs=1e-6), stream
+    after = server.wait_metrics(lambda m: m.get('jaxformer_sequences_finished_total{finish_reason="stop"}', 0)
+                                >= before.get('jaxformer_sequences_finished_total{finish_reason="stop"}', 0) + 2)
+    assert after["jaxformer_sequences_cancelled_total"] == before["jaxformer_sequences_cancelled_total"]
+
+
 def _forward_logprobs(model, tokens: list[int]) -> np.ndarray:
     """log-softmax of the model's logits on ``tokens`` (one forward pass, no cache): row k scores token k + 1.
     Compared at rtol 1e-5: float32 logits of a few tens summed in another order (padding, XLA's fusion)."""

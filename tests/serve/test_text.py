@@ -100,3 +100,32 @@ def test_incremental_decode_equals_decoding_everything_on_real_tokenizers(name):
         for k, t in enumerate(ids, 1):
             assert d.push(t) == tok.decode(ids[:k]), (name, ids[:k])
         assert prefix_lengths(tok.decode, ids) == [len(tok.decode(ids[:k])) for k in range(len(ids))]
+
+
+def test_chat_logprobs_leave_out_the_turns_stop_token():
+    """A chat answer that ended on its stop token (EOS: generated, never text) has a logprobs entry per token of
+    its message, and none for the stop token (OpenAI's chat logprobs cover the message's content)."""
+    import numpy as np
+
+    from jaxformer.decode.scoring import TokenLogprobs
+    from jaxformer.serve import protocol as P
+    from jaxformer.serve.app import Service, _State
+
+    class Bytes:
+        def decode(self, ids):
+            return decode(ids)
+
+    service = object.__new__(Service)  # only what logprobs needs: the tokenizer, the stop tokens
+    service.tok, service.stop_tokens, service._pieces = Bytes(), (EOS,), {}
+    prompt, answer = list(b"hi"), list(b"ok") + [EOS]
+    stream = TextStream(decode, skip=(EOS,))
+    stream.add(answer)
+    stream.finish()
+    n = len(prompt) + len(answer) - 1
+    rng = np.random.default_rng(0)
+    scores = TokenLogprobs(-rng.random(n), np.zeros((n, 1), np.int32) + ord("o"), -rng.random((n, 1)))
+    st = _State(0, 0, prompt, "hi", stream, tokens=answer, finish_reason="stop", scores=scores)
+    sampling = P.parse_sampling({"messages": [], "logprobs": True, "top_logprobs": 1}, chat=True)
+    content = service.logprobs(st, sampling, True, 0, stream.num_tokens, False)["content"]
+    assert stream.num_tokens == 3 and [e["token"] for e in content] == ["o", "k"]
+    assert [e["logprob"] for e in content] == scores.logprobs[len(prompt) - 1:len(prompt) + 1].tolist()
