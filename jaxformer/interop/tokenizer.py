@@ -113,11 +113,30 @@ class HFTokenizer:
         return out
 
 
+def _generation_block():
+    """A jinja2 extension for transformers' ``{% generation %} ... {% endgeneration %}``: renders the body."""
+    from jinja2.ext import Extension
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            from jinja2 import nodes
+
+            return nodes.Scope(body, lineno=lineno)
+
+    return GenerationBlock
+
+
 def render_chat_template(template: str, messages: list[dict], *, add_generation_prompt: bool = False,
                          **variables) -> str:
     """A jinja2 chat template rendered as transformers renders it: a sandboxed environment with
-    ``trim_blocks`` and ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, ``strftime_now`` and a
-    ``tojson`` that does not escape HTML; ``variables`` (``bos_token``, ``tools``...) are visible to it."""
+    ``trim_blocks`` and ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, ``strftime_now``, a
+    ``tojson`` that does not escape HTML, and ``{% generation %}`` blocks (rendered as their body: transformers
+    uses them only to mark the assistant's tokens); ``variables`` (``bos_token``, ``tools``...) are visible to
+    it."""
     from datetime import datetime
 
     import jinja2
@@ -129,7 +148,8 @@ def render_chat_template(template: str, messages: list[dict], *, add_generation_
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _generation_block()])
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f))
     return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,

@@ -1,0 +1,38 @@
+"""Chat templates rendered as transformers renders them (jaxformer.interop.tokenizer.render_chat_template),
+against jinja2 itself on the same template with transformers' own additions spelled out."""
+
+from __future__ import annotations
+
+import jinja2
+import pytest
+
+from jaxformer.interop.tokenizer import render_chat_template
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi <b>"},
+            {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"}]
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>\n"
+            "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|end|>{% endgeneration %}"
+            "{% else %}{{ m.content }}<|end|>{% endif %}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def _plain(template: str, **kw) -> str:
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(**kw)
+
+
+def test_generation_blocks_render_their_body():
+    """transformers' ``{% generation %}`` (it marks the assistant's tokens for training masks) renders as its
+    body: the same text as the template without the tags."""
+    without = TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    for prompt in (False, True):
+        got = render_chat_template(TEMPLATE, MESSAGES, add_generation_prompt=prompt, bos_token="<s>")
+        assert got == _plain(without, messages=MESSAGES, add_generation_prompt=prompt, bos_token="<s>")
+        assert got.count("yo<|end|>") == 1 and got.startswith("<s><|system|>\nbe brief")
+
+
+def test_tojson_does_not_escape_html_and_raise_exception_raises():
+    got = render_chat_template("{{ messages[1] | tojson }}", MESSAGES)
+    assert got == '{"role": "user", "content": "hi <b>"}'
+    with pytest.raises(jinja2.exceptions.TemplateError, match="no system role"):
+        render_chat_template("{{ raise_exception('no system role') }}", MESSAGES)
