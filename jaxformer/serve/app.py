@@ -73,6 +73,9 @@ class Service:
     # -- requests in
     def check_model(self, body: dict) -> None:
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise P.APIError(400, f"'model' must be a string, got {P._kind(model)}", param="model",
+                             code="invalid_type")
         if model is not None and model != self.name:
             raise P.APIError(404, f"The model {model!r} does not exist; this server serves {self.name!r} "
                              "(GET /v1/models)", param="model", code="model_not_found")

@@ -362,6 +362,7 @@ BAD = [  # (body, status, param, words in the message)
     ({"prompt": [1, 2, 999]}, 400, "prompt", "[999]"),
     ({"max_tokens": 3}, 400, "prompt", "expected a string"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
+    ({"prompt": "x", "model": 3}, 400, "model", "must be a string"),
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "echo"),
 ]
 
