@@ -41,7 +41,7 @@ def test_greedy_chat_equals_transformers(smollm2):
     client = server.client()
     out = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=messages, temperature=0,
                                          max_tokens=ref.NEW_TOKENS)
-    # the prompt is transformers' rendering of the template, token for token (same count, same answer)
+    # the prompt is transformers' rendering of the template (same count here, same tokens below)
     assert out.usage.prompt_tokens == len(expected[f"p{p}_ids"])
     assert out.usage.completion_tokens == len(expected[f"p{p}_generated"])
     assert out.choices[0].message.content == want.removesuffix("<|im_end|>")
@@ -53,8 +53,10 @@ def test_greedy_chat_equals_transformers(smollm2):
     # the same tokens as a prompt of ids (transformers' rendering, encoded): the same answer
     from jaxformer.interop.tokenizer import load_tokenizer
 
-    assert load_tokenizer(ref.fetch()).apply_chat_template(messages, add_generation_prompt=True) == \
-        meta["prompts"][p]["text"]
+    tok = load_tokenizer(ref.fetch())
+    assert tok.apply_chat_template(messages, add_generation_prompt=True) == meta["prompts"][p]["text"]
+    # ... and its encoding (what the server sends the engine: Service.render_chat) is transformers' ids
+    assert [int(t) for t in tok.encode(meta["prompts"][p]["text"])] == expected[f"p{p}_ids"].tolist()
     ids = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=expected[f"p{p}_ids"].tolist(),
                                     temperature=0, max_tokens=ref.NEW_TOKENS)
     assert ids.choices[0].text == out.choices[0].message.content and ids.usage == out.usage
