@@ -427,7 +427,10 @@ def read_point(sweep: Sweep, out: Path, point: Point, *, recorded: bool = True) 
     where = run_dir(out, point.name)
     if not (where / POINT_FILE).exists():
         return recorded_row(sweep, out, point) if recorded else None
-    return rejudged(json.loads((where / POINT_FILE).read_text()), where, sweep.spec.divergence_margin)
+    row = json.loads((where / POINT_FILE).read_text())
+    if recorded and row.get("config") is not None and not is_current(sweep, out, point, row):
+        return None  # a run of an older design of the sweep (the runner refuses it: check_finished)
+    return rejudged(row, where, sweep.spec.divergence_margin)
 
 
 def run_dir(out: Path, name: str) -> Path:
@@ -443,27 +446,36 @@ def recorded_row(sweep: Sweep, out: Path, point: Point) -> dict | None:
     arm's choice where that is known; a ``--quick`` row at the quick config); else None, so a row of an older
     design of the sweep is never reported as new."""
     row = _recorded(out).get(point.name)
-    if row is None or row.get("config") is None or bool(row.get("tuning")) != point.tuning:
+    if row is None or row.get("config") is None:
         return None
+    return copy.deepcopy(row) if is_current(sweep, out, point, row) else None
+
+
+def is_current(sweep: Sweep, out: Path, point: Point, row: dict) -> bool:
+    """Whether ``row`` (with its saved config) is ``point`` as the sweep file defines it now: the same config,
+    at the row's own tuned values, which must be its arm's choice where that is known (a ``--quick`` row at
+    the quick config)."""
+    if bool(row.get("tuning")) != point.tuning:
+        return False
     if sweep.spec.tune is not None and not point.tuning:  # a final row at a value its arm no longer chooses
         try:
             chosen = chosen_values(sweep, out, point.values)
         except ValueError:
             chosen = None
         if chosen is not None and row.get("tuned") != chosen:
-            return None
+            return False
     if point.tuning or sweep.spec.tune is None:  # the point's config is whole already
         cfg = point.config
     else:  # a final point's: at the row's tuned values, which must be a combination of the current grid
         tuned = row.get("tuned") or {}
         if tuned not in tune_grid(sweep.spec.tune):
-            return None
+            return False
         cfg = sweep.config({**point.values, **tuned}, point.seed, f"{sweep.path} ({point.name})")
     try:
         saved = C.from_dict(row["config"], f"{out} ({point.name})")
     except C.ConfigError:  # a config of a schema the library no longer reads: not this point's
-        return None
-    return None if C.diff(saved, quick_config(cfg) if row.get("quick") else cfg) else copy.deepcopy(row)
+        return False
+    return not C.diff(saved, quick_config(cfg) if row.get("quick") else cfg)
 
 
 def _recorded(out: Path) -> dict[str, dict]:
@@ -736,4 +748,4 @@ def dry_run_text(sweep: Sweep, out: Path, *, shard: str | None = None, quick: bo
 
 __all__ = ["PLOTS", "Point", "Sweep", "SweepConfig", "TuneConfig", "chosen_values", "default_out", "dry_run_text",
            "load_sweep", "parse_shard", "point_name", "quick_config", "read_point", "run_sweep", "shard_points", "tune_grid",
-           "tuned_point", "tuning_results"]
+           "is_current", "tuned_point", "tuning_results"]

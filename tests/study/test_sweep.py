@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from jaxformer.cli import main
 from jaxformer.model.config import get_key
 from jaxformer.train import config as C
-from jaxformer.study.sweep import POINT_FILE, load_sweep, parse_shard, point_name, run_sweep, shard_points
+from jaxformer.study.sweep import (POINT_FILE, load_sweep, parse_shard, point_name, quick_config, run_sweep,
+                                   shard_points)
 from tests.train.helpers import make_corpus, tiny_raw, write_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -201,11 +202,12 @@ def test_a_quick_sweeps_report_says_so_in_its_title_and_on_every_plot(ran, tmp_p
     path, out = ran
     quick = tmp_path / "quick"
     shutil.copytree(out, quick)
-    for point in quick.glob(f"*/{POINT_FILE}"):
-        row = json.loads(point.read_text())
-        row["quick"], row["config"]["steps"] = True, 2
-        point.write_text(json.dumps(row))
     sweep = load_sweep(path)
+    for p in sweep.points:  # each row as --quick writes it: its point's quick config
+        file = quick / p.name / POINT_FILE
+        row = json.loads(file.read_text())
+        row["quick"], row["config"] = True, C.to_dict(quick_config(p.config))
+        file.write_text(json.dumps(row))
     report = write_report(sweep, quick).read_text()
     title, _, command = report.splitlines()[:3]
     assert title == "# Sweep `sweep` — QUICK SMOKE RUN (2 steps per point): not a result"

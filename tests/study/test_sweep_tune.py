@@ -186,6 +186,30 @@ def test_a_report_rebuilds_from_its_row_files_alone(tmp_path, fake_training):
     assert "moved to `superseded.jsonl`" in (rows_only / "report.md").read_text()
 
 
+def test_a_run_directory_of_an_older_design_is_not_reported(tmp_path, fake_training):
+    """A run directory whose saved config is not its point's under the sweep file as it is now (the file changed
+    after the run) is left out of the report, as a stale recorded row is; the runner still sees it, and refuses
+    to go on beside it."""
+    path = write_sweep(tmp_path, {"axes": {"model.position": ["rope", "alibi"]}, "seeds": [0, 1],
+                                  "tune": {"keys": {"optimizer.lr": [1e-3, 3e-3]}}})
+    sweep = S.load_sweep(path)
+    out = tmp_path / "out"
+    S.run_sweep(sweep, out, say=lambda s: None)
+    final = next(p for p in sweep.points if p.seed == 1)
+    row_file = out / final.name / S.POINT_FILE
+    row = json.loads(row_file.read_text())
+    assert S.read_point(sweep, out, final) is not None
+    row["config"]["steps"] += 1  # as if the sweep file had said another step count when it ran
+    row_file.write_text(json.dumps(row))
+    assert S.read_point(sweep, out, final) is None
+    assert S.read_point(sweep, out, final, recorded=False) is not None
+    write_report(sweep, out)
+    assert final.name not in [r["name"] for r in S.read_rows(out / "summary.jsonl")]
+    assert len(S.read_rows(out / "summary.jsonl")) == len(sweep.points) - 1
+    with pytest.raises(C.ConfigError, match="finished with another config"):
+        S.run_sweep(sweep, out, say=lambda s: None)
+
+
 def test_final_runs_at_a_value_the_tuning_no_longer_chooses_are_not_results(tmp_path, fake_training, monkeypatch):
     """Tuning finished again with another best value (a re-run tuning point): the finished final runs of that
     arm are refused, naming the key, also when the tuning finished in the same invocation; in a report
