@@ -300,15 +300,19 @@ def create_app(service: Service) -> FastAPI:
         return P.usage(prompt, sum(st.stream.num_tokens for st in states))
 
     async def gather(request, states, updates, sampling, meta, chat, endpoint):
+        clock = asyncio.get_running_loop().time
+        checked = clock()
         try:
             while not all(st.done for st in states):
                 try:
                     i, u = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
+                    service.update(states[i], u.tokens, u.result, u.logprobs)
                 except TimeoutError:
+                    pass
+                if clock() - checked >= DISCONNECT_POLL_S:  # also while tokens keep coming
+                    checked = clock()
                     if await request.is_disconnected():
                         return Response(status_code=499)
-                    continue
-                service.update(states[i], u.tokens, u.result, u.logprobs)
         finally:
             service.worker.cancel([st.rid for st in states if not st.done])
         failed = next((st for st in states if st.error), None)

@@ -310,6 +310,22 @@ def test_a_dropped_stream_is_cancelled_and_frees_its_pages(server):
     assert after["jaxformer_generation_tokens_total"] - before["jaxformer_generation_tokens_total"] < 150
 
 
+def test_a_non_streamed_client_that_goes_away_cancels_its_request(server):
+    """A client waiting for a non-streamed answer that hangs up (here: its read timeout) cancels the request:
+    its choices leave the engine and every page goes back. 20 choices of 150 tokens need 10 of the 12 pages
+    each, so they run about one at a time: the answer is seconds away when the client leaves after 1 s."""
+    server.wait_metrics(lambda m: (m["jaxformer_requests_waiting"], m["jaxformer_requests_running"]) == (0, 0))
+    before = server.metrics()
+    body = {"prompt": PROMPTS[0], "max_tokens": 150, "temperature": 0, "n": 20}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+    after = server.wait_metrics(lambda m: m["jaxformer_sequences_cancelled_total"]
+                                > before["jaxformer_sequences_cancelled_total"]
+                                and (m["jaxformer_requests_waiting"], m["jaxformer_requests_running"]) == (0, 0))
+    assert after["jaxformer_kv_pages_free"] == NUM_PAGES
+    assert after["jaxformer_generation_tokens_total"] - before["jaxformer_generation_tokens_total"] < 20 * 150
+
+
 def test_a_full_queue_answers_429_at_once(server):
     server.wait_metrics(lambda m: m["jaxformer_requests_running"] == 0)
     body = {"prompt": PROMPTS[2], "max_tokens": 150, "temperature": 0, "stream": True}
