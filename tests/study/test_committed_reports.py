@@ -50,3 +50,23 @@ def test_every_study_sweep_is_landed_or_pending():
     listed = {s for s, _ in LANDED} | set(PENDING)
     assert stems - listed <= {"activations_full"}, stems - listed  # its report files carry a full_ prefix
     assert listed <= stems
+
+
+def test_the_residual_gradient_table_reads_every_setting_from_the_rows():
+    """Study 8's per-block gradient table (experiments/studies/tables/residual_gradients.py) has one line per
+    setting of the committed runs' rows, and its first block is the probe's own first-block figure."""
+    import importlib.util
+    import json
+
+    path = REPO / "experiments" / "studies" / "tables" / "residual_gradients.py"
+    spec = importlib.util.spec_from_file_location("residual_gradients", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = [json.loads(f.read_text()) for f in sorted((RESULTS / "residuals" / "points").glob("*/sweep_point.json"))]
+    lines = module.table(rows).splitlines()[2:]
+    settings = {tuple(r["values"][k] for k in module.KEYS) for r in rows}
+    assert len(lines) == len(settings) > 0
+    for r in rows:
+        init = r["probes"]["init"]
+        assert init["grad_norm_layers"][0] == pytest.approx(init["grad_norm_first_block"], rel=1e-6)
+        assert len(init["grad_norm_layers"]) == r["values"]["model.n_layers"]
