@@ -10,11 +10,14 @@ batch rows ``B``:
 
 - ``x @ W``, ``W [in, out]`` (jaxformer's layout; what the engine's step runs);
 - ``x @ W^T``, ``W [out, in]`` (the contraction over both operands' last axis);
-- ``W @ x^T``, ``W [out, in]``, the result feature-major ``[out, B]`` (PyTorch's form).
+- ``W @ x^T``, ``W [out, in]``, the result feature-major ``[out, B]`` (PyTorch's form);
+- with ``--bf16``, also ``x @ W`` with bfloat16 weights and rows, accumulated in float32 (checked against the
+  float64 product of the rounded operands): whether XLA's CPU dot gains from half the bytes (or from AMX on a
+  CPU that has it).
 
 Milliseconds per stack (median of ``--repeats``, compile excluded) and each form's time against the first.
 
-    python experiments/bench/decode_matmul.py [--rows 1 2 4 8 16 32 256] [--repeats 15]
+    python experiments/bench/decode_matmul.py [--rows 1 2 4 8 16 32 256] [--repeats 15] [--bf16]
 """
 
 from __future__ import annotations
@@ -47,21 +50,28 @@ def forms():
     def w_xt(ws, x):  # ws: [out, in]; the result [out, B]
         return [jax.lax.dot_general(w, x[:, : w.shape[1]], (((1,), (1,)), ((), ()))).sum(1) for w in ws]
 
+    def x_w_bf16(ws, x):  # ws: [in, out] bfloat16
+        x = x.astype(jnp.bfloat16)
+        return [jnp.matmul(x[:, : w.shape[0]], w, preferred_element_type=jnp.float32).sum(0) for w in ws]
+
     return {"x @ W, W [in, out]": (jax.jit(x_w), False), "x @ W^T, W [out, in]": (jax.jit(x_wt), True),
-            "W @ x^T, W [out, in]": (jax.jit(w_xt), True)}
+            "W @ x^T, W [out, in]": (jax.jit(w_xt), True), "x @ W bf16, W [in, out]": (jax.jit(x_w_bf16), "bf16")}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 256])
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--bf16", action="store_true", help="also the first form in bfloat16 (float32 accumulation)")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     w_in_out = [rng.standard_normal(s, np.float32) * 0.02 for _ in range(LAYERS) for s in SHAPES]
     by_layout = {False: [jnp.asarray(w) for w in w_in_out],
                  True: [jnp.asarray(np.ascontiguousarray(w.T)) for w in w_in_out]}
+    if args.bf16:
+        by_layout["bf16"] = [jnp.asarray(w, jnp.bfloat16) for w in w_in_out]
     width = max(s[0] for s in SHAPES)
-    table = forms()
+    table = {k: v for k, v in forms().items() if args.bf16 or v[1] != "bf16"}
     print(cpu_line())
     print(f"{LAYERS} layers x {len(SHAPES)} matrices, {sum(w.size for w in w_in_out) / 1e6:.0f} M fp32 weights; "
           f"ms per stack, median of {args.repeats}\n")
@@ -74,10 +84,15 @@ def main(argv=None) -> int:
         want = [(x[:, : w.shape[0]].astype(np.float64) @ w.astype(np.float64)).sum(0) for w in w_in_out]
         ms = []
         for name in names:
-            fn, transposed = table[name]
-            ws, xj = by_layout[transposed], jnp.asarray(x)
+            fn, layout = table[name]
+            ws, xj = by_layout[layout], jnp.asarray(x)
             got = fn(ws, xj)
-            for g, r in zip(got, want):  # fp32 sums of B * in products of ~N(0, 0.02^2) terms
+            if layout == "bf16":  # the product of the rounded operands, exact in float64
+                xr = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+                ref = [(xr[:, : w.shape[0]] @ np.asarray(w.astype(jnp.float32), np.float64)).sum(0) for w in ws]
+            else:
+                ref = want
+            for g, r in zip(got, ref):  # fp32 sums of B * in products of ~N(0, 0.02^2) terms
                 np.testing.assert_allclose(np.asarray(g), r, rtol=1e-4, atol=1e-4 * np.sqrt(B), err_msg=name)
             ms.append(1e3 * median_seconds(fn, ws, xj, repeats=args.repeats))
         print(f"| {B} | " + " | ".join(f"{m:.1f}" for m in ms) + " | "

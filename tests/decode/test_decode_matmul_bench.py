@@ -1,0 +1,19 @@
+"""``experiments/bench/decode_matmul.py`` end to end at two row counts: every form, bf16 included, is checked
+inside the bench against a float64 product (it raises on a wrong one), and a row of timings per row count."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.bench_scripts import load_bench
+
+
+@pytest.mark.slow  # ~20 s: a 30-layer stack of SmolLM2-135M's matrices (425 MB fp32) in three layouts
+def test_decode_matmul_bench_every_form_checked(capsys):
+    assert load_bench("decode_matmul").main(["--rows", "1", "3", "--repeats", "1", "--bf16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("CPU: ") and "x @ W bf16 / first" in out
+    rows = re.findall(r"^\| (\d+) \|((?: [\d.]+ \|){7})$", out, re.M)
+    assert [int(b) for b, _ in rows] == [1, 3]
