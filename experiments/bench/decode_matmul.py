@@ -38,8 +38,8 @@ SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out) of one 
 
 
 def forms():
-    """The three forms as jitted functions of (weights, x): each returns the products' column sums per matrix
-    (so nothing is dead code and the check compares every product)."""
+    """The forms as jitted functions of (weights, x), each with its weights' layout key: each returns the
+    products' column sums per matrix (so nothing is dead code and the check compares every product)."""
 
     def x_w(ws, x):  # ws: [in, out]
         return [(x[:, : w.shape[0]] @ w).sum(0) for w in ws]
@@ -54,8 +54,9 @@ def forms():
         x = x.astype(jnp.bfloat16)
         return [jnp.matmul(x[:, : w.shape[0]], w, preferred_element_type=jnp.float32).sum(0) for w in ws]
 
-    return {"x @ W, W [in, out]": (jax.jit(x_w), False), "x @ W^T, W [out, in]": (jax.jit(x_wt), True),
-            "W @ x^T, W [out, in]": (jax.jit(w_xt), True), "x @ W bf16, W [in, out]": (jax.jit(x_w_bf16), "bf16")}
+    return {"x @ W, W [in, out]": (jax.jit(x_w), "in_out"), "x @ W^T, W [out, in]": (jax.jit(x_wt), "out_in"),
+            "W @ x^T, W [out, in]": (jax.jit(w_xt), "out_in"),
+            "x @ W bf16, W [in, out]": (jax.jit(x_w_bf16), "bf16")}
 
 
 def main(argv=None) -> int:
@@ -66,8 +67,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     w_in_out = [rng.standard_normal(s, np.float32) * 0.02 for _ in range(LAYERS) for s in SHAPES]
-    by_layout = {False: [jnp.asarray(w) for w in w_in_out],
-                 True: [jnp.asarray(np.ascontiguousarray(w.T)) for w in w_in_out]}
+    by_layout = {"in_out": [jnp.asarray(w) for w in w_in_out],
+                 "out_in": [jnp.asarray(np.ascontiguousarray(w.T)) for w in w_in_out]}
     if args.bf16:
         by_layout["bf16"] = [jnp.asarray(w, jnp.bfloat16) for w in w_in_out]
     width = max(s[0] for s in SHAPES)

@@ -87,11 +87,12 @@ def main(argv=None) -> int:
                                 max_context=s["max_context"]))
         print(f"{name}: paged {s['tokens_per_s']['pages']:.0f} tok/s, reserved {s['tokens_per_s']['context']:.0f} "
               f"tok/s ({s['ratio']:.2f}x)", file=sys.stderr, flush=True)
-    text = render(decode_rows, mem_rows, engine_rows, seeds, bench.cpu_line())
+    cpu = bench.cpu_line()  # once: it holds the load average, and results.json must match table.md
+    text = render(decode_rows, mem_rows, engine_rows, seeds, cpu)
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"cpu": bench.cpu_line(), "seeds": list(seeds),
+        (args.out / "results.json").write_text(json.dumps({"cpu": cpu, "seeds": list(seeds),
                                                            "decode": decode_rows, "memory": mem_rows,
                                                            "engine": engine_rows}, indent=1))
         (args.out / "table.md").write_text(text + "\n")
@@ -138,6 +139,7 @@ def render(decode_rows: list[dict], mem_rows: list[dict], engine_rows: list[dict
                   f"{r['steps']['context']:,} | {_ms_per_step(r, 'pages'):.1f} | {_ms_per_step(r, 'context'):.1f} | "
                   f"{r['preemptions']['pages']} |" for r in engine_rows]
     return cpu + "\n\n" + "\n".join(lines)
+
 
 def rerender(out: Path) -> str:
     """``out``'s ``table.md`` written again from its ``results.json`` (a table format change needs no re-run);

@@ -179,10 +179,10 @@ class Service:
             return None
         n, width = len(st.prompt), sampling.top_logprobs
         s = P.scored(st.prompt + st.tokens, st.scores, 0 if with_prompt else n + a, n + b)
-        if chat:  # the message's tokens: the end of the turn (a stop token) is not part of it
-            keep = [k for k, t in enumerate(s.tokens) if t not in self.stop_tokens]
-            return P.chat_logprobs(P.Scored(*([x[k] for k in keep] for x in (s.tokens, s.logprobs, s.top))),
-                                   self.piece, width)
+        if chat:  # the end of the turn (a stop token, always the last one) is not part of the message
+            if s.tokens and s.tokens[-1] in self.stop_tokens:
+                s = s[:-1]
+            return P.chat_logprobs(s, self.piece, width)
         offsets = self.offsets(st.prompt, 0, len(st.prompt_text)) if with_prompt else []
         if st.token_offsets is None:  # one pass per choice, however many chunks a stream slices it into
             base = len(st.prompt_text) if sampling.echo else 0
@@ -306,9 +306,10 @@ def create_app(service: Service) -> FastAPI:
             while not all(st.done for st in states):
                 try:
                     i, u = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
-                    service.update(states[i], u.tokens, u.result, u.logprobs)
                 except TimeoutError:
                     pass
+                else:
+                    service.update(states[i], u.tokens, u.result, u.logprobs)
                 if clock() - checked >= DISCONNECT_POLL_S:  # also while tokens keep coming
                     checked = clock()
                     if await request.is_disconnected():

@@ -130,6 +130,8 @@ class EngineWorker:
             self._cancel.update(rids)
             if ended:
                 self._ended.update(rids)
+            else:  # a client gone after its stop string: nobody reads the answer, nothing to score
+                self._ended.difference_update(rids)
         self._wake.set()
 
     def cancel_all(self) -> None:

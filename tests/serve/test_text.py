@@ -103,8 +103,8 @@ def test_incremental_decode_equals_decoding_everything_on_real_tokenizers(name):
 
 
 def test_chat_logprobs_leave_out_the_turns_stop_token():
-    """A chat answer that ended on its stop token (EOS: generated, never text) has a logprobs entry per token of
-    its message, and none for the stop token (OpenAI's chat logprobs cover the message's content)."""
+    """A chat answer that ended on its stop token (EOS: generated, never text) has no logprobs entry for that
+    token (OpenAI's chat logprobs cover the message's content); every token before it has one."""
     import numpy as np
 
     from jaxformer.decode.scoring import TokenLogprobs

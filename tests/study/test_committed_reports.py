@@ -52,9 +52,10 @@ def test_every_study_sweep_is_landed_or_pending():
     assert listed <= stems
 
 
-def test_the_residual_gradient_table_reads_every_setting_from_the_rows():
-    """Study 8's per-block gradient table (experiments/studies/tables/residual_gradients.py) has one line per
-    setting of the committed runs' rows, and its first block is the probe's own first-block figure."""
+def test_the_residual_gradient_table_reads_every_setting_from_the_rows(capsys):
+    """Study 8's per-block gradient table (experiments/studies/tables/residual_gradients.py), run as the page
+    runs it: a line per setting of the sweep that has committed rows, in the sweep's order, its seed-0 columns
+    seed 0's own probe figures; the probe's first-block figure is its per-block list's first entry."""
     import importlib.util
     import json
 
@@ -62,11 +63,20 @@ def test_the_residual_gradient_table_reads_every_setting_from_the_rows():
     spec = importlib.util.spec_from_file_location("residual_gradients", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    rows = [json.loads(f.read_text()) for f in sorted((RESULTS / "residuals" / "points").glob("*/sweep_point.json"))]
-    lines = module.table(rows).splitlines()[2:]
-    settings = {tuple(r["values"][k] for k in module.KEYS) for r in rows}
-    assert len(lines) == len(settings) > 0
-    for r in rows:
+    assert module.main([]) == 0
+    lines = capsys.readouterr().out.splitlines()[2:]
+    sweep = load_sweep(REPO / "experiments" / "studies" / "residuals.yaml")
+    rows = {p.name: json.loads(f.read_text()) for p in sweep.points
+            if (f := RESULTS / "residuals" / "points" / p.name / "sweep_point.json").exists()}
+    order = list(dict.fromkeys(tuple(r["values"][k] for k in module.KEYS) for r in rows.values()))
+    assert len(lines) == len(order) > 0
+    for line, key in zip(lines, order):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[:4] == [str(key[0]), str(key[1]), str(key[2]), str(key[3]).lower()]
+        seed0 = next(r for r in rows.values() if tuple(r["values"][k] for k in module.KEYS) == key and r["seed"] == 0)
+        layers = seed0["probes"]["init"]["grad_norm_layers"]
+        assert cells[4] == ", ".join(module.fmt(g) for g in layers[:3]) and cells[5] == module.fmt(layers[-1])
+    for r in rows.values():
         init = r["probes"]["init"]
         assert init["grad_norm_layers"][0] == pytest.approx(init["grad_norm_first_block"], rel=1e-6)
         assert len(init["grad_norm_layers"]) == r["values"]["model.n_layers"]
