@@ -18,6 +18,7 @@ whose own ids are the model's). Special tokens come from ``tokenizer_config.json
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -113,8 +114,10 @@ class HFTokenizer:
         return out
 
 
+@functools.cache
 def _generation_block():
     """A jinja2 extension for transformers' ``{% generation %} ... {% endgeneration %}``: renders the body."""
+    from jinja2 import nodes
     from jinja2.ext import Extension
 
     class GenerationBlock(Extension):
@@ -123,8 +126,6 @@ def _generation_block():
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            from jinja2 import nodes
-
             return nodes.Scope(body, lineno=lineno)
 
     return GenerationBlock

@@ -122,7 +122,8 @@ def write_report(sweep: Sweep, out: str | Path) -> Path:
     of the sweep's points as its file now defines them: another config, a value its arm no longer chooses, a
     renamed point; or one whose run directory now holds another run) is moved to ``superseded.jsonl``, never
     dropped. A run directory's row passes the same check (:func:`jaxformer.study.sweep.is_current`): a run of an
-    older design is not reported (the runner refuses to go on beside one: :func:`jaxformer.study.sweep.check_finished`)."""
+    older design is not reported (the runner refuses to go on beside one:
+    :func:`jaxformer.study.sweep.check_finished`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     files = {SUMMARY_FILE: gather(sweep, out)}

@@ -747,5 +747,5 @@ def dry_run_text(sweep: Sweep, out: Path, *, shard: str | None = None, quick: bo
             + yaml.safe_dump(C.to_dict(first), sort_keys=False))
 
 __all__ = ["PLOTS", "Point", "Sweep", "SweepConfig", "TuneConfig", "chosen_values", "default_out", "dry_run_text",
-           "load_sweep", "parse_shard", "point_name", "quick_config", "read_point", "run_sweep", "shard_points", "tune_grid",
-           "is_current", "tuned_point", "tuning_results"]
+           "is_current", "load_sweep", "parse_shard", "point_name", "quick_config", "read_point", "run_sweep",
+           "shard_points", "tune_grid", "tuned_point", "tuning_results"]
