@@ -13,7 +13,9 @@ batch rows ``B``:
 - ``W @ x^T``, ``W [out, in]``, the result feature-major ``[out, B]`` (PyTorch's form);
 - with ``--bf16``, also ``x @ W`` with bfloat16 weights and rows, accumulated in float32 (checked against the
   float64 product of the rounded operands): whether XLA's CPU dot gains from half the bytes (or from AMX on a
-  CPU that has it).
+  CPU that has it); and, up to 4 rows (n/a past that: it does every product as a loop), the same product as a
+  multiply-and-reduce over the bfloat16 weights converted in the loop, a form that reads half the bytes
+  without the dot.
 
 Milliseconds per stack (median of ``--repeats``, compile excluded) and each form's time against the first.
 
@@ -54,9 +56,18 @@ def forms():
         x = x.astype(jnp.bfloat16)
         return [jnp.matmul(x[:, : w.shape[0]], w, preferred_element_type=jnp.float32).sum(0) for w in ws]
 
+    def reduce_bf16(ws, x):  # ws: [in, out] bfloat16, converted inside the multiply-and-reduce; row by row (the
+        # rows' axis in the reduce makes XLA's CPU loop 15x slower at one row)
+        return [sum((x[b, : w.shape[0], None] * w.astype(jnp.float32)).sum(0) for b in range(x.shape[0]))
+                for w in ws]
+
     return {"x @ W, W [in, out]": (jax.jit(x_w), "in_out"), "x @ W^T, W [out, in]": (jax.jit(x_wt), "out_in"),
             "W @ x^T, W [out, in]": (jax.jit(w_xt), "out_in"),
-            "x @ W bf16, W [in, out]": (jax.jit(x_w_bf16), "bf16")}
+            "x @ W bf16, W [in, out]": (jax.jit(x_w_bf16), "bf16"),
+            "sum(x * W) bf16, W [in, out]": (jax.jit(reduce_bf16), "bf16_f32x")}
+
+
+MAX_ROWS = {"bf16_f32x": 4}  # forms timed only up to this many rows
 
 
 def main(argv=None) -> int:
@@ -70,9 +81,9 @@ def main(argv=None) -> int:
     by_layout = {"in_out": [jnp.asarray(w) for w in w_in_out],
                  "out_in": [jnp.asarray(np.ascontiguousarray(w.T)) for w in w_in_out]}
     if args.bf16:
-        by_layout["bf16"] = [jnp.asarray(w, jnp.bfloat16) for w in w_in_out]
+        by_layout["bf16"] = by_layout["bf16_f32x"] = [jnp.asarray(w, jnp.bfloat16) for w in w_in_out]
     width = max(s[0] for s in SHAPES)
-    table = {k: v for k, v in forms().items() if args.bf16 or v[1] != "bf16"}
+    table = {k: v for k, v in forms().items() if args.bf16 or not v[1].startswith("bf16")}
     print(cpu_line())
     print(f"{LAYERS} layers x {len(SHAPES)} matrices, {sum(w.size for w in w_in_out) / 1e6:.0f} M fp32 weights; "
           f"ms per stack, median of {args.repeats}\n")
@@ -86,18 +97,22 @@ def main(argv=None) -> int:
         ms = []
         for name in names:
             fn, layout = table[name]
+            if B > MAX_ROWS.get(layout, B):
+                ms.append(None)
+                continue
             ws, xj = by_layout[layout], jnp.asarray(x)
             got = fn(ws, xj)
-            if layout == "bf16":  # the product of the rounded operands, exact in float64
-                xr = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+            if layout.startswith("bf16"):  # the product of the rounded weights (and rows), exact in float64
+                xr = x.astype(np.float64) if layout == "bf16_f32x" else \
+                    np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
                 ref = [(xr[:, : w.shape[0]] @ np.asarray(w.astype(jnp.float32), np.float64)).sum(0) for w in ws]
             else:
                 ref = want
             for g, r in zip(got, ref):  # fp32 sums of B * in products of ~N(0, 0.02^2) terms
                 np.testing.assert_allclose(np.asarray(g), r, rtol=1e-4, atol=1e-4 * np.sqrt(B), err_msg=name)
             ms.append(1e3 * median_seconds(fn, ws, xj, repeats=args.repeats))
-        print(f"| {B} | " + " | ".join(f"{m:.1f}" for m in ms) + " | "
-              + " | ".join(f"{m / ms[0]:.2f}" for m in ms[1:]) + " |", flush=True)
+        print(f"| {B} | " + " | ".join("n/a" if m is None else f"{m:.1f}" for m in ms) + " | "
+              + " | ".join("n/a" if m is None else f"{m / ms[0]:.2f}" for m in ms[1:]) + " |", flush=True)
     return 0
 
 
