@@ -246,6 +246,8 @@ def add_sweep_options(a) -> None:
     a("--quick", action="store_true", help="each point for a few steps with tiny evaluations (smoke test)")
     a("--report", action="store_true", help="only gather what the points wrote into the report (their run "
       "directories, else the rows of --out's summary.jsonl / tuning.jsonl: the tables rebuild from those alone)")
+    a("--supersede", action="store_true", help="a finished final run whose arm's tuning now chooses another value "
+      "(a widened grid): move it to OUT/superseded_points/ and run it again, instead of refusing")
 
 
 def sweep_command(args) -> int:
@@ -259,7 +261,8 @@ def sweep_command(args) -> int:
         print(dry_run_text(sweep, out, shard=args.shard, quick=args.quick), end="")
         return 0
     if not args.report:
-        run_sweep(sweep, out, shard=parse_shard(args.shard) if args.shard else (0, 1), quick=args.quick)
+        run_sweep(sweep, out, shard=parse_shard(args.shard) if args.shard else (0, 1), quick=args.quick,
+                  supersede=args.supersede)
         if args.shard:  # shards may finish together: one report, by --report, once all of them are done
             print(f"shard {args.shard} done; when every shard is, gather them: jaxformer sweep {args.sweep_file} "
                   f"--out {out} --report")

@@ -34,7 +34,9 @@ deterministic for a given config, so a second run would repeat the first).
 ``shard=(i, n)`` runs points ``i, i+n, i+2n, ...`` of the tuning points followed by the final ones (a job array);
 :func:`jaxformer.study.report.write_report` gathers what every shard wrote (a point without a run directory
 there, from the row ``summary.jsonl`` or ``tuning.jsonl`` recorded for it: :func:`read_point`; the runner
-itself only counts run directories as finished). A run that diverges
+itself only counts run directories as finished, refuses to go on beside one that disagrees with the sweep file,
+and with ``supersede`` moves aside and re-runs a final point whose arm's tuning now chooses another value). A
+run that diverges
 (non-finite loss, or its last train losses above its first by ``divergence_margin``: :func:`blew_up`)
 is recorded as diverged, and the sweep goes on; the train-loss verdict of a finished point is taken again
 from its logged losses whenever the sweep reads it, so changing the margin never needs a re-run (a row read
@@ -527,29 +529,50 @@ def check_finished(point: Point, done: dict, cfg: C.ExperimentConfig, quick: boo
     changed = C.diff(C.from_dict(saved, str(where)), cfg)
     if changed:
         keys = ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, a, b in changed)
-        raise C.ConfigError(f"{where}: point {point.name} finished with another config: {keys}. Use a new --out, "
-                            f"or delete that point's directory to run it again")
+        hint = (" (its arm's tuning now chooses another value: --supersede moves it aside and runs it again)"
+                if not point.tuning and point.tuned is not None and done.get("tuned") != point.tuned else "")
+        raise C.ConfigError(f"{where}: point {point.name} finished with another config: {keys}{hint}. Use a new "
+                            f"--out, or delete that point's directory to run it again")
 
 
 def run_sweep(sweep: Sweep, out: str | Path, *, shard: tuple[int, int] = (0, 1), quick: bool = False,
-              say=print) -> list[dict]:
-    """Run this shard's points one after another (finished ones skipped); their summary rows."""
+              supersede: bool = False, say=print) -> list[dict]:
+    """Run this shard's points one after another (finished ones skipped); their summary rows.
+
+    ``supersede``: a finished final point whose arm's tuning now chooses another value (its tuning grid was
+    widened, or a tuning point ran again) has its run directory moved to ``out/superseded_points/`` and runs
+    again at the new value; without it such a point is refused (``check_finished``), as is every other
+    disagreement between a finished point and the sweep file."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     mine = shard_points(sweep.tune_points + sweep.points, shard)  # tuning first: final points need it
-    for point in mine:  # refuse before any work if a finished point disagrees with the sweep file
+
+    def finished(point: Point) -> dict | None:
+        """The point's row if it finished as the sweep file now gives it (else ConfigError), None if it must
+        run: unfinished, or superseded just now."""
         done = read_point(sweep, out, point, recorded=False)
-        if done is not None and (resolved := tuned_point(sweep, point, out, recorded=False)) is not None:
-            check_finished(resolved, done, quick_config(resolved.config) if quick else resolved.config, quick,
-                           run_dir(out, point.name) / POINT_FILE)
+        if done is None or (resolved := tuned_point(sweep, point, out, recorded=False)) is None:
+            return done
+        where = run_dir(out, point.name)
+        if supersede and not point.tuning and done.get("config") is not None and done.get("tuned") != resolved.tuned:
+            kept = out / "superseded_points" / point.name
+            kept.parent.mkdir(exist_ok=True)
+            shutil.rmtree(kept, ignore_errors=True)
+            shutil.move(str(where), kept)
+            say(f"{point.name}: ran at {done.get('tuned')}, its arm now chooses {resolved.tuned}: moved to {kept}, "
+                "runs again")
+            return None
+        check_finished(resolved, done, quick_config(resolved.config) if quick else resolved.config, quick,
+                       where / POINT_FILE)
+        return done
+
+    for point in mine:  # refuse before any work if a finished point disagrees with the sweep file
+        finished(point)
     rows, waiting = [], []
     for i, point in enumerate(mine, 1):
-        done = read_point(sweep, out, point, recorded=False)
+        # a final point's arm may have finished its tuning in this very run, after the check above
+        done = finished(point)
         if done is not None:
-            # a final point's arm may have finished its tuning in this very run, after the check above
-            if not point.tuning and (resolved := tuned_point(sweep, point, out, recorded=False)) is not None:
-                check_finished(resolved, done, quick_config(resolved.config) if quick else resolved.config, quick,
-                               run_dir(out, point.name) / POINT_FILE)
             say(f"[{i}/{len(mine)}] {point.name}: finished, skipped")
             rows.append(done)
             continue

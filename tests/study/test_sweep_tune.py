@@ -226,8 +226,19 @@ def test_final_runs_at_a_value_the_tuning_no_longer_chooses_are_not_results(tmp_
     stale = S.point_name({"model.position": "alibi"}, 0)
     shutil.rmtree(out / f"tune-{S.point_name({'model.position': 'alibi', 'optimizer.lr': 1e-3}, 0)}")
     with pytest.raises(C.ConfigError, match=rf"point {stale} finished with another config: optimizer.lr "
-                                            r"\(saved 0.01, now 0.001\)"):
+                                            r"\(saved 0.01, now 0.001\) \(its arm's tuning now chooses another "
+                                            r"value: --supersede"):
         S.run_sweep(sweep, out, say=lambda s: None)
+    # --supersede: those finals are moved aside and run again at the new choice; the other arm's stay
+    rope = {p.name: (out / p.name / S.POINT_FILE).read_bytes() for p in sweep.points
+            if p.values == {"model.position": "rope"}}
+    S.run_sweep(sweep, out, supersede=True, say=lambda s: None)
+    alibi = [p for p in sweep.points if p.values == {"model.position": "alibi"}]
+    assert sorted(d.name for d in (out / "superseded_points").iterdir()) == sorted(p.name for p in alibi)
+    assert all(json.loads((out / "superseded_points" / p.name / S.POINT_FILE).read_text())["tuned"]
+               == {"optimizer.lr": 1e-2} for p in alibi)
+    assert all(S.read_point(sweep, out, p)["tuned"] == {"optimizer.lr": 1e-3} for p in alibi)
+    assert {name: (out / name / S.POINT_FILE).read_bytes() for name in rope} == rope
     tuning = S.read_rows(rows_only / "tuning.jsonl")
     for r in tuning:
         if r["values"] == {"model.position": "alibi"} and r["tuned"] == {"optimizer.lr": 1e-3}:
