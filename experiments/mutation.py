@@ -458,6 +458,10 @@ MUTATIONS = [
              "n_keep = jnp.sum((before < top_p) | (top_p >= 1.0), axis=-1)",
              "n_keep = jnp.sum((before + probs < top_p) | (top_p >= 1.0), axis=-1)",
              ("tests/decode/test_sampling.py",), "top-p drops the token that crosses p"),
+    Mutation("top_p_zero_keeps_all", "jaxformer/decode/sampling.py",
+             "n_keep = jnp.clip(jnp.minimum(n_keep, k), 1, V)", "n_keep = jnp.clip(jnp.minimum(n_keep, k), 0, V)",
+             ("tests/decode/test_sampling.py", "tests/serve/test_server.py"),
+             "top_p 0 keeps no token, so the threshold falls off the end and every token is kept"),
     # -- decode: paged block manager, caches, engine
     Mutation("cow_skipped", "jaxformer/decode/block_manager.py",
              "cow = [i for i in range(first, min(last + 1, len(seq.table))) if self._ref[seq.table[i]] > 1]",

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 disable
-    their filters; generation stops after ``max_new_tokens`` or on any of ``stop_tokens``
+    their filters (``top_p`` 0 keeps the most likely token alone, as in transformers and OpenAI's API); generation stops after ``max_new_tokens`` or on any of ``stop_tokens``
     (the stop token is kept in the output)."""
 
     temperature: float = 0.0
@@ -44,8 +44,8 @@ class SamplingParams:
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 disables it)")
         p = self.top_p
-        if not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
-            raise ValueError(f"top_p={p!r} must be in (0, 1]")
+        if not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"top_p={p!r} must be in [0, 1] (0 keeps the most likely token alone)")
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**32)")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

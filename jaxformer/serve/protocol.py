@@ -144,7 +144,7 @@ def parse_sampling(body: dict, *, chat: bool) -> Sampling:
                                  "the prompt)")
     seed = _int(body, "seed", None, low=0, high=SEED_LIMIT - 1)
     return Sampling(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
-                    top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0, open_low=True),
+                    top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0),
                     top_k=max(_int(body, "top_k", 0, low=-1), 0), seed=seed, stop=stop, n=n, stream=stream,
                     include_usage=include_usage, top_logprobs=top_logprobs, echo=echo)
 

@@ -184,7 +184,7 @@ class SampleConfig(_Section):
                                        "(generation always stops there)")
     temperature: float = Field(0.8, ge=0.0)
     top_k: int | None = Field(None, gt=0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
 
 
 class EvalConfig(_Section):

@@ -104,7 +104,7 @@ def test_generate_bad_inputs(llama):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         generate(graphdef, state, cfg, [[1, 256]])
     with pytest.raises(ValueError, match="top_p"):
-        generate(graphdef, state, cfg, [[1]], top_p=0.0)
+        generate(graphdef, state, cfg, [[1]], top_p=-0.5)
     with pytest.raises(ValueError, match="temperature has 1 values for 2 prompts"):
         generate(graphdef, state, cfg, [[1], [2]], temperature=[1.0])
     with pytest.raises(ValueError, match="decoder-only"):

@@ -61,11 +61,11 @@ def test_greedy_seeded_and_per_row_parameters_in_one_batch():
     logits = jnp.asarray(rng.normal(size=(4, 50)) * 3, jnp.float32)
     temps = jnp.asarray([0.0, 1.0, 1.0, 1.0])
     top_k = jnp.asarray([0, 1, 0, 5], jnp.int32)
-    top_p = jnp.asarray([1.0, 1.0, 1e-6, 1.0])
+    top_p = jnp.asarray([1.0, 1.0, 0.0, 1.0])
     keys = request_keys(jnp.arange(4), jnp.zeros(4, jnp.int32))
     out = np.asarray(jsample(logits, keys, temps, top_k, top_p))
     argmax = np.asarray(jnp.argmax(logits, -1))
-    # greedy, top_k=1 and a tiny top_p all reduce to argmax; row 3 stays within its top 5
+    # greedy, top_k=1 and top_p=0 all reduce to argmax; row 3 stays within its top 5
     assert list(out[:3]) == list(argmax[:3])
     assert out[3] in np.argsort(-np.asarray(logits[3]))[:5]
     # same seeds and steps: same tokens; another step: a different draw for a flat distribution
@@ -80,7 +80,7 @@ def test_greedy_seeded_and_per_row_parameters_in_one_batch():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(top_k=-2), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(top_p=-0.1), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(seed=-1), "seed"), (dict(max_new_tokens=0), "max_new_tokens"), (dict(stop_tokens=(300,)), "stop_tokens"),
 ])
 def test_invalid_sampling_params(kwargs, match):
@@ -101,7 +101,7 @@ def test_filter_logits_keeps_exactly_the_defined_set_for_every_top_k_top_p():
     f = jax.jit(filter_logits)
     for temperature in (0.5, 1.0):
         for top_k in (0, 1, 2, 3, 5):
-            for top_p in (0.3, 0.5, 0.7, 0.9, 1.0):
+            for top_p in (0.0, 0.3, 0.5, 0.7, 0.9, 1.0):  # 0: the most likely token alone
                 n = logits.shape[0]
                 x = f(jnp.asarray(logits, jnp.float32), jnp.full((n,), temperature), jnp.full((n,), top_k, jnp.int32),
                       jnp.full((n,), top_p))

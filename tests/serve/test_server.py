@@ -92,6 +92,11 @@ def test_greedy_completions_equal_generate(server, greedy, model):
     ids = model[3].encode_prompt(PROMPTS[0]).tolist()  # the same prompt as token ids
     again = server.client().completions.create(model="tiny-llama3", prompt=ids, max_tokens=12, temperature=0)
     assert again.choices[0].text == records[0]["completion"]
+    # top_p 0 keeps the most likely token alone (OpenAI's API and transformers accept it): greedy even at the
+    # highest temperature, where top_p 1 draws other tokens for these prompts and seed
+    hot = server.client().completions.create(model="tiny-llama3", prompt=PROMPTS, max_tokens=12, temperature=2.0,
+                                             top_p=0, n=2, seed=3)
+    assert [c.text for c in hot.choices] == [r["completion"] for r in records for _ in range(2)]
 
 
 def test_sampled_choices_take_seed_plus_index_as_generate_gives_prompts(server, peaked_dir, tmp_path, capsys):
@@ -375,7 +380,7 @@ BAD = [  # (body, status, param, words in the message)
     ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "integer"),
     ({"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens", "integer"),
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
-    ({"prompt": "x", "top_p": 0}, 400, "top_p", "(0.0, 1.0]"),
+    ({"prompt": "x", "top_p": -0.5}, 400, "top_p", "[0.0, 1.0]"),
     ({"prompt": "x", "n": 0}, 400, "n", "[1, 128]"),
     ({"prompt": "x", "stream": "yes"}, 400, "stream", "boolean"),
     ({"prompt": "x", "stop": 3}, 400, "stop", "string"),
