@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxformer.study.rows import arms, label, mean_spread, probe, probe_keys, quick_warning, setting_color, settings
+from jaxformer.study.rows import (arms, label, line_keys, mean_spread, panel_groups, probe, probe_keys, quick_warning,
+                                  setting_color, settings)
 from jaxformer.study.sweep import Sweep, chosen_values, format_value, run_dir, tune_grid, tune_metric, tuning_results
 from jaxformer.train.metrics import read_metrics
 
@@ -25,17 +26,66 @@ def _pyplot():
 
 
 def _x_axis(sweep: Sweep) -> str | None:
-    return sweep.spec.report.x or (sweep.spec.varied[0] if sweep.spec.varied else None)
+    """``report.x``, else the first varied key that is not a panel key."""
+    keys = line_keys(sweep) or sweep.spec.varied
+    return sweep.spec.report.x or (keys[0] if keys else None)
 
 
-def _series(sweep: Sweep, rows: list[dict]):
-    """``(series label, [(x value, rows)])``: settings grouped by every varied key but ``x``."""
+def _final_panels(sweep: Sweep) -> list[str]:
+    """The final-metric plot's panel keys: ``report.panels`` but its x key (whose values are its x axis)."""
+    return [k for k in sweep.spec.report.panels if k != _x_axis(sweep)]
+
+
+def _series(sweep: Sweep, rows: list[dict], keys: list[str]):
+    """``(x, {series label: (its values, [(x value, rows)])})``: settings grouped by every one of ``keys``
+    but ``x``."""
     x = _x_axis(sweep)
-    others = [k for k in sweep.spec.varied if k != x]
-    series: dict[str, list] = {}
+    others = [k for k in keys if k != x]
+    series: dict[str, tuple[dict, list]] = {}
     for values, rs in settings(sweep, rows):
-        series.setdefault(label(values, others), []).append((values.get(x), rs))
+        series.setdefault(label(values, others), (values, []))[1].append((values.get(x), rs))
     return x, series
+
+
+def _panels(plt, sweep: Sweep, n: int, size=(7, 4.5)):
+    """``(figure, axes)``: one axes of ``size`` inches, or ``n`` panels (2 per row) for ``report.panels``."""
+    if n == 1:
+        fig, ax = plt.subplots(figsize=size, layout="constrained")
+        return fig, [ax]
+    cols = 2
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows + 0.9), layout="constrained", squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:n])
+
+
+def _label_panels(fig, axes, titles, *, title: str, xlabel: str, ylabel: str, legend_outside: bool = True):
+    """Titles, axis labels and the legend: on the one axes as before, or each panel titled by its
+    ``report.panels`` values, the axis labels once, and one legend below the panels (every line once)."""
+    if len(axes) == 1:
+        ax = axes[0]
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        if ax.get_legend_handles_labels()[1]:
+            if legend_outside:  # beside the axes, not over the data
+                ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+            else:
+                ax.legend(fontsize=7)
+        ax.set_title(title, fontsize=10)
+        return fig
+    entries = {}
+    for ax, name in zip(axes, titles):
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel(xlabel, fontsize=8)  # on each panel: a figure-wide one would sit under the legend
+        entries.update((lab, h) for h, lab in zip(*ax.get_legend_handles_labels())
+                       if lab not in entries and not lab.startswith("_"))
+    fig.supylabel(ylabel, fontsize=9)
+    if entries:
+        fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncol=min(len(entries), 3),
+                   fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    return fig
 
 
 def _x_values(sweep: Sweep) -> list:
@@ -91,33 +141,31 @@ def draw_plots(sweep: Sweep, out: Path, rows: list[dict]) -> list[str]:
 
 def _plot_loss_curves(plt, sweep, out, rows):
     """Mean over the seeds that did not diverge (solid); diverged seeds each dashed, in the same colour."""
-    many = len(settings(sweep, rows)) > 8
-    fig, ax = plt.subplots(figsize=(11 if many else 7, 4.5), layout="constrained")
+    groups = panel_groups(sweep, settings(sweep, rows))
+    many = len(groups) == 1 and len(groups[0][1]) > 8
+    fig, axes = _panels(plt, sweep, len(groups), size=(11 if many else 7, 4.5))
+    keys = line_keys(sweep)
 
     def curve(r):
         return dict((m["step"], m["loss"]) for m in read_metrics(run_dir(out, r["name"]))
                     if "loss" in m and isinstance(m["loss"], float))
 
-    for values, rs in settings(sweep, rows):
-        color, name = setting_color(sweep, values), label(values, sweep.spec.varied)
-        curves = [c for c in (curve(r) for r in rs if not r["diverged"]) if c]
-        if curves:
-            steps = sorted(set.intersection(*(set(c) for c in curves)))
-            ax.plot(steps, smooth([statistics.fmean(c[s] for c in curves) for s in steps]), label=name, lw=1.2,
-                    color=color)
-        for r in rs:
-            if r["diverged"] and (c := curve(r)):
-                ax.plot(sorted(c), [c[s] for s in sorted(c)], ls="--", lw=0.8, color=color,
-                        label=f"{name} (diverged, seed {r['seed']})")
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"train loss (nats/token), mean over seeds, EMA over ~{SMOOTH_ROWS} rows")
-    ax.set_yscale("log")
-    if many:  # beside the axes, not over the curves
-        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    else:
-        ax.legend(fontsize=7)
-    ax.set_title(f"{sweep.name}: training loss")
-    return fig
+    for ax, (_, group) in zip(axes, groups):
+        for values, rs in group:
+            color, name = setting_color(sweep, values, keys), label(values, keys)
+            curves = [c for c in (curve(r) for r in rs if not r["diverged"]) if c]
+            if curves:
+                steps = sorted(set.intersection(*(set(c) for c in curves)))
+                ax.plot(steps, smooth([statistics.fmean(c[s] for c in curves) for s in steps]), label=name, lw=1.2,
+                        color=color)
+            for r in rs:
+                if r["diverged"] and (c := curve(r)):
+                    ax.plot(sorted(c), [c[s] for s in sorted(c)], ls="--", lw=0.8, color=color,
+                            label=f"{name} (diverged, seed {r['seed']})")
+        ax.set_yscale("log")
+    return _label_panels(fig, axes, [t for t, _ in groups], title=f"{sweep.name}: training loss", xlabel="step",
+                         ylabel=f"train loss (nats/token), mean over seeds, EMA over ~{SMOOTH_ROWS} rows",
+                         legend_outside=many)
 
 
 def _plot_tuning_curves(plt, sweep, out, rows):
@@ -127,35 +175,37 @@ def _plot_tuning_curves(plt, sweep, out, rows):
     combos = tune_grid(tune)
     numeric = len(tune.keys) == 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                           for c in combos for v in c.values())
-    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    groups = panel_groups(sweep, arms(sweep), values_of=lambda values: values)
+    fig, axes = _panels(plt, sweep, len(groups))
+    keys = line_keys(sweep)
     if numeric:
         xs = [float(next(iter(c.values()))) for c in combos]
-        if min(xs) > 0 and max(xs) / min(xs) >= 4:  # a learning-rate grid is geometric
-            ax.set_xscale("log")
     else:
         xs = list(range(len(combos)))
-        ax.set_xticks(xs, [format_value(list(c.values())) for c in combos])
-    for values in arms(sweep):
-        res = {json.dumps(t, sort_keys=True): m for t, m, _ in tuning_results(sweep, out, values)}
-        ys = [res.get(json.dumps(c, sort_keys=True)) for c in combos]
-        keep = [(x, y) for x, y in zip(xs, ys) if y is not None]
-        if not keep:
-            continue
-        color = setting_color(sweep, values)
-        ax.plot([x for x, _ in keep], [y for _, y in keep], marker="o", color=color,
-                ls="-" if numeric else "none", label=label(values, sweep.spec.varied))
-        try:
-            best = chosen_values(sweep, out, values)
-        except ValueError:
-            best = None
-        if best is not None:
-            i = combos.index(best)
-            ax.plot([xs[i]], [ys[i]], marker="o", ms=12, mfc="none", color=color)
-    ax.set_xlabel(", ".join(tune.keys))
-    ax.set_ylabel(f"{tune_metric(sweep)} (mean over {tune.seeds} tuning seed(s))")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title(f"{sweep.name}: tuning (ringed: the value each arm's final runs use)")
-    return fig
+    for ax, (_, group) in zip(axes, groups):
+        if not numeric:
+            ax.set_xticks(xs, [format_value(list(c.values())) for c in combos])
+        elif min(xs) > 0 and max(xs) / min(xs) >= 4:  # a learning-rate grid is geometric
+            ax.set_xscale("log")
+        for values in group:
+            res = {json.dumps(t, sort_keys=True): m for t, m, _ in tuning_results(sweep, out, values)}
+            ys = [res.get(json.dumps(c, sort_keys=True)) for c in combos]
+            keep = [(x, y) for x, y in zip(xs, ys) if y is not None]
+            if not keep:
+                continue
+            color = setting_color(sweep, values, keys)
+            ax.plot([x for x, _ in keep], [y for _, y in keep], marker="o", color=color,
+                    ls="-" if numeric else "none", label=label(values, keys))
+            try:
+                best = chosen_values(sweep, out, values)
+            except ValueError:
+                best = None
+            if best is not None:
+                i = combos.index(best)
+                ax.plot([xs[i]], [ys[i]], marker="o", ms=12, mfc="none", color=color)
+    return _label_panels(fig, axes, [t for t, _ in groups],
+                         title=f"{sweep.name}: tuning (ringed: the value each arm's final runs use)",
+                         xlabel=", ".join(tune.keys), ylabel=f"{tune_metric(sweep)} (mean over {tune.seeds} tuning seed(s))")
 
 
 SMOOTH_ROWS = 10
@@ -177,57 +227,60 @@ def _plot_val_curves(plt, sweep, out, rows):
     """Periodic validation ``report.metric`` vs step (mean over the seeds that did not diverge, at the
     steps they share); the final evaluation of each setting as an open marker at its last step."""
     metric = sweep.spec.report.metric
-    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    groups = panel_groups(sweep, settings(sweep, rows))
+    fig, axes = _panels(plt, sweep, len(groups))
+    keys = line_keys(sweep)
     drew = False
-    for values, rs in settings(sweep, rows):
-        color, name = setting_color(sweep, values), label(values, sweep.spec.varied)
-        curves, finals = [], []
-        for r in rs:
-            if r["diverged"]:
-                continue
-            evals = [m for m in read_metrics(run_dir(out, r["name"])) if isinstance(m.get(metric), (int, float))
-                     and "final" in m]
-            curves.append({m["step"]: m[metric] for m in evals if not m["final"]})
-            finals += [(m["step"], m[metric]) for m in evals if m["final"]]
-        curves = [c for c in curves if c]
-        if curves:
-            steps = sorted(set.intersection(*(set(c) for c in curves)))
-            ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], marker=".", lw=1.2,
-                    color=color, label=name)
-            drew = True
-        if finals:
-            ax.plot([max(s for s, _ in finals)], [statistics.fmean(v for _, v in finals)], marker="o", mfc="none",
-                    color=color, ls="none", label=None if curves else f"{name} (final)")
-            drew = True
+    for ax, (_, group) in zip(axes, groups):
+        for values, rs in group:
+            color, name = setting_color(sweep, values, keys), label(values, keys)
+            curves, finals = [], []
+            for r in rs:
+                if r["diverged"]:
+                    continue
+                evals = [m for m in read_metrics(run_dir(out, r["name"])) if isinstance(m.get(metric), (int, float))
+                         and "final" in m]
+                curves.append({m["step"]: m[metric] for m in evals if not m["final"]})
+                finals += [(m["step"], m[metric]) for m in evals if m["final"]]
+            curves = [c for c in curves if c]
+            if curves:
+                steps = sorted(set.intersection(*(set(c) for c in curves)))
+                ax.plot(steps, [statistics.fmean(c[s] for c in curves) for s in steps], marker=".", lw=1.2,
+                        color=color, label=name)
+                drew = True
+            if finals:
+                ax.plot([max(s for s, _ in finals)], [statistics.fmean(v for _, v in finals)], marker="o",
+                        mfc="none", color=color, ls="none", label=None if curves else f"{name} (final)")
+                drew = True
     if not drew:
         plt.close(fig)
         return None
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"validation {metric} (mean over seeds)")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.set_title(f"{sweep.name}: validation curves (open marker: the final evaluation)", fontsize=10)
-    return fig
+    return _label_panels(fig, axes, [t for t, _ in groups],
+                         title=f"{sweep.name}: validation curves (open marker: the final evaluation)", xlabel="step",
+                         ylabel=f"validation {metric} (mean over seeds)")
 
 
 def _plot_final_metric(plt, sweep, out, rows):
     metric = sweep.spec.report.metric
-    x, series = _series(sweep, rows)
-    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
-    where = _x_positions(sweep, ax)
-    for name, pts in series.items():
-        stats = [mean_spread([r.get(metric) for r in rs if not r["diverged"]]) for _, rs in pts]
-        keep = [(v, m, s) for (v, _), (m, s) in zip(pts, stats) if m is not None]
-        if not keep:
-            continue
-        xs = [where[json.dumps(v)] for v, _, _ in keep]
-        ax.errorbar(xs, [m for _, m, _ in keep], yerr=[s or 0.0 for _, _, s in keep], marker="o", capsize=3,
-                    label=name, ls="none" if _categorical(sweep) else "-")
-    ax.set_xlabel(x or "")
-    ax.set_ylabel(f"{metric} (mean ± sd over seeds)")
-    if len(series) > 1:
-        ax.legend(fontsize=7)
-    ax.set_title(f"{sweep.name}: final {metric}")
-    return fig
+    panels = _final_panels(sweep)
+    groups = panel_groups(sweep, rows, values_of=lambda r: r["values"], keys=panels)
+    fig, axes = _panels(plt, sweep, len(groups))
+    x = _x_axis(sweep)
+    others = [k for k in line_keys(sweep, panels) if k != x]
+    for ax, (_, group) in zip(axes, groups):
+        where = _x_positions(sweep, ax)
+        _, series = _series(sweep, group, others)
+        for name, (values, pts) in series.items():
+            stats = [mean_spread([r.get(metric) for r in rs if not r["diverged"]]) for _, rs in pts]
+            keep = [(v, m, s) for (v, _), (m, s) in zip(pts, stats) if m is not None]
+            if not keep:
+                continue
+            xs = [where[json.dumps(v)] for v, _, _ in keep]
+            color = setting_color(sweep, values, others) if len(groups) > 1 else None  # one per line, every panel
+            ax.errorbar(xs, [m for _, m, _ in keep], yerr=[s or 0.0 for _, _, s in keep], marker="o", capsize=3,
+                        label=name if others else None, ls="none" if _categorical(sweep) else "-", color=color)
+    return _label_panels(fig, axes, [t for t, _ in groups], title=f"{sweep.name}: final {metric}", xlabel=x or "",
+                         ylabel=f"{metric} (mean ± sd over seeds)", legend_outside=False)
 
 
 def _plot_metric_vs_eval_length(plt, sweep, out, rows):
@@ -288,7 +341,7 @@ def _plot_loss_by_position(plt, sweep, out, rows):
 def _plot_probes(plt, sweep, out, rows):
     if not sweep.spec.probes:
         return None
-    x, series = _series(sweep, rows)
+    x, series = _series(sweep, rows, sweep.spec.varied)  # not paneled: every setting a series
     pkeys = probe_keys(rows)
     if not pkeys:
         return None
@@ -296,7 +349,7 @@ def _plot_probes(plt, sweep, out, rows):
     axes = axes[0]
     for ax, key in zip(axes, pkeys):
         where = _x_positions(sweep, ax)
-        for i, (name, pts) in enumerate(series.items()):
+        for i, (name, (_, pts)) in enumerate(series.items()):
             for when, ls, fill in (("init", "--", "none"), ("final", "-", None)):
                 vals = [mean_spread([probe(r, when, key) for r in rs])[0] for _, rs in pts]
                 keep = [(v, m) for (v, _), m in zip(pts, vals) if m is not None]

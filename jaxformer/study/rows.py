@@ -80,9 +80,32 @@ def probe(row: dict, when: str, key: str) -> float | None:
     return row.get("probes", {}).get(when, {}).get(key)
 
 
-def setting_color(sweep: Sweep, values: dict) -> str:
-    """One colour per setting, the same in every plot (a setting missing from one plot shifts nothing)."""
-    keys = sweep.spec.varied
+def line_keys(sweep: Sweep, panels: list[str] | None = None) -> list[str]:
+    """The varied keys that tell a plot's lines apart: all but the ``panels`` keys (default
+    ``report.panels``), which tell its panels apart."""
+    panels = sweep.spec.report.panels if panels is None else panels
+    return [k for k in sweep.spec.varied if k not in panels]
+
+
+def panel_groups(sweep: Sweep, items: list, values_of=lambda item: item[0], keys: list[str] | None = None
+                 ) -> list[tuple[str | None, list]]:
+    """``items`` (default: ``(values, ...)`` pairs) grouped by their values of ``keys`` (default
+    ``report.panels``), in the sweep's order: ``(panel title, items)`` per panel that has any; one group titled
+    None when there are no panel keys."""
+    keys = list(sweep.spec.report.panels if keys is None else keys)
+    if not keys:
+        return [(None, list(items))]
+    groups = {setting_key({"values": p.values}, keys): (label(p.values, keys), []) for p in sweep.points}
+    for item in items:
+        groups[setting_key({"values": values_of(item)}, keys)][1].append(item)
+    return [g for g in groups.values() if g[1]]
+
+
+def setting_color(sweep: Sweep, values: dict, keys: list[str] | None = None) -> str:
+    """One colour per setting of ``keys`` (default: every varied key), the same in every plot (a setting
+    missing from one plot shifts nothing); a paneled plot passes :func:`line_keys`, so a line has one colour
+    in every panel."""
+    keys = sweep.spec.varied if keys is None else keys
     order = list(dict.fromkeys(setting_key({"values": p.values}, keys) for p in sweep.points))
     i = order.index(setting_key({"values": values}, keys))
     if len(order) <= 10:

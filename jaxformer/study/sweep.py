@@ -81,6 +81,11 @@ class ReportConfig(BaseModel):
                                             "every other arm gets its paired difference to the baseline arm "
                                             "that agrees on the keys not named here")
     confidence: float = Field(0.95, gt=0, lt=1, description="of the paired difference's t interval")
+    panels: tuple[str, ...] = Field((), description="varied keys that split the training / validation curve, "
+                                    "final-metric and tuning plots into panels, one per combination of their "
+                                    "values (the lines of a panel are the other keys' settings, one colour each, "
+                                    "the same in every panel; one legend below the panels); the final-metric "
+                                    "plot leaves out its x key")
     trained_below: float | None = Field(None, description="a run trained when it did not diverge and its metric "
                                         "ended below this (e.g. the unigram entropy in bits/byte: a run stuck at "
                                         "byte frequencies is finite, so not diverged, but has not trained); the "
@@ -163,6 +168,12 @@ class SweepConfig(BaseModel):
             raise ValueError(f"keys varied twice (axes / zip): {dup}")
         if self.report.x is not None and self.report.x not in keys:
             raise ValueError(f"report.x={self.report.x!r} is not one of the varied keys {keys}")
+        unknown = [k for k in self.report.panels if k not in keys]
+        if unknown:
+            raise ValueError(f"report.panels {unknown} are not varied keys {keys}")
+        if keys and set(keys) <= set(self.report.panels):
+            raise ValueError(f"report.panels {list(self.report.panels)} hold every varied key: nothing is left to "
+                             "compare within a panel")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds={self.seeds} repeats a seed")
         if self.tune is not None:

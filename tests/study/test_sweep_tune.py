@@ -413,6 +413,73 @@ def test_validation_curves_are_drawn_from_the_periodic_evaluations(tmp_path, mon
     assert real(plt, sweep, out, gather(sweep, out)) is None
 
 
+def test_report_panels_split_the_plots_one_panel_per_value(tmp_path):
+    """Issue 25's readable plots: ``report.panels`` gives each value of a key its own panel, whose lines are the
+    other keys' settings (one colour each, the same in every panel: a line's colour names its arm), with the
+    panel's own rows' means, and one legend below the panels listing each line once; the final-metric plot
+    keeps its x key on its axis."""
+    import matplotlib.colors as mcolors
+    import matplotlib.pyplot as plt
+
+    from jaxformer.study import plots as P
+
+    spec = {"axes": {"model.position": ["rope", "alibi"], "model.n_layers": [1, 2]}, "seeds": [0, 1],
+            "tune": {"keys": {"optimizer.lr": [1.0e-3, 3.0e-3]}},
+            "report": {"plots": ["loss_curves", "val_curves", "final_metric"], "panels": ["model.n_layers"]}}
+    sweep = S.load_sweep(write_sweep(tmp_path, spec))
+    out = tmp_path / "out"
+
+    def bpb(values, seed):  # a different value per arm and seed
+        return 2.0 + (values["model.position"] == "alibi") + values["model.n_layers"] / 10 + seed / 100
+
+    for p in sweep.points + sweep.tune_points:
+        d = out / p.name
+        d.mkdir(parents=True)
+        v = bpb(p.values, p.seed) + (0.5 if p.tuned and p.tuned["optimizer.lr"] == 3.0e-3 else 0.0)
+        lines = [{"step": s, "loss": v + 1 - s / 100} for s in range(1, 11)]
+        lines += [{"step": 5, "val_bpb": v + 0.5, "final": False}, {"step": 10, "val_bpb": v, "final": True}]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        (d / S.POINT_FILE).write_text(json.dumps({"name": p.name, "values": p.values, "seed": p.seed, "params": 1,
+                                                  "diverged": False, "val_bpb": v, "quick": False,
+                                                  "tuned": p.tuned}))
+    from jaxformer.study.rows import gather
+    rows = gather(sweep, out)
+    assert len(rows) == 8
+    fig = P.PLOT_FUNCTIONS["final_metric"](plt, sweep, out, rows)  # x: the position, one point each per panel
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in axes] == ["n_layers=1", "n_layers=2"]
+    for ax, layers in zip(axes, (1, 2)):  # each panel's means are its own rows' (2 seeds: + 0.005)
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["rope", "alibi"]
+        (line,) = [ln for ln in ax.get_lines() if ln.get_marker() == "o"]
+        np.testing.assert_allclose(np.asarray(line.get_ydata(), float), [2.005 + layers / 10, 3.005 + layers / 10],
+                                   rtol=1e-12)
+    plt.close(fig)
+    for name in ("loss_curves", "val_curves", "tuning_curves"):
+        fig = P.PLOT_FUNCTIONS[name](plt, sweep, out, rows)
+        axes = [ax for ax in fig.axes if ax.get_visible()]
+        assert [ax.get_title() for ax in axes] == ["n_layers=1", "n_layers=2"], name
+        colours = []
+        for ax in axes:
+            lines = {ln.get_label(): ln for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+            assert sorted(lines) == ["position=alibi", "position=rope"], (name, sorted(lines))
+            colours.append({k: mcolors.to_hex(ln.get_color()) for k, ln in lines.items()})
+        assert colours[0] == colours[1] and len(set(colours[0].values())) == 2, name
+        (legend,) = fig.legends
+        assert sorted(t.get_text() for t in legend.get_texts()) == ["position=alibi", "position=rope"], name
+        plt.close(fig)
+    # the final-metric plot's x key is its axis, not a panel: one plot, a line per position
+    spec_x = {**spec, "report": {**spec["report"], "x": "model.n_layers"}}
+    sweep_x = S.load_sweep(write_sweep(tmp_path / "x", spec_x))
+    fig = P.PLOT_FUNCTIONS["final_metric"](plt, sweep_x, out, rows)
+    (ax,) = fig.axes
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == ["position=alibi", "position=rope"]
+    plt.close(fig)
+    for bad, words in (({"panels": ["model.d_model"]}, "not varied keys"),
+                       ({"panels": ["model.position", "model.n_layers"]}, "nothing is left")):
+        with pytest.raises(ValueError, match=words):
+            S.load_sweep(write_sweep(tmp_path, {**spec, "report": {"plots": ["final_metric"], **bad}}))
+
+
 @pytest.mark.parametrize("axis, values, joined", [("model.position", ["rope", "alibi", "none"], False),
                                                   ("model.n_layers", [1, 2, 4], True)])
 def test_final_metric_and_probe_points_are_joined_only_on_a_numeric_axis(tmp_path, axis, values, joined):
