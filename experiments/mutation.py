@@ -694,7 +694,7 @@ MUTATIONS = [
              'if (self.engine_options.reserve == "context"', 'if (False',
              ("tests/decode/test_engine.py",), "reserve='context' admits as the paged engine does (no baseline)"),
     Mutation("categorical_points_joined", "jaxformer/study/plots.py",
-             'label=name, ls="none" if _categorical(sweep) else "-")', 'label=name, ls="-")',
+             'ls="none" if _categorical(sweep) else "-", color=color)', 'ls="-", color=color)',
              ("tests/study/test_sweep_tune.py",), "a categorical axis's points joined by lines"),
     # -- jaxformer serve: the real server process, driven over HTTP (tests/serve)
     Mutation("serve_utf8_split", "jaxformer/serve/text.py",
