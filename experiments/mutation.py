@@ -694,8 +694,11 @@ MUTATIONS = [
              'if (self.engine_options.reserve == "context"', 'if (False',
              ("tests/decode/test_engine.py",), "reserve='context' admits as the paged engine does (no baseline)"),
     Mutation("categorical_points_joined", "jaxformer/study/plots.py",
-             'ls="none" if _categorical(sweep) else "-", color=color)', 'ls="-", color=color)',
+             '    if _categorical(sweep):\n        return "none"\n    grid = sorted', '    grid = sorted',
              ("tests/study/test_sweep_tune.py",), "a categorical axis's points joined by lines"),
+    Mutation("plot_joins_skipped_x_values", "jaxformer/study/plots.py",
+             'return style if at == list(range(at[0], at[0] + len(at))) else "none"', 'return style',
+             ("tests/study/test_sweep_tune.py",), "a series measured at 2 and 24 layers drawn as a line through 4-12"),
     # -- jaxformer serve: the real server process, driven over HTTP (tests/serve)
     Mutation("serve_utf8_split", "jaxformer/serve/text.py",
              "while end > start and full[end - 1] == REPLACEMENT:", "while False and full[end - 1] == REPLACEMENT:",

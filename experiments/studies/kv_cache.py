@@ -13,12 +13,13 @@ Three measurements, all ``experiments/bench/decode.py``'s own functions (no code
   how many of the first draws fit the budget each way;
 * the throughput claim: the continuous-batching engine's output tokens/s at one memory budget, paged vs
   ``reserve="context"`` (each admitted sequence holds its whole context of pages, as a contiguous cache
-  does), on the same requests (``bench_paged_vs_reserved``), for a small model and a 16x larger one.
+  does), on the same requests (``bench_paged_vs_reserved``), for a small model and a 59x larger one.
 
     python experiments/studies/kv_cache.py --out experiments/results/studies/kv_cache   # ~8 min, 2 cores
     python experiments/studies/kv_cache.py --dry-run
     python experiments/studies/kv_cache.py --quick
     python experiments/studies/kv_cache.py --table-from experiments/results/studies/kv_cache   # table.md again
+    python experiments/studies/kv_cache.py --plots-from experiments/results/studies/kv_cache   # the plots again
 """
 
 from __future__ import annotations
@@ -50,9 +51,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="directory for results.json, table.md and the plots")
     ap.add_argument("--table-from", type=Path, metavar="DIR",
                     help="write DIR/table.md again from DIR/results.json, running nothing")
+    ap.add_argument("--plots-from", type=Path, metavar="DIR",
+                    help="draw DIR's plots again from DIR/results.json, running nothing (the length histogram is "
+                         "the first seed's draw again: a seeded random draw, no measurement)")
     args = ap.parse_args(argv)
     if args.table_from:
         print(rerender(args.table_from))
+        return 0
+    if args.plots_from:
+        replot(args.plots_from)
         return 0
     contexts, pages, new = ((16, 32), (16,), 2) if args.quick else (CONTEXTS, PAGES, 16)
     seeds = SEEDS[:2] if args.quick else SEEDS
@@ -151,6 +158,20 @@ def rerender(out: Path) -> str:
     return text
 
 
+def replot(out: Path) -> None:
+    """``out``'s plots drawn again from its ``results.json``; the length histogram is the first seed's draw
+    again (``draw_lengths``, the draw ``bench_memory`` makes: seeded, no measurement)."""
+    res = json.loads((out / "results.json").read_text())
+    seed = list(res.get("seeds", SEEDS))[0]
+    plot(res["decode"], res["memory"], bench.draw_lengths(seed, 100_000, max_len=2048), out)
+    if res.get("engine"):
+        plot_engine(res["engine"], out)
+
+
+# one colour per allocation in every plot: contiguous (each sequence holds its whole context) and paged
+CONTIGUOUS_COLOUR, PAGED_COLOUR = "C0", "C1"
+
+
 def plot(decode_rows, mem_rows, lengths, out: Path) -> None:
     import matplotlib
 
@@ -178,40 +199,54 @@ def plot(decode_rows, mem_rows, lengths, out: Path) -> None:
     ps = [str(r["page"]) for r in mem_rows]
     width = 0.38
     pos = range(len(ps))
-    b.bar([i - width / 2 for i in pos], [r["util_contig"] for r in mem_rows], width, label="contiguous")
-    b.bar([i + width / 2 for i in pos], [r["util_paged"] for r in mem_rows], width, label="paged")
+    b.bar([i - width / 2 for i in pos], [r["util_contig"] for r in mem_rows], width, label="contiguous",
+          color=CONTIGUOUS_COLOUR)
+    b.bar([i + width / 2 for i in pos], [r["util_paged"] for r in mem_rows], width, label="paged",
+          color=PAGED_COLOUR)
     b.set_xticks(list(pos), ps)
     b.set_xlabel("page size (tokens)")
     b.set_ylabel("memory utilisation (real tokens / reserved slots)")
     for i, r in zip(pos, mem_rows):
         b.text(i + width / 2, r["util_paged"], f"{r['n_paged']:.0f} seqs", ha="center", va="bottom", fontsize=7)
         b.text(i - width / 2, r["util_contig"], f"{r['n_contig']} seqs", ha="center", va="bottom", fontsize=7)
-    b.legend(fontsize=8)
-    b.set_title("32,768 token slots: utilisation over all draws (mean of seeds), sequences that fit", fontsize=9)
+    b.set_ylim(0, 1.15)
+    b.legend(fontsize=8, loc="upper center", ncol=2)
+    b.set_title("32,768 token slots: utilisation over all draws (mean of seeds)\n"
+                "and the sequences that fit (labels)", fontsize=9)
     fig.savefig(out / "memory_utilisation.png", dpi=110)
     plt.close(fig)
 
 
 def plot_engine(engine_rows, out: Path) -> None:
+    """One panel per model (their tokens/s differ tenfold): paged and reserved tokens/s, the median round as
+    the bar and each timed round as a dot, and the paged / reserved ratio (median, and round by round, the
+    rounds paired in the order they alternated) in the panel's title."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), layout="constrained")
-    width, pos = 0.38, range(len(engine_rows))
-    for k, (key, name) in enumerate((("pages", "paged"), ("context", "reserved (contiguous)"))):
-        xs = [i + (k - 0.5) * width for i in pos]
-        ax.bar(xs, [r["tokens_per_s"][key] for r in engine_rows], width, label=name, color=f"C{k}")
-        for x, r in zip(xs, engine_rows):
-            ax.text(x, r["tokens_per_s"][key], f"{r['mean_running'][key]:.0f} at once", ha="center", va="bottom",
-                    fontsize=7)
-    ax.set_xticks(list(pos), [f"{r['model']}\n{r['params'] / 1e6:.1f} M parameters" for r in engine_rows])
-    ax.set_ylabel("engine output tokens/s (greedy)")
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(engine_rows), figsize=(5 * len(engine_rows), 4.4), layout="constrained",
+                             squeeze=False)
+    allocations = (("pages", "paged", PAGED_COLOUR), ("context", "reserved (contiguous)", CONTIGUOUS_COLOUR))
+    for ax, r in zip(axes[0], engine_rows):
+        for x, (key, name, colour) in enumerate(allocations):
+            ax.bar(x, r["tokens_per_s"][key], 0.6, label=name, color=colour)
+            rounds = [r["tokens"] / s for s in r["seconds"][key]]
+            ax.plot([x] * len(rounds), rounds, "o", color="black", markersize=3,
+                    label="each timed round" if x == 0 else None)
+            ax.text(x, max([r["tokens_per_s"][key], *rounds]), f"{r['mean_running'][key]:.0f} at once",
+                    ha="center", va="bottom", fontsize=8)
+        per_round = [c / p for p, c in zip(r["seconds"]["pages"], r["seconds"]["context"])]
+        ax.set_xticks([0, 1], [a[1] for a in allocations])
+        ax.set_ylabel("engine output tokens/s (greedy)")
+        ax.set_ylim(0, 1.15 * max(r["tokens"] / s for k in ("pages", "context") for s in r["seconds"][k]))
+        ax.set_title(f"{r['model']}, {r['params'] / 1e6:.1f} M parameters\npaged / reserved {r['ratio']:.2f}x "
+                     f"(rounds {min(per_round):.2f}-{max(per_round):.2f})", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
     r0 = engine_rows[0]
-    ax.set_title(f"One KV budget ({r0['budget_tokens']:,} tokens), paged vs reserving the context "
-                 f"({r0['max_context']})", fontsize=9)
+    fig.suptitle(f"One KV budget ({r0['budget_tokens']:,} tokens), paged vs reserving the context "
+                 f"({r0['max_context']}); own y scale per model", fontsize=9)
     fig.savefig(out / "engine_throughput.png", dpi=110)
     plt.close(fig)
 

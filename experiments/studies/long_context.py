@@ -137,8 +137,8 @@ def table(results) -> str:
                     cells.append("-" if b is None else f"{b:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""))
                 lines.append(f"| {what} | {span} | {mode} | " + " | ".join(cells) + " |")
     lines += ["", "[95% interval]: the least-squares slope's, Student's t with n - 2 degrees of freedom on the "
-              "residuals of the log-log fit (one median time per length: the spread of the points about a "
-              "straight line, not the timing noise of each point)"]
+              "residuals of the log-log fit (one time per length, the median of its `repeats` timed calls in "
+              "results.jsonl: the spread of the points about a straight line, not the timing noise of each point)"]
     return "\n".join(lines)
 
 

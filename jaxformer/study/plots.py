@@ -72,7 +72,7 @@ def _label_panels(fig, axes, titles, *, title: str, xlabel: str, ylabel: str, le
                 ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
             else:
                 ax.legend(fontsize=7)
-        ax.set_title(title, fontsize=10)
+        fig.suptitle(title, fontsize=10)  # over the figure: a long one is not clipped by a legend beside the axes
         return fig
     entries = {}
     for ax, name in zip(axes, titles):
@@ -96,6 +96,17 @@ def _x_values(sweep: Sweep) -> list:
 def _categorical(sweep: Sweep) -> bool:
     """Whether ``report.x`` is categorical (not all numbers): its points are then not joined by lines."""
     return not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in _x_values(sweep))
+
+
+def _line_style(sweep: Sweep, xs: list, style: str = "-") -> str:
+    """``style`` for a series at these ``report.x`` values when they are numbers and adjacent in the sweep's
+    grid of x values, else no line (points only): a categorical axis is not joined, and a series measured
+    at 2 and 24 layers of a 1-24 grid does not draw a trend through the depths it skipped."""
+    if _categorical(sweep):
+        return "none"
+    grid = sorted(_x_values(sweep))
+    at = sorted(grid.index(v) for v in xs)
+    return style if at == list(range(at[0], at[0] + len(at))) else "none"
 
 
 def _x_positions(sweep: Sweep, ax) -> dict:
@@ -270,15 +281,17 @@ def _plot_final_metric(plt, sweep, out, rows):
     for ax, (_, group) in zip(axes, groups):
         where = _x_positions(sweep, ax)
         _, series = _series(sweep, group, others)
-        for name, (values, pts) in series.items():
+        # on a categorical axis the series sit side by side at each value, not on top of one another
+        dodge = 0.12 if _categorical(sweep) and len(series) > 1 else 0.0
+        for i, (name, (values, pts)) in enumerate(series.items()):
             stats = [mean_spread([r.get(metric) for r in rs if not r["diverged"]]) for _, rs in pts]
             keep = [(v, m, s) for (v, _), (m, s) in zip(pts, stats) if m is not None]
             if not keep:
                 continue
-            xs = [where[json.dumps(v)] for v, _, _ in keep]
+            xs = [where[json.dumps(v)] + dodge * (i - (len(series) - 1) / 2) for v, _, _ in keep]
             color = setting_color(sweep, values, others) if len(groups) > 1 else None  # one per line, every panel
             ax.errorbar(xs, [m for _, m, _ in keep], yerr=[s or 0.0 for _, _, s in keep], marker="o", capsize=3,
-                        label=name if others else None, ls="none" if _categorical(sweep) else "-", color=color)
+                        label=name if others else None, ls=_line_style(sweep, [v for v, _, _ in keep]), color=color)
     return _label_panels(fig, axes, [t for t, _ in groups], title=f"{sweep.name}: final {metric}", xlabel=x or "",
                          ylabel=f"{metric} (mean ± sd over seeds)", legend_outside=False)
 
@@ -305,8 +318,8 @@ def _finish_vs_length(fig, ax, sweep, xlabel: str, ylabel: str, title: str):
     ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=7)
-    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, not over the lines
+    fig.suptitle(title, fontsize=10)
     return fig
 
 
@@ -339,37 +352,54 @@ def _plot_loss_by_position(plt, sweep, out, rows):
 
 
 def _plot_probes(plt, sweep, out, rows):
+    """One axes per probe (and per ``report.panels`` value but the x key's: a row each), the probe against
+    ``report.x``, a colour per setting of the other keys (the same in every axes), dashed / open at
+    initialisation and solid / filled after training; one legend below."""
     if not sweep.spec.probes:
         return None
-    x, series = _series(sweep, rows, sweep.spec.varied)  # not paneled: every setting a series
     pkeys = probe_keys(rows)
     if not pkeys:
         return None
-    fig, axes = plt.subplots(1, len(pkeys), figsize=(max(5.5, 4 * len(pkeys)), 3.8), squeeze=False, layout="constrained")
-    axes = axes[0]
-    for ax, key in zip(axes, pkeys):
+    panels = _final_panels(sweep)
+    groups = panel_groups(sweep, rows, values_of=lambda r: r["values"], keys=panels)
+    x = _x_axis(sweep)
+    others = [k for k in line_keys(sweep, panels) if k != x]
+    if len(groups) == 1:  # the probes wrap, three to a row
+        cols = min(3, len(pkeys))
+        cells = [(groups[0], key) for key in pkeys]
+    else:  # a row per panel, a column per probe
+        cols = len(pkeys)
+        cells = [(group, key) for group in groups for key in pkeys]
+    nrows = -(-len(cells) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.3 * cols, 3.1 * nrows + 0.9), squeeze=False,
+                             layout="constrained")
+    for ax in axes.flat[len(cells):]:
+        ax.set_visible(False)
+    entries = {}
+    for ax, ((title, group), key) in zip(axes.flat, cells):
         where = _x_positions(sweep, ax)
-        for i, (name, (_, pts)) in enumerate(series.items()):
-            for when, ls, fill in (("init", "--", "none"), ("final", "-", None)):
+        _, series = _series(sweep, group, others)
+        for name, (values, pts) in series.items():
+            color = setting_color(sweep, values, others)
+            for when, ls, fill in (("final", "-", None), ("init", "--", "none")):  # the legend shows the solid
                 vals = [mean_spread([probe(r, when, key) for r in rs])[0] for _, rs in pts]
                 keep = [(v, m) for (v, _), m in zip(pts, vals) if m is not None]
                 if keep:
-                    ax.plot([where[json.dumps(v)] for v, _ in keep], [m for _, m in keep],
-                            ls="none" if _categorical(sweep) else ls, marker="o", mfc=fill,
-                            color=f"C{i % 10}", label=f"{name} ({when})")
+                    (line,) = ax.plot([where[json.dumps(v)] for v, _ in keep], [m for _, m in keep],
+                                      ls=_line_style(sweep, [v for v, _ in keep], ls), marker="o", mfc=fill,
+                                      color=color)
+                    entries.setdefault(name, line)
         if key == "dead_fraction":  # a fraction, often 0: linear, at least 0..0.1% so a lone unit reads as small
             top = max([1e-3] + [line.get_ydata().max() * 1.2 for line in ax.get_lines()])
             ax.set_ylim(-0.03 * top, top)
         else:
             ax.set_yscale("log")
-        ax.set_xlabel(x or "")
-        ax.set_title(key, fontsize=9)
-    entries = {}  # every panel's series once (one may lack a probe another has), below the panels
-    for ax in axes:
-        entries.update((lab, h) for h, lab in zip(*ax.get_legend_handles_labels()) if lab not in entries)
-    fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncol=min(len(entries), 4) or 1,
-               fontsize=6)
-    fig.suptitle(f"{sweep.name} probes: open / dashed at init, filled / solid after training", fontsize=9)
+        ax.set_xlabel(x or "", fontsize=8)
+        ax.set_title(key if title is None else f"{key}: {title}", fontsize=8)
+    if len(entries) > 1 or others:
+        fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncol=min(len(entries), 4),
+                   fontsize=7)
+    fig.suptitle(f"{sweep.name} probes: dashed / open at initialisation, solid / filled after training", fontsize=10)
     return fig
 
 

@@ -520,6 +520,13 @@ def test_benchmark_studies_dry_run_and_quick(script, tmp_path):
                                capture_output=True, text=True, timeout=120, cwd=REPO)
         assert again.returncode == 0, again.stderr[-2000:]
         assert (tmp_path / "table.md").read_text() == table
+        for png in tmp_path.glob("*.png"):  # and the plots (--plots-from: the lengths drawn again, no timing)
+            png.unlink()
+        plots = subprocess.run([sys.executable, str(script), "--plots-from", str(tmp_path)], env=env,
+                               capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert plots.returncode == 0, plots.stderr[-2000:]
+        assert sorted(p.name for p in tmp_path.glob("*.png")) == ["cache_vs_recompute.png", "engine_throughput.png",
+                                                                    "memory_utilisation.png"]
 
 
 def test_kv_cache_page_table_is_rendered_from_its_results(tmp_path):

@@ -484,7 +484,8 @@ def test_report_panels_split_the_plots_one_panel_per_value(tmp_path):
                                                   ("model.n_layers", [1, 2, 4], True)])
 def test_final_metric_and_probe_points_are_joined_only_on_a_numeric_axis(tmp_path, axis, values, joined):
     """Issue 25's readable plots: a categorical axis (activations, positions) shows points, not a line through
-    them; a numeric one (depth) keeps its line. The plotted means are the rows' own."""
+    them; a numeric one (depth) keeps its line, but only between adjacent values of its grid. The plotted
+    means are the rows' own."""
     import matplotlib.pyplot as plt
 
     from jaxformer.study import plots as P
@@ -503,6 +504,11 @@ def test_final_metric_and_probe_points_are_joined_only_on_a_numeric_axis(tmp_pat
                                                                                       for ln in lines])
         if name == "final_metric":
             np.testing.assert_allclose(np.asarray(lines[0].get_ydata(), float), [2.0, 2.1, 2.2], rtol=1e-12)
+        plt.close(fig)
+        # a series without the middle value: its two points are not joined across the value it skipped
+        fig = P.PLOT_FUNCTIONS[name](plt, sweep, tmp_path, [rows[0], rows[2]])
+        lines = [ln for ln in fig.axes[0].get_lines() if ln.get_marker() == "o"]
+        assert lines and all(ln.get_linestyle() == "None" for ln in lines), name
         plt.close(fig)
 
 
