@@ -81,3 +81,22 @@ def test_the_residual_gradient_table_reads_every_setting_from_the_rows(capsys):
         init = r["probes"]["init"]
         assert init["grad_norm_layers"][0] == pytest.approx(init["grad_norm_first_block"], rel=1e-6)
         assert len(init["grad_norm_layers"]) == r["values"]["model.n_layers"]
+
+
+def test_the_heads_rope_vs_alibi_table_is_the_two_reports_differences(capsys):
+    """Study 3's RoPE-vs-ALiBi table (experiments/studies/tables/heads_positions.py), run as the page runs it:
+    every line's difference and interval is the one its own sweep's committed report prints against 4 heads."""
+    import importlib.util
+
+    path = REPO / "experiments" / "studies" / "tables" / "heads_positions.py"
+    spec = importlib.util.spec_from_file_location("heads_positions", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([]) == 0
+    lines = capsys.readouterr().out.splitlines()[2:]
+    reports = {"RoPE": (RESULTS / "heads" / "report.md").read_text(),
+               "ALiBi": (RESULTS / "heads" / "alibi" / "report.md").read_text()}
+    assert [ln.split("|")[1].strip() for ln in lines] == ["RoPE"] * 6 + ["ALiBi"] * 3
+    for line in lines:
+        name, heads, diff, seeds = (c.strip() for c in line.strip("|").split("|"))
+        assert f"| {heads} | n_heads=4 | {seeds} | {diff}" in reports[name], line
