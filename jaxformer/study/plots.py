@@ -290,10 +290,17 @@ def _plot_final_metric(plt, sweep, out, rows):
                 continue
             xs = [where[json.dumps(v)] + dodge * (i - (len(series) - 1) / 2) for v, _, _ in keep]
             color = setting_color(sweep, values, others) if len(groups) > 1 else None  # one per line, every panel
-            ax.errorbar(xs, [m for _, m, _ in keep], yerr=[s or 0.0 for _, _, s in keep], marker="o", capsize=3,
-                        label=name if others else None, ls=_line_style(sweep, [v for v, _, _ in keep]), color=color)
+            bars = ax.errorbar(xs, [m for _, m, _ in keep], yerr=[s or 0.0 for _, _, s in keep], marker="o",
+                               capsize=3, label=name if others else None,
+                               ls=_line_style(sweep, [v for v, _, _ in keep]), color=color)
+            # each seed too: a mean and sd over seeds that trained and seeds that did not stand for no run
+            at = {json.dumps(v): x_ for (v, _, _), x_ in zip(keep, xs)}
+            seeds = [(at[json.dumps(v)], r[metric]) for v, rs in pts if json.dumps(v) in at for r in rs
+                     if not r["diverged"] and isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])]
+            ax.plot([a for a, _ in seeds], [b for _, b in seeds], ls="none", marker=".", ms=5, alpha=0.55,
+                    color=bars.lines[0].get_color())
     return _label_panels(fig, axes, [t for t, _ in groups], title=f"{sweep.name}: final {metric}", xlabel=x or "",
-                         ylabel=f"{metric} (mean ± sd over seeds)", legend_outside=False)
+                         ylabel=f"{metric} (mean ± sd over seeds; dots: each seed)", legend_outside=False)
 
 
 def _plot_metric_vs_eval_length(plt, sweep, out, rows):

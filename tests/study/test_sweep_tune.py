@@ -453,6 +453,9 @@ def test_report_panels_split_the_plots_one_panel_per_value(tmp_path):
         (line,) = [ln for ln in ax.get_lines() if ln.get_marker() == "o"]
         np.testing.assert_allclose(np.asarray(line.get_ydata(), float), [2.005 + layers / 10, 3.005 + layers / 10],
                                    rtol=1e-12)
+        (dots,) = [ln for ln in ax.get_lines() if ln.get_marker() == "."]  # each seed's own value
+        want = sorted(r["val_bpb"] for r in rows if r["values"]["model.n_layers"] == layers)
+        np.testing.assert_allclose(sorted(np.asarray(dots.get_ydata(), float)), want, rtol=1e-12)
     plt.close(fig)
     for name in ("loss_curves", "val_curves", "tuning_curves"):
         fig = P.PLOT_FUNCTIONS[name](plt, sweep, out, rows)
