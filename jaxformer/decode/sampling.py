@@ -26,7 +26,8 @@ import jax.numpy as jnp
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """One request's sampling: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 disable
-    their filters (``top_p`` 0 keeps the most likely token alone, as in transformers and OpenAI's API); generation stops after ``max_new_tokens`` or on any of ``stop_tokens``
+    their filters (``top_p`` 0 keeps the most likely token alone, as in transformers and OpenAI's API);
+    generation stops after ``max_new_tokens`` or on any of ``stop_tokens``
     (the stop token is kept in the output)."""
 
     temperature: float = 0.0

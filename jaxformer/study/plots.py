@@ -47,7 +47,7 @@ def _series(sweep: Sweep, rows: list[dict], keys: list[str]):
     return x, series
 
 
-def _panels(plt, sweep: Sweep, n: int, size=(7, 4.5)):
+def _panels(plt, n: int, size=(7, 4.5)):
     """``(figure, axes)``: one axes of ``size`` inches, or ``n`` panels (2 per row) for ``report.panels``."""
     if n == 1:
         fig, ax = plt.subplots(figsize=size, layout="constrained")
@@ -61,8 +61,9 @@ def _panels(plt, sweep: Sweep, n: int, size=(7, 4.5)):
 
 
 def _label_panels(fig, axes, titles, *, title: str, xlabel: str, ylabel: str, legend_outside: bool = True):
-    """Titles, axis labels and the legend: on the one axes as before, or each panel titled by its
-    ``report.panels`` values, the axis labels once, and one legend below the panels (every line once)."""
+    """Titles, axis labels and the legend: on the one axes (the legend beside it when ``legend_outside``), or
+    each panel titled by its ``report.panels`` values and labelled on x, the y label once, and one legend
+    below the panels (every line once)."""
     if len(axes) == 1:
         ax = axes[0]
         ax.set_xlabel(xlabel)
@@ -154,7 +155,7 @@ def _plot_loss_curves(plt, sweep, out, rows):
     """Mean over the seeds that did not diverge (solid); diverged seeds each dashed, in the same colour."""
     groups = panel_groups(sweep, settings(sweep, rows))
     many = len(groups) == 1 and len(groups[0][1]) > 8
-    fig, axes = _panels(plt, sweep, len(groups), size=(11 if many else 7, 4.5))
+    fig, axes = _panels(plt, len(groups), size=(11 if many else 7, 4.5))
     keys = line_keys(sweep)
 
     def curve(r):
@@ -187,7 +188,7 @@ def _plot_tuning_curves(plt, sweep, out, rows):
     numeric = len(tune.keys) == 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                           for c in combos for v in c.values())
     groups = panel_groups(sweep, arms(sweep), values_of=lambda values: values)
-    fig, axes = _panels(plt, sweep, len(groups))
+    fig, axes = _panels(plt, len(groups))
     keys = line_keys(sweep)
     if numeric:
         xs = [float(next(iter(c.values()))) for c in combos]
@@ -216,7 +217,8 @@ def _plot_tuning_curves(plt, sweep, out, rows):
                 ax.plot([xs[i]], [ys[i]], marker="o", ms=12, mfc="none", color=color)
     return _label_panels(fig, axes, [t for t, _ in groups],
                          title=f"{sweep.name}: tuning (ringed: the value each arm's final runs use)",
-                         xlabel=", ".join(tune.keys), ylabel=f"{tune_metric(sweep)} (mean over {tune.seeds} tuning seed(s))")
+                         xlabel=", ".join(tune.keys),
+                         ylabel=f"{tune_metric(sweep)} (mean over {tune.seeds} tuning seed(s))")
 
 
 SMOOTH_ROWS = 10
@@ -239,7 +241,7 @@ def _plot_val_curves(plt, sweep, out, rows):
     steps they share); the final evaluation of each setting as an open marker at its last step."""
     metric = sweep.spec.report.metric
     groups = panel_groups(sweep, settings(sweep, rows))
-    fig, axes = _panels(plt, sweep, len(groups))
+    fig, axes = _panels(plt, len(groups))
     keys = line_keys(sweep)
     drew = False
     for ax, (_, group) in zip(axes, groups):
@@ -275,7 +277,7 @@ def _plot_final_metric(plt, sweep, out, rows):
     metric = sweep.spec.report.metric
     panels = _final_panels(sweep)
     groups = panel_groups(sweep, rows, values_of=lambda r: r["values"], keys=panels)
-    fig, axes = _panels(plt, sweep, len(groups))
+    fig, axes = _panels(plt, len(groups))
     x = _x_axis(sweep)
     others = [k for k in line_keys(sweep, panels) if k != x]
     for ax, (_, group) in zip(axes, groups):

@@ -82,10 +82,10 @@ class ReportConfig(BaseModel):
                                             "that agrees on the keys not named here")
     confidence: float = Field(0.95, gt=0, lt=1, description="of the paired difference's t interval")
     panels: tuple[str, ...] = Field((), description="varied keys that split the training / validation curve, "
-                                    "final-metric and tuning plots into panels, one per combination of their "
-                                    "values (the lines of a panel are the other keys' settings, one colour each, "
-                                    "the same in every panel; one legend below the panels); the final-metric "
-                                    "plot leaves out its x key")
+                                    "final-metric, tuning and probe plots into panels, one per combination of "
+                                    "their values (the lines of a panel are the other keys' settings, one colour "
+                                    "each, the same in every panel; one legend below the panels); the "
+                                    "final-metric and probe plots leave out their x key")
     trained_below: float | None = Field(None, description="a run trained when it did not diverge and its metric "
                                         "ended below this (e.g. the unigram entropy in bits/byte: a run stuck at "
                                         "byte frequencies is finite, so not diverged, but has not trained); the "
