@@ -54,19 +54,25 @@ def test_every_study_sweep_is_landed_or_pending():
     assert listed <= stems
 
 
+def _run_table(name: str, capsys):
+    """``experiments/studies/tables/<name>.py`` run as its page runs it (no arguments): the module and its
+    table's rows (the printed lines after the header)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / "studies" / "tables" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([]) == 0
+    return module, capsys.readouterr().out.splitlines()[2:]
+
+
 def test_the_residual_gradient_table_reads_every_setting_from_the_rows(capsys):
     """Study 8's per-block gradient table (experiments/studies/tables/residual_gradients.py), run as the page
     runs it: a line per setting of the sweep that has committed rows, in the sweep's order, its seed-0 columns
     seed 0's own probe figures; the probe's first-block figure is its per-block list's first entry."""
-    import importlib.util
     import json
 
-    path = REPO / "experiments" / "studies" / "tables" / "residual_gradients.py"
-    spec = importlib.util.spec_from_file_location("residual_gradients", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main([]) == 0
-    lines = capsys.readouterr().out.splitlines()[2:]
+    module, lines = _run_table("residual_gradients", capsys)
     sweep = load_sweep(REPO / "experiments" / "studies" / "residuals.yaml")
     rows = {p.name: json.loads(f.read_text()) for p in sweep.points
             if (f := RESULTS / "residuals" / "points" / p.name / "sweep_point.json").exists()}
@@ -87,14 +93,7 @@ def test_the_residual_gradient_table_reads_every_setting_from_the_rows(capsys):
 def test_the_heads_rope_vs_alibi_table_is_the_two_reports_differences(capsys):
     """Study 3's RoPE-vs-ALiBi table (experiments/studies/tables/heads_positions.py), run as the page runs it:
     every line's difference and interval is the one its own sweep's committed report prints against 4 heads."""
-    import importlib.util
-
-    path = REPO / "experiments" / "studies" / "tables" / "heads_positions.py"
-    spec = importlib.util.spec_from_file_location("heads_positions", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main([]) == 0
-    lines = capsys.readouterr().out.splitlines()[2:]
+    module, lines = _run_table("heads_positions", capsys)
     reports = {"RoPE": (RESULTS / "heads" / "report.md").read_text(),
                "ALiBi": (RESULTS / "heads" / "alibi" / "report.md").read_text()}
     assert [ln.split("|")[1].strip() for ln in lines] == ["RoPE"] * 6 + ["ALiBi"] * 3
