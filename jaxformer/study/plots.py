@@ -110,6 +110,23 @@ def _line_style(sweep: Sweep, xs: list, style: str = "-") -> str:
     return style if at == list(range(at[0], at[0] + len(at))) else "none"
 
 
+LONG_TICK = 12  # characters: a categorical tick label longer than this is drawn slanted
+
+
+def _category_ticks(ax, positions, labels: list[str]) -> None:
+    """Categorical ticks at ``positions``; when a label is longer than ``LONG_TICK`` characters (a LoRA
+    config, a list of targets) every label is slanted 30 degrees, right-aligned at its tick, so long
+    neighbours do not print over one another (the constrained layout keeps them inside the figure, which
+    grows by the slanted labels' height so the axes keep theirs)."""
+    ax.set_xticks(positions, labels)
+    longest = max(map(len, labels), default=0)
+    if longest > LONG_TICK:
+        for t in ax.get_xticklabels():
+            t.set(rotation=30, ha="right", rotation_mode="anchor")
+        fig = ax.get_figure()
+        fig.set_figheight(fig.get_figheight() + 0.5 * longest * ax.xaxis.get_ticklabels()[0].get_fontsize() / 72)
+
+
 def _x_positions(sweep: Sweep, ax) -> dict:
     """``{json value: x position}`` for ``report.x`` over every point, set once per axes: numbers on a
     (log2 when wide) numeric axis, anything else categorical in the sweep's order."""
@@ -118,7 +135,7 @@ def _x_positions(sweep: Sweep, ax) -> dict:
         if min(values) > 0 and max(values) / min(values) >= 8:
             ax.set_xscale("log", base=2)
         return {json.dumps(v): float(v) for v in values}
-    ax.set_xticks(range(len(values)), [format_value(v) for v in values])
+    _category_ticks(ax, range(len(values)), [format_value(v) for v in values])
     return {json.dumps(v): float(i) for i, v in enumerate(values)}
 
 
@@ -196,7 +213,7 @@ def _plot_tuning_curves(plt, sweep, out, rows):
         xs = list(range(len(combos)))
     for ax, (_, group) in zip(axes, groups):
         if not numeric:
-            ax.set_xticks(xs, [format_value(list(c.values())) for c in combos])
+            _category_ticks(ax, xs, [format_value(list(c.values())) for c in combos])
         elif min(xs) > 0 and max(xs) / min(xs) >= 4:  # a learning-rate grid is geometric
             ax.set_xscale("log")
         for values in group:

@@ -23,8 +23,9 @@ RESULTS = REPO / "experiments" / "results" / "studies"
 LANDED = [("sqrt_dk", "sqrt_dk"), ("qkv_sharing", "qkv_sharing"), ("heads", "heads"), ("heads_alibi", "heads/alibi"),
           ("positions", "positions"), ("norms", "norms"), ("activations", "activations"),
           ("residuals", "residuals"), ("activations_full", "activations/full"),
-          ("norm_placement", "norm_placement"), ("norm_placement_stress", "norm_placement/stress")]
-PENDING = ["lora"]  # a re-run landing over several sessions
+          ("norm_placement", "norm_placement"), ("norm_placement_stress", "norm_placement/stress"),
+          ("lora", "lora")]
+PENDING: list[str] = []  # a study whose re-run is landing over several sessions
 
 
 @pytest.mark.parametrize("stem, folder", LANDED, ids=[s for s, _ in LANDED])

@@ -515,6 +515,44 @@ def test_final_metric_and_probe_points_are_joined_only_on_a_numeric_axis(tmp_pat
         plt.close(fig)
 
 
+@pytest.mark.parametrize("values, slanted", [(["rope", "alibi", "none"], False),
+                                             ([{"max_tokens": 1024}, {"max_tokens": 2048, "every": 4},
+                                               {"max_tokens": 4096, "every": 8, "stride": 16}], True)])
+def test_long_categorical_tick_labels_are_slanted_and_stay_in_the_figure(tmp_path, values, slanted):
+    """Study 11's final_metric plot printed "rank16-alpha32" over "rank16-alpha32-targetsw_qxw_kxw_vxw_o": a
+    categorical axis whose labels are long slants them (short ones stay level), and as drawn no two labels'
+    boxes overlap and each lies inside the figure."""
+    import matplotlib.pyplot as plt
+
+    from jaxformer.study import plots as P
+
+    axis = "model.position" if not slanted else "eval"  # values as long as study 11's LoRA configs
+    sweep = S.load_sweep(write_sweep(tmp_path, {"axes": {axis: values}, "seeds": [0],
+                                                "report": {"plots": ["final_metric"]}}))
+    rows = [{"name": p.name, "values": p.values, "seed": p.seed, "params": 1, "diverged": False,
+             "val_bpb": 2.0 + i / 10, "quick": False} for i, p in enumerate(sweep.points)]
+    fig = P.PLOT_FUNCTIONS["final_metric"](plt, sweep, tmp_path, rows)
+    fig.canvas.draw()
+    labels = [t for t in fig.axes[0].get_xticklabels() if t.get_text()]
+    assert len(labels) == 3
+    assert all((t.get_rotation() != 0) == slanted for t in labels)
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    figure_box = fig.bbox
+    for b in boxes:
+        assert b.x0 >= figure_box.x0 - 1 and b.y0 >= figure_box.y0 - 1 and b.x1 <= figure_box.x1 + 1, b
+    if not slanted:  # level labels: their boxes are the text's own
+        assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:]))
+    else:  # slanted: the baselines of neighbours are parallel lines far enough apart for the text's height
+        import math
+
+        height = max(t.get_fontsize() for t in labels) * fig.dpi / 72
+        xs = [t.get_unitless_position()[0] for t in labels]
+        gap = (fig.axes[0].transData.transform((xs[1], 0))[0] - fig.axes[0].transData.transform((xs[0], 0))[0])
+        assert gap * math.sin(math.radians(labels[0].get_rotation())) > 1.5 * height
+    plt.close(fig)
+
+
 def test_dead_units_are_reported_for_relu_ffns_only(tmp_path):
     """Issue 25: a unit that is never positive is dead only under ReLU (zero gradient below 0); with GeLU or a
     gated FFN it still learns, so the report's table and the probe plot show dead_fraction for ReLU arms alone
