@@ -699,6 +699,9 @@ MUTATIONS = [
     Mutation("plot_joins_skipped_x_values", "jaxformer/study/plots.py",
              'return style if at == list(range(at[0], at[0] + len(at))) else "none"', 'return style',
              ("tests/study/test_sweep_tune.py",), "a series measured at 2 and 24 layers drawn as a line through 4-12"),
+    Mutation("long_tick_labels_level", "jaxformer/study/plots.py",
+             "    if longest > LONG_TICK:", "    if False:",
+             ("tests/study/test_sweep_tune.py",), "long categorical tick labels printed level, over one another"),
     # -- jaxformer serve: the real server process, driven over HTTP (tests/serve)
     Mutation("serve_utf8_split", "jaxformer/serve/text.py",
              "while end > start and full[end - 1] == REPLACEMENT:", "while False and full[end - 1] == REPLACEMENT:",
