@@ -702,6 +702,9 @@ MUTATIONS = [
     Mutation("long_tick_labels_level", "jaxformer/study/plots.py",
              "    if longest > LONG_TICK:", "    if False:",
              ("tests/study/test_sweep_tune.py",), "long categorical tick labels printed level, over one another"),
+    Mutation("tuning_plot_drawn_to_blow_up", "jaxformer/study/plots.py",
+             "    if median <= best or len(inside) == len(ys):", "    if True:",
+             ("tests/study/test_sweep_tune.py",), "a diverged tuning point stretches the y axis over the rest"),
     # -- jaxformer serve: the real server process, driven over HTTP (tests/serve)
     Mutation("serve_utf8_split", "jaxformer/serve/text.py",
              "while end > start and full[end - 1] == REPLACEMENT:", "while False and full[end - 1] == REPLACEMENT:",

@@ -216,6 +216,7 @@ def _plot_tuning_curves(plt, sweep, out, rows):
             _category_ticks(ax, xs, [format_value(list(c.values())) for c in combos])
         elif min(xs) > 0 and max(xs) / min(xs) >= 4:  # a learning-rate grid is geometric
             ax.set_xscale("log")
+        drawn = []  # (x, y, colour) of every point on these axes, for the off-scale marks
         for values in group:
             res = {json.dumps(t, sort_keys=True): m for t, m, _ in tuning_results(sweep, out, values)}
             ys = [res.get(json.dumps(c, sort_keys=True)) for c in combos]
@@ -225,6 +226,7 @@ def _plot_tuning_curves(plt, sweep, out, rows):
             color = setting_color(sweep, values, keys)
             ax.plot([x for x, _ in keep], [y for _, y in keep], marker="o", color=color,
                     ls="-" if numeric else "none", label=label(values, keys))
+            drawn += [(x, y, color) for x, y in keep]
             try:
                 best = chosen_values(sweep, out, values)
             except ValueError:
@@ -232,10 +234,38 @@ def _plot_tuning_curves(plt, sweep, out, rows):
             if best is not None:
                 i = combos.index(best)
                 ax.plot([xs[i]], [ys[i]], marker="o", ms=12, mfc="none", color=color)
+        _mark_off_scale(ax, drawn)
     return _label_panels(fig, axes, [t for t, _ in groups],
                          title=f"{sweep.name}: tuning (ringed: the value each arm's final runs use)",
                          xlabel=", ".join(tune.keys),
                          ylabel=f"{tune_metric(sweep)} (mean over {tune.seeds} tuning seed(s))")
+
+
+OFF_SCALE = 6.0  # a point further above the best than this many times the median's distance is off the scale
+
+
+def _mark_off_scale(ax, drawn: list[tuple[float, float, str]]) -> None:
+    """Keep a blow-up from flattening the rest: a point above ``best + OFF_SCALE * (median - best)`` (a
+    learning rate that diverged to 3 bits/byte where the others differ by 0.01) is left off the y range,
+    marked by a triangle at the top edge in its series' colour with its value written beside it (several at
+    one x: their values one under another). The line to it leaves through the top of the axes."""
+    ys = sorted(y for _, y, _ in drawn)
+    if len(ys) < 3:
+        return
+    best, median = ys[0], ys[len(ys) // 2]
+    limit = best + OFF_SCALE * (median - best)
+    inside = [y for y in ys if y <= limit]
+    if median <= best or len(inside) == len(ys):
+        return
+    top = inside[-1] + 0.12 * (inside[-1] - best)
+    ax.set_ylim(best - 0.06 * (inside[-1] - best), top)
+    stacked: dict[float, int] = {}  # marks at one x: their values one under another
+    for x, y, color in drawn:
+        if y > limit:
+            n = stacked[x] = stacked.get(x, -1) + 1
+            ax.plot([x], [top], marker="^", ms=9, color=color, clip_on=False, zorder=5)
+            ax.annotate(f"{y:.4g}", (x, top), xytext=(-7, -4 - 9 * n), textcoords="offset points", fontsize=7,
+                        color=color, ha="right", va="top")  # left of the mark: the legend may sit right
 
 
 SMOOTH_ROWS = 10

@@ -553,6 +553,51 @@ def test_long_categorical_tick_labels_are_slanted_and_stay_in_the_figure(tmp_pat
     plt.close(fig)
 
 
+def test_a_blown_up_tuning_point_is_marked_off_the_scale_not_drawn_to_it(tmp_path):
+    """Study 11's tuning plot ran its y axis to 3.08 bits/byte for the one learning rate that blew up, which
+    flattened the 0.97-1.05 differences the tuning chose from: a point far above the rest (further above the
+    best than 6x the median's distance) is left off the y range and marked at the top edge with its value;
+    the rest of the points stay inside."""
+    import matplotlib.pyplot as plt
+
+    from jaxformer.study import plots as P
+    from jaxformer.study.rows import gather
+
+    lrs = [1.0e-4, 1.0e-3, 1.0e-2, 1.0e-1]
+    spec = {"axes": {"model.position": ["rope", "alibi"]}, "seeds": [0], "tune": {"keys": {"optimizer.lr": lrs}},
+            "report": {"plots": ["final_metric"]}}
+    sweep = S.load_sweep(write_sweep(tmp_path, spec))
+    out = tmp_path / "out"
+    metric = {"rope": [1.00, 0.97, 0.99, 3.08], "alibi": [1.02, 0.98, 1.01, 1.05]}
+    for p in sweep.points + sweep.tune_points:
+        d = out / p.name
+        d.mkdir(parents=True)
+        v = metric[p.values["model.position"]][lrs.index(p.tuned["optimizer.lr"])] if p.tuned else 1.0
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 10, "val_bpb": v, "final": True}) + "\n")
+        (d / S.POINT_FILE).write_text(json.dumps({"name": p.name, "values": p.values, "seed": p.seed, "params": 1,
+                                                  "diverged": False, "val_bpb": v, "quick": False,
+                                                  "tuned": p.tuned}))
+    fig = P.PLOT_FUNCTIONS["tuning_curves"](plt, sweep, out, gather(sweep, out))
+    ax = fig.axes[0]
+    low, top = ax.get_ylim()
+    assert 1.05 < top < 1.2 and low < 0.97, (low, top)
+    marks = [ln for ln in ax.get_lines() if ln.get_marker() == "^"]
+    assert len(marks) == 1 and float(marks[0].get_xdata()[0]) == 1.0e-1 and float(marks[0].get_ydata()[0]) == top
+    assert [t.get_text() for t in ax.texts] == ["3.08"]
+    plt.close(fig)
+    # nothing far above the rest: the axis holds every point, no marks
+    metric["rope"][3] = 1.03
+    for p in sweep.tune_points:
+        if p.values["model.position"] == "rope" and p.tuned["optimizer.lr"] == 1.0e-1:
+            row = json.loads((out / p.name / S.POINT_FILE).read_text())
+            (out / p.name / S.POINT_FILE).write_text(json.dumps(dict(row, val_bpb=1.03)))
+            (out / p.name / "metrics.jsonl").write_text(json.dumps({"step": 10, "val_bpb": 1.03, "final": True}) + "\n")
+    fig = P.PLOT_FUNCTIONS["tuning_curves"](plt, sweep, out, gather(sweep, out))
+    assert not [ln for ln in fig.axes[0].get_lines() if ln.get_marker() == "^"] and not fig.axes[0].texts
+    assert fig.axes[0].get_ylim()[1] >= 1.05
+    plt.close(fig)
+
+
 def test_dead_units_are_reported_for_relu_ffns_only(tmp_path):
     """Issue 25: a unit that is never positive is dead only under ReLU (zero gradient below 0); with GeLU or a
     gated FFN it still learns, so the report's table and the probe plot show dead_fraction for ReLU arms alone
