@@ -117,14 +117,18 @@ def _category_ticks(ax, positions, labels: list[str]) -> None:
     """Categorical ticks at ``positions``; when a label is longer than ``LONG_TICK`` characters (a LoRA
     config, a list of targets) every label is slanted 30 degrees, right-aligned at its tick, so long
     neighbours do not print over one another (the constrained layout keeps them inside the figure, which
-    grows by the slanted labels' height so the axes keep theirs)."""
+    grows by the slanted labels' height once per row of panels, however many panels call this, so the axes
+    keep theirs)."""
     ax.set_xticks(positions, labels)
     longest = max(map(len, labels), default=0)
     if longest > LONG_TICK:
         for t in ax.get_xticklabels():
             t.set(rotation=30, ha="right", rotation_mode="anchor")
         fig = ax.get_figure()
-        fig.set_figheight(fig.get_figheight() + 0.5 * longest * ax.xaxis.get_ticklabels()[0].get_fontsize() / 72)
+        base = fig.__dict__.setdefault("_unslanted_height", fig.get_figheight())
+        rows = ax.get_subplotspec().get_geometry()[0]
+        extra = rows * 0.5 * longest * ax.xaxis.get_ticklabels()[0].get_fontsize() / 72
+        fig.set_figheight(max(fig.get_figheight(), base + extra))
 
 
 def _x_positions(sweep: Sweep, ax) -> dict:

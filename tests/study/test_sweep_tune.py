@@ -550,6 +550,10 @@ def test_long_categorical_tick_labels_are_slanted_and_stay_in_the_figure(tmp_pat
         xs = [t.get_unitless_position()[0] for t in labels]
         gap = (fig.axes[0].transData.transform((xs[1], 0))[0] - fig.axes[0].transData.transform((xs[0], 0))[0])
         assert gap * math.sin(math.radians(labels[0].get_rotation())) > 1.5 * height
+        # every panel of a figure slants its own labels: the figure grows once, not once per call
+        height_inches = fig.get_figheight()
+        P._category_ticks(fig.axes[0], xs, [t.get_text() for t in labels])
+        assert fig.get_figheight() == height_inches
     plt.close(fig)
 
 
@@ -569,14 +573,18 @@ def test_a_blown_up_tuning_point_is_marked_off_the_scale_not_drawn_to_it(tmp_pat
     sweep = S.load_sweep(write_sweep(tmp_path, spec))
     out = tmp_path / "out"
     metric = {"rope": [1.00, 0.97, 0.99, 3.08], "alibi": [1.02, 0.98, 1.01, 1.05]}
-    for p in sweep.points + sweep.tune_points:
-        d = out / p.name
-        d.mkdir(parents=True)
-        v = metric[p.values["model.position"]][lrs.index(p.tuned["optimizer.lr"])] if p.tuned else 1.0
-        (d / "metrics.jsonl").write_text(json.dumps({"step": 10, "val_bpb": v, "final": True}) + "\n")
-        (d / S.POINT_FILE).write_text(json.dumps({"name": p.name, "values": p.values, "seed": p.seed, "params": 1,
-                                                  "diverged": False, "val_bpb": v, "quick": False,
-                                                  "tuned": p.tuned}))
+
+    def write_points():  # every point's run directory, its val_bpb from ``metric``
+        for p in sweep.points + sweep.tune_points:
+            d = out / p.name
+            d.mkdir(parents=True, exist_ok=True)
+            v = metric[p.values["model.position"]][lrs.index(p.tuned["optimizer.lr"])] if p.tuned else 1.0
+            (d / "metrics.jsonl").write_text(json.dumps({"step": 10, "val_bpb": v, "final": True}) + "\n")
+            (d / S.POINT_FILE).write_text(json.dumps({"name": p.name, "values": p.values, "seed": p.seed,
+                                                      "params": 1, "diverged": False, "val_bpb": v,
+                                                      "quick": False, "tuned": p.tuned}))
+
+    write_points()
     fig = P.PLOT_FUNCTIONS["tuning_curves"](plt, sweep, out, gather(sweep, out))
     ax = fig.axes[0]
     low, top = ax.get_ylim()
@@ -587,11 +595,7 @@ def test_a_blown_up_tuning_point_is_marked_off_the_scale_not_drawn_to_it(tmp_pat
     plt.close(fig)
     # nothing far above the rest: the axis holds every point, no marks
     metric["rope"][3] = 1.03
-    for p in sweep.tune_points:
-        if p.values["model.position"] == "rope" and p.tuned["optimizer.lr"] == 1.0e-1:
-            row = json.loads((out / p.name / S.POINT_FILE).read_text())
-            (out / p.name / S.POINT_FILE).write_text(json.dumps(dict(row, val_bpb=1.03)))
-            (out / p.name / "metrics.jsonl").write_text(json.dumps({"step": 10, "val_bpb": 1.03, "final": True}) + "\n")
+    write_points()
     fig = P.PLOT_FUNCTIONS["tuning_curves"](plt, sweep, out, gather(sweep, out))
     assert not [ln for ln in fig.axes[0].get_lines() if ln.get_marker() == "^"] and not fig.axes[0].texts
     assert fig.axes[0].get_ylim()[1] >= 1.05
