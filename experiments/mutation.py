@@ -27,7 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIED = ("jaxformer", "pallas_kernels", "tests", "pyproject.toml", "experiments/bench")  # bench: the scripts tests import
+# bench: the scripts tests import; studies, configs and results/studies: the study files and committed rows the
+# study tests read
+COPIED = ("jaxformer", "pallas_kernels", "tests", "pyproject.toml", "experiments/bench", "experiments/studies",
+          "experiments/configs", "experiments/results/studies")
 
 
 @dataclass(frozen=True)
@@ -699,6 +702,17 @@ MUTATIONS = [
     Mutation("plot_joins_skipped_x_values", "jaxformer/study/plots.py",
              'return style if at == list(range(at[0], at[0] + len(at))) else "none"', 'return style',
              ("tests/study/test_sweep_tune.py",), "a series measured at 2 and 24 layers drawn as a line through 4-12"),
+    Mutation("moved_checkout_rows_dropped", "jaxformer/study/sweep.py",
+             'if row.get("quick") else cfg, located=False)', 'if row.get("quick") else cfg)',
+             ("tests/study/test_committed_reports.py",),
+             "a study's rows read in a clone at another path (CI's) are reported as not its points"),
+    Mutation("moved_checkout_point_refused", "jaxformer/study/sweep.py",
+             "changed = C.diff(C.from_dict(saved, str(where)), cfg, located=False)",
+             "changed = C.diff(C.from_dict(saved, str(where)), cfg)",
+             ("tests/study/test_committed_reports.py",), "a finished point is refused because its checkout moved"),
+    Mutation("checkpoint_name_ignored", "jaxformer/train/config.py",
+             "            if Path(x).name != Path(y).name:", "            if False:",
+             ("tests/study/test_committed_reports.py",), "a point fine-tuned from another checkpoint file is skipped as finished"),
     Mutation("long_tick_labels_level", "jaxformer/study/plots.py",
              "    if longest > LONG_TICK:", "    if False:",
              ("tests/study/test_sweep_tune.py",), "long categorical tick labels printed level, over one another"),
@@ -750,6 +764,8 @@ def _copy_tree(dst: Path) -> None:
             shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
         else:
             shutil.copy2(src, dst / name)
+    if (ROOT / ".cache").is_dir():  # the fetched wheels and GGUF file, shared (read, or fetched once under a lock)
+        (dst / ".cache").symlink_to(ROOT / ".cache")
 
 
 def _pytest(work: Path, tests, timeout: float) -> tuple[str, float, str]:

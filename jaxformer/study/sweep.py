@@ -488,7 +488,7 @@ def is_current(sweep: Sweep, out: Path, point: Point, row: dict) -> bool:
         saved = C.from_dict(row["config"], f"{out} ({point.name})")
     except C.ConfigError:  # a config of a schema the library no longer reads: not this point's
         return False
-    return not C.diff(saved, quick_config(cfg) if row.get("quick") else cfg)
+    return not C.diff(saved, quick_config(cfg) if row.get("quick") else cfg, located=False)
 
 
 def _recorded(out: Path) -> dict[str, dict]:
@@ -537,7 +537,7 @@ def check_finished(point: Point, done: dict, cfg: C.ExperimentConfig, quick: boo
     if bool(done.get("quick")) != quick:
         raise C.ConfigError(f"{where}: point {point.name} was run {'with' if done.get('quick') else 'without'} "
                             f"--quick; use another --out for {'quick' if quick else 'full'} runs")
-    changed = C.diff(C.from_dict(saved, str(where)), cfg)
+    changed = C.diff(C.from_dict(saved, str(where)), cfg, located=False)
     if changed:
         keys = ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, a, b in changed)
         hint = (" (its arm's tuning now chooses another value: --supersede moves it aside and runs it again)"

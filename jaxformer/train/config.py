@@ -574,14 +574,24 @@ def dump(cfg: ExperimentConfig, path: str | Path) -> None:
     os.replace(tmp, path)
 
 
-def diff(a: BaseModel, b: BaseModel) -> list[tuple[str, Any, Any]]:
-    """``(dotted key, value in a, value in b)`` wherever two configs (experiment or model) differ, keys sorted."""
+SOURCE_KEYS = ("hf_source", "adapter_source")  # where a run's checkpoint was read: a path on one machine
+
+
+def diff(a: BaseModel, b: BaseModel, *, located: bool = True) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, value in a, value in b)`` wherever two configs (experiment or model) differ, keys sorted.
+
+    ``located=False``: the :data:`SOURCE_KEYS` (absolute paths, resolved where the config was read) compare by
+    file or directory name only, so a config saved in a checkout elsewhere (another machine, CI's clone) is
+    the same experiment; what the checkpoint holds is still compared, in ``model.*``."""
     out: list[tuple[str, Any, Any]] = []
 
     def walk(x, y, prefix):
         if isinstance(x, dict) and isinstance(y, dict):
             for k in sorted(set(x) | set(y)):
                 walk(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else k)
+        elif not located and prefix in SOURCE_KEYS and isinstance(x, str) and isinstance(y, str):
+            if Path(x).name != Path(y).name:
+                out.append((prefix, x, y))
         elif x != y:
             out.append((prefix, x, y))
 

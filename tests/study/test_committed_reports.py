@@ -8,6 +8,7 @@ reports are regenerated with it; a study whose re-run is still landing is listed
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -15,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from jaxformer.study import report as R
-from jaxformer.study.sweep import load_sweep
+from jaxformer.study.sweep import POINT_FILE, check_finished, load_sweep
+from jaxformer.train import config as C
+from tests.study.checkpoints import fine_tunes_a_checkpoint, needs_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "experiments" / "results" / "studies"
@@ -28,24 +31,54 @@ LANDED = [("sqrt_dk", "sqrt_dk"), ("qkv_sharing", "qkv_sharing"), ("heads", "hea
 PENDING: list[str] = []  # a study whose re-run is landing over several sessions
 
 
-@pytest.mark.parametrize("stem, folder", LANDED, ids=[s for s, _ in LANDED])
-def test_a_landed_study_report_rebuilds_from_its_committed_rows(stem, folder, tmp_path, monkeypatch):
+def _rebuilt(stem: str, folder: str, tmp_path: Path, monkeypatch, edit=None) -> tuple[Path, str]:
+    """``write_report`` over a copy of ``folder``'s row files (each row, and each ``points/*/sweep_point.json``,
+    through ``edit``, a function of its JSON text, where given): (its output folder, the committed report.md)."""
+    needs_checkpoint(REPO / "experiments" / "studies" / f"{stem}.yaml")
     committed = RESULTS / folder
     out = tmp_path / "out"
     out.mkdir()
     for name in ("summary.jsonl", "tuning.jsonl", "superseded.jsonl"):
         if (committed / name).exists():
-            shutil.copy(committed / name, out / name)
-    if (committed / "points").is_dir():
+            (out / name).write_text("".join((edit or str)(x) + "\n" for x in (committed / name).read_text().splitlines()))
+    if (committed / "points").is_dir() and edit is None:
         (out / "points").symlink_to(committed / "points")  # read only: each run's row and metrics
+    elif (committed / "points").is_dir():
+        shutil.copytree(committed / "points", out / "points")
+        for row in (out / "points").glob(f"*/{POINT_FILE}"):
+            row.write_text(edit(row.read_text()))
     want = (committed / "report.md").read_text()
     shown = re.findall(r"^!\[[^\]]*\]\(([^)]+\.png)\)$", want, flags=re.M)
     monkeypatch.setattr(R, "draw_plots", lambda sweep, out, rows: shown)
     monkeypatch.chdir(REPO)  # the report names its sweep file as given: relative, as the pages' commands do
     sweep = load_sweep(f"experiments/studies/{stem}.yaml")
     assert R.write_report(sweep, out).read_text() == want
+    return out, want
+
+
+@pytest.mark.parametrize("stem, folder", LANDED, ids=[s for s, _ in LANDED])
+def test_a_landed_study_report_rebuilds_from_its_committed_rows(stem, folder, tmp_path, monkeypatch):
+    out, _ = _rebuilt(stem, folder, tmp_path, monkeypatch)
     assert not (out / "superseded.jsonl").exists() or \
-        (out / "superseded.jsonl").read_text() == (committed / "superseded.jsonl").read_text()
+        (out / "superseded.jsonl").read_text() == (RESULTS / folder / "superseded.jsonl").read_text()
+
+
+FINE_TUNING = [(s, f) for s, f in LANDED if fine_tunes_a_checkpoint(REPO / "experiments" / "studies" / f"{s}.yaml")]
+
+
+@pytest.mark.parametrize("stem, folder", FINE_TUNING, ids=[s for s, _ in FINE_TUNING])
+def test_rows_recorded_in_another_checkout_are_still_the_studys(stem, folder, tmp_path, monkeypatch):
+    """A row records the checkpoint it fine-tuned as an absolute path (``hf_source``), resolved in the checkout
+    that ran it; the same rows read in a clone elsewhere (CI's, another machine's) are the same points. The
+    first CI run of the LoRA page found all 32 rows "not points of the sweep file" for that reason."""
+    def moved(line: str) -> str:
+        row = json.loads(line)
+        if isinstance(row.get("config"), dict) and row["config"].get("hf_source"):
+            row["config"]["hf_source"] = str(Path("/elsewhere/clone") / Path(row["config"]["hf_source"]).name)
+        return json.dumps(row, indent=1) if "\n" in line else json.dumps(row)
+
+    assert all(json.loads(x)["config"]["hf_source"] for x in (RESULTS / folder / "summary.jsonl").read_text().splitlines())
+    _rebuilt(stem, folder, tmp_path, monkeypatch, moved)
 
 
 def test_every_study_sweep_is_landed_or_pending():
@@ -101,3 +134,23 @@ def test_the_heads_rope_vs_alibi_table_is_the_two_reports_differences(capsys):
     for line in lines:
         name, heads, diff, seeds = (c.strip() for c in line.strip("|").split("|"))
         assert f"| {heads} | n_heads=4 | {seeds} | {diff}" in reports[name], line
+
+
+@pytest.mark.parametrize("stem, folder", FINE_TUNING, ids=[s for s, _ in FINE_TUNING])
+def test_the_runner_skips_a_moved_checkouts_finished_point_and_refuses_another_checkpoint(stem, folder,
+                                                                                          monkeypatch):
+    """What the runner checks before skipping a finished point (check_finished): the checkpoint's location may
+    differ, its file name may not (another checkpoint: refused, naming ``hf_source``)."""
+    needs_checkpoint(REPO / "experiments" / "studies" / f"{stem}.yaml")
+    monkeypatch.chdir(REPO)
+    sweep = load_sweep(f"experiments/studies/{stem}.yaml")
+    point = (sweep.tune_points or sweep.points)[0]
+    rows = RESULTS / folder / ("tuning.jsonl" if point.tuning else "summary.jsonl")
+    done = json.loads(rows.read_text().splitlines()[0])
+    assert done["name"] == point.name
+    source = Path(done["config"]["hf_source"])
+    done["config"]["hf_source"] = str(Path("/elsewhere/clone") / source.name)
+    check_finished(point, done, point.config, False, Path("out"))
+    done["config"]["hf_source"] = str(source.with_name("another-" + source.name))
+    with pytest.raises(C.ConfigError, match=rf"point {point.name} finished with another config: hf_source"):
+        check_finished(point, done, point.config, False, Path("out"))

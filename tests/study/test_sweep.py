@@ -24,6 +24,7 @@ from jaxformer.model.config import get_key
 from jaxformer.train import config as C
 from jaxformer.study.sweep import (POINT_FILE, load_sweep, parse_shard, point_name, quick_config, run_sweep,
                                    shard_points)
+from tests.study.checkpoints import fine_tunes_a_checkpoint, needs_checkpoint
 from tests.train.helpers import make_corpus, tiny_raw, write_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -417,19 +418,6 @@ def test_learned_positions_beyond_their_table_are_a_clear_error(tmp_path, capsys
 # -- the study files ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.stem)
-def needs_checkpoint(study: Path) -> None:
-    """A study whose base fine-tunes the SmolLM2 GGUF (the LoRA study) needs the file fetched first (skip,
-    saying why, where it cannot be had)."""
-    if _fine_tunes_a_checkpoint(study):
-        from tests.interop.gguf_reference import fetch
-
-        try:
-            fetch()
-        except RuntimeError as e:
-            pytest.skip(f"{study.name} fine-tunes the SmolLM2 GGUF: {e}")
-
-
-@pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.stem)
 def test_every_study_file_parses_expands_and_resolves(study, capsys):
     needs_checkpoint(study)
     assert main(["sweep", str(study), "--dry-run"]) == 0
@@ -454,14 +442,10 @@ def _quick_one(study: Path, tmp: Path, shard: str):
     assert (out / "report.md").exists()
 
 
-def _fine_tunes_a_checkpoint(study: Path) -> bool:
-    return "gguf" in (study.parent / yaml.safe_load(study.read_text())["base"]).read_text()
-
-
 # The default run trains a quick point (2 steps, then --report) of every study file, 5-17 s each on 2 cores;
 # the one that fine-tunes SmolLM2-135M (the LoRA study: a minute even for 2 steps) is slow-marked (it still
 # parses and expands in the default run).
-QUICK_STUDIES = [pytest.param(s, marks=pytest.mark.slow) if _fine_tunes_a_checkpoint(s) else s for s in STUDIES]
+QUICK_STUDIES = [pytest.param(s, marks=pytest.mark.slow) if fine_tunes_a_checkpoint(s) else s for s in STUDIES]
 
 
 @pytest.mark.parametrize("study", QUICK_STUDIES, ids=lambda p: p.stem)
