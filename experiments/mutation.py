@@ -374,7 +374,7 @@ MUTATIONS = [
              'if supersede and not point.tuning:',
              ("tests/study/test_sweep_tune.py",), "--supersede moves and re-runs finals whose arm's choice did not move"),
     Mutation("sweep_report_trusts_stale_rows", "jaxformer/study/sweep.py",
-             "return not C.diff(saved, quick_config(cfg) if row.get(\"quick\") else cfg)",
+             "return not C.diff(saved, quick_config(cfg) if row.get(\"quick\") else cfg, located=False)",
              "return True",
              ("tests/study/test_sweep_tune.py",), "a row of an older sweep design is reported as one of its points"),
     Mutation("sweep_report_drops_superseded", "jaxformer/study/report.py",
