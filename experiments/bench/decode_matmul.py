@@ -11,6 +11,8 @@ batch rows ``B``:
 - ``x @ W``, ``W [in, out]`` (jaxformer's layout; what the engine's step runs);
 - ``x @ W^T``, ``W [out, in]`` (the contraction over both operands' last axis);
 - ``W @ x^T``, ``W [out, in]``, the result feature-major ``[out, B]`` (PyTorch's form);
+- the same, transposed back to rows behind an optimisation barrier (``jaxformer.nn.params.project_t``: what the
+  engine's feature-major steps run for the attention's projections and the head);
 - with ``--bf16``, also ``x @ W`` with bfloat16 weights and rows, accumulated in float32 (checked against the
   float64 product of the rounded operands): whether XLA's CPU dot gains from half the bytes (or from AMX on a
   CPU that has it); and, up to 4 rows (n/a past that: it does every product as a loop), the same product as a
@@ -19,7 +21,7 @@ batch rows ``B``:
 
 Milliseconds per stack (median of ``--repeats``, compile excluded) and each form's time against the first.
 
-    python experiments/bench/decode_matmul.py [--rows 1 2 4 8 16 32 256] [--repeats 15] [--bf16]
+    python experiments/bench/decode_matmul.py [--rows 1 2 4 8 16 32 256] [--repeats 15] [--bf16] [--head]
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import cpu_line, median_seconds  # noqa: E402
 
+from jaxformer.nn.params import project_t  # noqa: E402
+
 LAYERS = 30
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out) of one layer's matrices
+HEAD = (576, 49152)  # SmolLM2-135M's tied head (--head)
 
 
 def forms():
@@ -52,6 +57,9 @@ def forms():
     def w_xt(ws, x):  # ws: [out, in]; the result [out, B]
         return [jax.lax.dot_general(w, x[:, : w.shape[1]], (((1,), (1,)), ((), ()))).sum(1) for w in ws]
 
+    def w_xt_rows(ws, x):  # ws: [out, in]; W @ x^T, then back to rows behind a barrier (the library's project_t)
+        return [project_t(x[:, : w.shape[1]], w, jnp.float32).sum(0) for w in ws]
+
     def x_w_bf16(ws, x):  # ws: [in, out] bfloat16
         x = x.astype(jnp.bfloat16)
         return [jnp.matmul(x[:, : w.shape[0]], w, preferred_element_type=jnp.float32).sum(0) for w in ws]
@@ -63,6 +71,7 @@ def forms():
 
     return {"x @ W, W [in, out]": (jax.jit(x_w), "in_out"), "x @ W^T, W [out, in]": (jax.jit(x_wt), "out_in"),
             "W @ x^T, W [out, in]": (jax.jit(w_xt), "out_in"),
+            "W @ x^T back to rows (project_t)": (jax.jit(w_xt_rows), "out_in"),
             "x @ W bf16, W [in, out]": (jax.jit(x_w_bf16), "bf16"),
             "sum(x * W) bf16, W [in, out]": (jax.jit(reduce_bf16), "bf16_f32x")}
 
@@ -75,9 +84,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 256])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--bf16", action="store_true", help="also the first form in bfloat16 (float32 accumulation)")
+    ap.add_argument("--head", action="store_true", help="also the tied head, 576 -> 49,152, once in the stack")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     w_in_out = [rng.standard_normal(s, np.float32) * 0.02 for _ in range(LAYERS) for s in SHAPES]
+    w_in_out += [rng.standard_normal(HEAD, np.float32) * 0.02] if args.head else []
     by_layout = {"in_out": [jnp.asarray(w) for w in w_in_out],
                  "out_in": [jnp.asarray(np.ascontiguousarray(w.T)) for w in w_in_out]}
     if args.bf16:
@@ -85,7 +96,8 @@ def main(argv=None) -> int:
     width = max(s[0] for s in SHAPES)
     table = {k: v for k, v in forms().items() if args.bf16 or not v[1].startswith("bf16")}
     print(cpu_line())
-    print(f"{LAYERS} layers x {len(SHAPES)} matrices, {sum(w.size for w in w_in_out) / 1e6:.0f} M fp32 weights; "
+    print(f"{LAYERS} layers x {len(SHAPES)} matrices{' + the head' if args.head else ''}, "
+          f"{sum(w.size for w in w_in_out) / 1e6:.0f} M fp32 weights; "
           f"ms per stack, median of {args.repeats}\n")
     names = list(table)
     print("| rows B | " + " | ".join(names) + " | " + " | ".join(f"{n.split(',')[0]} / first" for n in names[1:])

@@ -58,7 +58,7 @@ from jaxformer.decode.block_manager import BlockManager, OutOfPages
 from jaxformer.decode.generate import check_prompt
 from jaxformer.decode.paged_cache import PagedKVCache, copy_pages, init_page_pools
 from jaxformer.decode.sampling import SamplingParams, request_keys, sample
-from jaxformer.nn.mlp import FEATURE_MAJOR_ROWS, add_transposed_inputs
+from jaxformer.nn.params import FEATURE_MAJOR_ROWS, add_transposed_copies
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
 MIN_TABLE_TOKENS = 256  # narrowest block table a step sends, in tokens: fewer compiled programs, and below
@@ -233,12 +233,13 @@ class EngineOptions:
       ``"context"``: admitting a sequence reserves its whole ``max_context`` of pages, as a contiguous KV
       cache preallocates ``max_context`` slots per sequence (a baseline to measure paging against: at most
       ``num_pages // pages per sequence`` sequences run at once, and none is ever preempted).
-    feature_major: give the step's model ``[F, D]`` copies of the FFN input projections, so steps of 2-32
-      tokens run them feature-major (:func:`jaxformer.nn.mlp.add_transposed_inputs`: those products 1.3-2.2x
-      faster on XLA's CPU backend, for the copies' memory: about 40% more weights for a Llama-shaped model,
-      212 MB for SmolLM2-135M). None (default): on when JAX's default
-      backend is the CPU, for FFNs of at least ``FEATURE_MAJOR_MIN_WEIGHTS`` input weights per layer; True:
-      every FFN without adapters.
+    feature_major: give the step's model transposed copies of the attention's projections, the FFNs' input
+      projections and an untied head (a tied head reads its table as it is), so steps of 2-32 tokens run them
+      feature-major (:func:`jaxformer.nn.params.add_transposed_copies`: those products 1.3-2x faster on XLA's
+      CPU backend, for the copies' memory: about 60% more weights for a Llama-shaped model, 318 MB for
+      SmolLM2-135M). None (default): on when JAX's default backend is the CPU, for modules whose first such
+      weight has at least ``FEATURE_MAJOR_MIN_WEIGHTS`` entries per layer; True: every module without
+      adapters.
     """
 
     num_pages: int | None = None
@@ -254,22 +255,22 @@ class EngineOptions:
     feature_major: bool | None = None
 
 
-FEATURE_MAJOR_MIN_WEIGHTS = 1 << 18  # D * F of an FFN input projection (1 MiB of fp32) for the CPU default:
+FEATURE_MAJOR_MIN_WEIGHTS = 1 << 18  # a module's first copied weight (1 MiB of fp32) for the CPU default:
 # SmolLM2-135M's 576 x 1,536 ran its batched decode steps 1.10-1.21x faster feature-major on Zen 3
 # (experiments/results/serve_cpu.md); a 4-layer 256 x 704 model's engine ran 0.81x (its 2-6 ms steps are call
 # overhead; one `serve.py --small` run beside a study, not in a committed table)
 
 
 def step_model(graphdef, state, feature_major: bool | None) -> tuple[StaticModel, list]:
-    """The jitted step's static model and leaves for ``(graphdef, state)``, with the FFNs' ``[F, D]`` input
-    copies added (:class:`EngineOptions`'s ``feature_major``; the state's own arrays are shared, not copied)."""
+    """The jitted step's static model and leaves for ``(graphdef, state)``, with the transposed copies added
+    (:class:`EngineOptions`'s ``feature_major``; the state's own arrays are shared, not copied)."""
     if feature_major is None and jax.default_backend() == "cpu":
         feature_major, min_weights = True, FEATURE_MAJOR_MIN_WEIGHTS
     else:
         min_weights = 0
     if feature_major:
         model = nnx.merge(graphdef, state)
-        if add_transposed_inputs(model, min_weights):
+        if add_transposed_copies(model, min_weights):
             graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
     return StaticModel.of(graphdef, treedef), leaves
@@ -311,7 +312,7 @@ class Engine:
         self._ids = itertools.count()
         self.stats = collections.Counter()
         self._plain = step_model(graphdef, state, False)
-        self._feature_major = None  # built at the first call of FEATURE_MAJOR_ROWS rows (a 212 MB copy at 135M)
+        self._feature_major = None  # built at the first call of FEATURE_MAJOR_ROWS rows (a 318 MB copy at 135M)
 
     # -- requests
     def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, request_id=None) -> Hashable:
@@ -396,11 +397,11 @@ class Engine:
         return len(shapes)
 
     def _step_model(self, rows: int) -> tuple[StaticModel, list]:
-        """The step's model for a call of ``rows`` tokens: with the FFNs' ``[F, D]`` copies for the rows they
-        serve (:data:`jaxformer.nn.mlp.FEATURE_MAJOR_ROWS`), made at the first such call, so an engine whose
-        calls all have one row or more than 32 (one long prompt in chunks of more than 32 tokens, then batch-1
-        decode) never copies its FFNs (~80 ms and 212 MB at 135M); a prompt's chunk of 2-32 tokens or a batch of
-        2-32 sequences makes them. Other rows run the plain model, which computes them the same way."""
+        """The step's model for a call of ``rows`` tokens: with the transposed copies for the rows they serve
+        (:data:`jaxformer.nn.params.FEATURE_MAJOR_ROWS`), made at the first such call, so an engine whose calls
+        all have one row or more than 32 (one long prompt in chunks of more than 32 tokens, then batch-1
+        decode) never copies its weights (318 MB at 135M); a prompt's chunk of 2-32 tokens or a
+        batch of 2-32 sequences makes them. Other rows run the plain model, which computes them the same way."""
         o = self.engine_options
         if rows not in FEATURE_MAJOR_ROWS or o.feature_major is False:
             return self._plain

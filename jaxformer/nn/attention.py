@@ -36,7 +36,7 @@ from jaxtyping import Array, Float
 
 from jaxformer.nn.config import AttentionConfig, PositionConfig
 from jaxformer.nn.lora import Dims, LoRASpec
-from jaxformer.nn.params import add_bias, as_dtype, normal, param, project, zeros
+from jaxformer.nn.params import add_bias, as_dtype, normal, param, project, project_t, runs_feature_major, zeros
 from jaxformer.ops.attention import attention_logit_stats, dot_product_attention
 from jaxformer.ops.masks import MaskSpec
 from jaxformer.ops.positional import alibi_slopes, apply_rope
@@ -152,8 +152,15 @@ class Attention(nnx.Module):
 
         self.w_q_lora, self.w_k_lora, self.w_v_lora, self.w_o_lora = (adapter(n) for n in shapes)
 
-    def _project(self, x, w, b, lora=None):
-        y = project(x, w[...], self.dtype)
+    TRANSPOSED = {"w_q": (1, 2), "w_k": (1, 2), "w_v": (1, 2), "w_o": (2, 1)}  # copied for feature-major calls
+
+    def _project(self, x, name, b, lora=None, n_in=1):
+        """``x`` through projection ``name`` (+ its adapter, + ``b``); feature-major from its copy where the
+        call's rows allow (:func:`jaxformer.nn.params.runs_feature_major`)."""
+        if runs_feature_major(self, math.prod(x.shape[:x.ndim - n_in])):
+            y = project_t(x, getattr(self, f"{name}_t")[...], self.dtype, n_in=n_in)
+        else:
+            y = project(x, getattr(self, name)[...], self.dtype, n_in=n_in)
         if lora is not None:
             y = y + lora(x)
         return add_bias(y, b, self.dtype)
@@ -184,12 +191,12 @@ class Attention(nnx.Module):
             raise ValueError(f"context.shape={jnp.shape(context)} must be [B, S, D] with D={self.w_q.shape[0]} "
                              "(cross-attention's context has the model's width)")
         ctx = x if context is None else context
-        q = self._project(x, self.w_q, self.b_q, self.w_q_lora)
+        q = self._project(x, "w_q", self.b_q, self.w_q_lora)
         shared = None
         if self.share != "none":  # keys (and values) from W_q
-            shared = q if context is None else self._project(ctx, self.w_q, self.b_q, self.w_q_lora)
-        k = shared if self.w_k is None else self._project(ctx, self.w_k, self.b_k, self.w_k_lora)
-        v = shared if self.w_v is None else self._project(ctx, self.w_v, self.b_v, self.w_v_lora)
+            shared = q if context is None else self._project(ctx, "w_q", self.b_q, self.w_q_lora)
+        k = shared if self.w_k is None else self._project(ctx, "w_k", self.b_k, self.w_k_lora)
+        v = shared if self.w_v is None else self._project(ctx, "w_v", self.b_v, self.w_v_lora)
         if self.position == "rope":
             if positions is None:
                 if cache is not None:
@@ -214,8 +221,5 @@ class Attention(nnx.Module):
                                       softcap=self.softcap, impl=self.impl)
         # one (N*H)-wide contraction: as a two-axis einsum, XLA CPU may lay the attention output out H-major
         # and then transpose all of w_o to match, every call (a weight-sized copy per layer per decode step)
-        y = project(o, self.w_o[...], self.dtype, n_in=2)
-        if self.w_o_lora is not None:
-            y = y + self.w_o_lora(o)
-        y = add_bias(y, self.b_o, self.dtype)
+        y = self._project(o, "w_o", self.b_o, self.w_o_lora, n_in=2)
         return y if cache is None else (y, new_cache)

@@ -3,19 +3,29 @@ BERT's head transform (the MLM head's dense + activation + norm before the outpu
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Integer
 
 from jaxformer.nn.config import NormConfig
 from jaxformer.nn.norms import make_norm
-from jaxformer.nn.params import add_bias, as_dtype, normal, param, project, project_rows, zeros
+from jaxformer.nn.params import (FEATURE_MAJOR_ROWS, add_bias, as_dtype, normal, param, project, project_rows,
+                                 project_t, runs_feature_major, zeros)
 from jaxformer.ops.activations import activation_fn, is_gated
 from jaxformer.typing import Activations, ArrayLike, Logits
 
 
 class Embed(nnx.Module):
-    """Token table ``E [V, D]``: ``tokens [B, T] -> E[tokens] [B, T, D]``; ``attend`` is the tied head."""
+    """Token table ``E [V, D]``: ``tokens [B, T] -> E[tokens] [B, T, D]``; ``attend`` is the tied head.
+
+    ``feature_major`` (set by :func:`jaxformer.nn.params.add_transposed_copies`, the decode engine's step model on
+    the CPU): the head's calls of ``FEATURE_MAJOR_ROWS`` rows compute ``E x^T`` (the table is laid out as that
+    product wants it already: no copy)."""
+
+    TRANSPOSED = "embedding"  # laid out [V, D]: the feature-major head's operand as it lies
+    feature_major = False
 
     def __init__(self, vocab_size: int, d_model: int, *, std: float = 0.02, param_dtype="float32",
                  dtype="float32", rngs: nnx.Rngs):
@@ -28,11 +38,16 @@ class Embed(nnx.Module):
 
     def attend(self, x: Activations) -> Logits:
         """Tied output head: ``x [B, T, D] @ E^T -> logits float32 [B, T, V]``."""
+        if self.feature_major and math.prod(x.shape[:-1]) in FEATURE_MAJOR_ROWS:
+            return project_t(x, self.embedding[...], self.dtype, preferred_element_type=jnp.float32)
         return project_rows(x, self.embedding[...], self.dtype, preferred_element_type=jnp.float32)
 
 
 class LMHead(nnx.Module):
-    """Untied output head ``W [D, V]``: ``x [B, T, D] -> logits float32 [B, T, V]``."""
+    """Untied output head ``W [D, V]``: ``x [B, T, D] -> logits float32 [B, T, V]`` (feature-major from a
+    ``[V, D]`` copy where one is given: :func:`jaxformer.nn.params.add_transposed_copies`)."""
+
+    TRANSPOSED = {"kernel": (1, 1)}
 
     def __init__(self, d_model: int, vocab_size: int, *, std: float = 0.02, param_dtype="float32",
                  dtype="float32", rngs: nnx.Rngs):
@@ -40,6 +55,8 @@ class LMHead(nnx.Module):
         self.kernel = param(rngs, normal(std), (d_model, vocab_size), ("embed", "vocab"), param_dtype)
 
     def __call__(self, x: Activations) -> Logits:
+        if runs_feature_major(self, math.prod(x.shape[:-1])):
+            return project_t(x, self.kernel_t[...], self.dtype, preferred_element_type=jnp.float32)
         return project(x, self.kernel[...], self.dtype, preferred_element_type=jnp.float32)
 
 

@@ -7,9 +7,9 @@ ReLU unit that is never positive on the data never fires (is dead). Read with ``
 ``lora`` (a :class:`jaxformer.nn.lora.LoRASpec`) adds low-rank adapters (``w_gate_lora``, ...) to the
 projections it targets: ``w_in``, ``w_out`` (plain) or ``w_gate``, ``w_up``, ``w_down`` (gated).
 
-Feature-major decode (:func:`add_transposed_inputs`): a module given ``[F, D]`` copies of its input
-projections (``w_in_t``; ``w_gate_t``, ``w_up_t``), as the decode engine gives them on CPU, computes a call
-of ``FEATURE_MAJOR_ROWS`` rows as ``W^T x^T``: the FFN's hidden activations ``[F, *B]``, then ``W_down``
+Feature-major decode (:func:`jaxformer.nn.params.add_transposed_copies`): a module given ``[F, D]`` copies of
+its input projections (``w_in_t``; ``w_gate_t``, ``w_up_t``), as the decode engine gives them on CPU, computes a
+call of ``FEATURE_MAJOR_ROWS`` rows as ``W^T x^T``: the FFN's hidden activations ``[F, *B]``, then ``W_down``
 contracted over their first axis. The same product; on XLA's CPU backend 2-32 rows run 1.3-2.2x as fast
 that way (Eigen tiles the result's rows: the ``F`` features fill them, a few tokens do not;
 ``experiments/results/decode_matmul_cpu.md``). Other row counts, and calls of a module with adapters or
@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
 from jaxformer.nn.lora import Dims, LoRASpec
-from jaxformer.nn.params import add_bias, as_dtype, normal, param, project, zeros
+from jaxformer.nn.params import add_bias, as_dtype, normal, param, project, runs_feature_major, zeros
 from jaxformer.nn.config import FFNConfig
 from jaxformer.ops.activations import activation_fn, geglu, swiglu
 from jaxformer.typing import ArrayLike
@@ -44,43 +43,9 @@ def dense(x, w, b, dtype, lora=None):
     return add_bias(y, b, dtype)
 
 
-FEATURE_MAJOR_ROWS = range(2, 33)  # rows (tokens in a call) computed feature-major when the copies exist
-
-
-class TransposedCopy(nnx.Variable):
-    """An input projection's weight laid out ``[..., F, D]`` (its last two axes swapped): a copy for
-    feature-major calls, added by :func:`add_transposed_inputs`; not a parameter (never trained or saved)."""
-
-
-def add_transposed_inputs(model: nnx.Module, min_weights: int = 0) -> int:
-    """Give every :class:`MLP` / :class:`GatedMLP` of ``model`` without adapters, whose input projection has at
-    least ``min_weights`` entries per layer (``D * F``), ``[F, D]`` copies of its input projections (``w_in_t``;
-    ``w_gate_t``, ``w_up_t``), in place; returns how many modules got them. Stacked (scanned) layers get stacked
-    copies. The copies hold the same numbers: a new model state."""
-    todo = []
-    for _, m in nnx.iter_modules(model):
-        names = getattr(type(m), "INPUTS", ())
-        if (isinstance(m, (MLP, GatedMLP)) and all(getattr(m, f"{k}_lora") is None for k in m.PROJECTIONS)
-                and math.prod(getattr(m, names[0]).shape[-2:]) >= min_weights):  # the fast path has no adapters
-            todo += [(m, k) for k in names]
-    copies = _swapped([getattr(m, k)[...] for m, k in todo])  # one call: 60 eager swaps cost 3x the copy
-    for (m, k), w in zip(todo, copies):
-        setattr(m, f"{k}_t", TransposedCopy(w))
-    return len({id(m) for m, _ in todo})
-
-
-@jax.jit
-def _swapped(ws):
-    return [jnp.swapaxes(w, -1, -2) for w in ws]
-
-
-def _feature_major(module, x) -> bool:
-    """Whether this call of ``module`` on ``x [..., D]`` runs feature-major (see the module docstring): copies
-    of its ``INPUTS`` and no adapter on any of its ``PROJECTIONS``."""
-    rows = x.size // x.shape[-1] if x.ndim else 0
-    return (rows in FEATURE_MAJOR_ROWS and not module.record_stats
-            and all(isinstance(getattr(module, f"{k}_t", None), TransposedCopy) for k in module.INPUTS)
-            and all(getattr(module, f"{k}_lora") is None for k in module.PROJECTIONS))
+def rows(x, n_in: int = 1) -> int:
+    """The rows of a call on ``x [*B, *I]`` (``n_in`` input axes): ``prod(B)``."""
+    return math.prod(x.shape[:x.ndim - n_in])
 
 
 def dense_t(x, wt, b, dtype):
@@ -113,7 +78,7 @@ class MLP(nnx.Module):
     """``act(x W_in + b_in) W_out + b_out``; ``W_in [D, F]``, ``W_out [F, D]`` with act = ``cfg.activation``
     and F = ``cfg.width(D)``; ``stds``: the init standard deviations of W_in and W_out."""
 
-    INPUTS, PROJECTIONS = ("w_in",), ("w_in", "w_out")  # into the FFN width; all (feature-major calls)
+    TRANSPOSED = {"w_in": (1, 1)}  # the input projection: copied [F, D] for feature-major calls
 
     def __init__(self, d_model: int, cfg: FFNConfig, *, use_bias: bool = True, stds: tuple[float, float] = _STDS,
                  lora: LoRASpec | None = None, param_dtype="float32", dtype="float32", rngs: nnx.Rngs):
@@ -130,7 +95,7 @@ class MLP(nnx.Module):
         self.w_in_lora, self.w_out_lora = _adapters(self, lora, d_model, d_ff, ("w_in",), ("w_out",), dtype, rngs)
 
     def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
-        if _feature_major(self, x):
+        if runs_feature_major(self, rows(x)):
             h = activation_fn(self.activation)(dense_t(x, self.w_in_t, self.b_in, self.dtype))
             return dense_from_t(h, self.w_out, self.b_out, self.dtype)
         pre = dense(x, self.w_in, self.b_in, self.dtype, self.w_in_lora)
@@ -144,7 +109,7 @@ class GatedMLP(nnx.Module):
     """``glu(x W_gate + b_g, x W_up + b_u) W_down + b_d`` with glu = ``cfg.activation``, swiglu | geglu
     (Shazeer 2020); ``stds``: the init standard deviations of W_gate and W_up, and of W_down."""
 
-    INPUTS, PROJECTIONS = ("w_gate", "w_up"), ("w_gate", "w_up", "w_down")
+    TRANSPOSED = {"w_gate": (1, 1), "w_up": (1, 1)}
 
     def __init__(self, d_model: int, cfg: FFNConfig, *, use_bias: bool = False, stds: tuple[float, float] = _STDS,
                  lora: LoRASpec | None = None, param_dtype="float32", dtype="float32", rngs: nnx.Rngs):
@@ -164,7 +129,7 @@ class GatedMLP(nnx.Module):
             self, lora, d_model, d_ff, ("w_gate", "w_up"), ("w_down",), dtype, rngs)
 
     def __call__(self, x: Float[ArrayLike, "*B D"]) -> Float[Array, "*B D"]:
-        if _feature_major(self, x):
+        if runs_feature_major(self, rows(x)):
             gate, up = (dense_t(x, w, b, self.dtype) for w, b in ((self.w_gate_t, self.b_gate),
                                                                   (self.w_up_t, self.b_up)))
             return dense_from_t(_GLU[self.activation](gate, up), self.w_down, self.b_down, self.dtype)

@@ -12,6 +12,7 @@ created unsharded (so models build on a laptop with no mesh).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -161,6 +162,91 @@ def project_rows(x, table, dtype, *, preferred_element_type=None):
     parts = jax.lax.dot_general(x3, table.astype(dtype).reshape(s, o // s, i), (((2,), (2,)), ((0,), (0,))),
                                 preferred_element_type=preferred_element_type)  # [s, 1, O/s]
     return parts.reshape(x.shape[:-1] + (o,))
+
+
+FEATURE_MAJOR_ROWS = range(2, 33)
+"""Rows (tokens in a call) a module holding :class:`TransposedCopy` weights computes feature-major."""
+
+
+class TransposedCopy(nnx.Variable):
+    """A weight ``[*S, *I, *O]`` (``S``: stacked layers) laid out ``[*S, *O, *I]``: a copy for feature-major calls,
+    added by :func:`add_transposed_copies`; not a parameter (never trained or saved)."""
+
+
+def project_t(x, wt, dtype, *, n_in: int = 1, preferred_element_type=None):
+    """``x [*B, *I]`` times the weight ``W [*I, *O]`` given as ``wt [*O, *I]`` (its :class:`TransposedCopy`, or a
+    tied head's table): ``[*B, *O]``, :func:`project`'s value, computed feature-major as ``wt @ x^T``.
+
+    XLA's CPU backend tiles a product's result by its rows: with a few tokens as the rows (``x @ W``) the tiles
+    are mostly empty and every weight is packed for them; with the output features as the rows they are full, and
+    2-32 rows run 1.3-2x as fast (``experiments/results/decode_matmul_cpu.md``). The ``[O, rows]`` result goes back
+    to rows behind an optimisation barrier: without it XLA folds the transpose into the product, back at
+    ``x @ W^T``. For inference (the decode engine's step model): gradients flow, to the copy.
+    """
+    lead, inner = x.shape[:x.ndim - n_in], x.shape[x.ndim - n_in:]
+    outer = wt.shape[:wt.ndim - n_in]
+    if wt.shape[wt.ndim - n_in:] != inner:
+        raise ValueError(f"project_t: x.shape={x.shape} does not end in wt.shape[-{n_in}:] "
+                         f"({wt.shape=}: the weight's output axes first)")
+    x2 = x.astype(dtype).reshape(math.prod(lead), math.prod(inner))
+    w2 = wt.astype(dtype).reshape(math.prod(outer), math.prod(inner))
+    y = jax.lax.dot_general(w2, x2, (((1,), (1,)), ((), ())), preferred_element_type=preferred_element_type)
+    return jax.lax.optimization_barrier(y).T.reshape(lead + outer)
+
+
+def adapted(module) -> bool:
+    """Whether ``module`` holds a LoRA adapter (an attribute ``*_lora`` that is not None)."""
+    return any(k.endswith("_lora") and v is not None for k, v in vars(module).items())
+
+
+def runs_feature_major(module, rows: int) -> bool:
+    """Whether a call of ``module`` on ``rows`` rows reads its :class:`TransposedCopy` weights: ``rows`` in
+    :data:`FEATURE_MAJOR_ROWS`, a copy of each weight its class's ``TRANSPOSED`` names (those it has), no
+    adapter (the feature-major path would bypass it), no statistics recorded."""
+    spec = getattr(type(module), "TRANSPOSED", None)
+    spec = spec if isinstance(spec, dict) else {}  # a tied head's name of its own table: Embed.attend decides
+    return (rows in FEATURE_MAJOR_ROWS and bool(spec) and not getattr(module, "record_stats", False)
+            and all(isinstance(getattr(module, f"{k}_t", None), TransposedCopy)
+                    for k in spec if getattr(module, k, None) is not None)
+            and not adapted(module))
+
+
+def add_transposed_copies(model: nnx.Module, min_weights: int = 0) -> int:
+    """Give every module of ``model`` whose class names weights in ``TRANSPOSED`` (``{name: (input axes, output
+    axes)}``: the attention's projections, the FFNs' input projections, an untied head) and that holds no
+    adapter, where its first such weight has at least ``min_weights`` entries per layer, a
+    :class:`TransposedCopy` ``{name}_t`` of each, in place; a module whose ``TRANSPOSED`` names one weight
+    laid out feature-major already (a tied head, ``Embed``: its table ``[V, D]``) is marked to run so
+    (``feature_major = True``), from the same size on. Stacked (scanned) layers get stacked copies. Returns how
+    many modules changed. The copies hold the same numbers: a new model state."""
+    todo, marked = [], 0
+    for _, m in nnx.iter_modules(model):
+        spec = getattr(type(m), "TRANSPOSED", None)
+        if spec is None or adapted(m):
+            continue
+        if isinstance(spec, str):  # the weight named is laid out feature-major already (a tied head's table)
+            if math.prod(getattr(m, spec).shape[-2:]) >= min_weights:
+                m.feature_major = True
+                marked += 1
+            continue
+        names = [k for k in spec if getattr(m, k, None) is not None]
+        first = getattr(m, names[0])
+        n_in, n_out = spec[names[0]]
+        if math.prod(first.shape[first.ndim - n_in - n_out:]) >= min_weights:
+            todo += [(m, k, spec[k]) for k in names]
+    copies = _transposed([getattr(m, k)[...] for m, k, _ in todo], tuple(axes for _, _, axes in todo))
+    for (m, k, _), w in zip(todo, copies):
+        setattr(m, f"{k}_t", TransposedCopy(w))
+    return len({id(m) for m, _, _ in todo}) + marked
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _transposed(ws, axes):  # one call: 60 eager transposes cost 3x the copy
+    out = []
+    for w, (n_in, n_out) in zip(ws, axes):
+        s = w.ndim - n_in - n_out
+        out.append(jnp.transpose(w, (*range(s), *range(s + n_in, w.ndim), *range(s, s + n_in))))
+    return out
 
 
 def eager_sharding() -> bool:

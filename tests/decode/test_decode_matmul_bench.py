@@ -10,11 +10,11 @@ import pytest
 from tests.bench_scripts import load_bench
 
 
-@pytest.mark.slow  # ~20 s: a 30-layer stack of SmolLM2-135M's matrices (425 MB fp32) in three layouts
+@pytest.mark.slow  # ~30 s: a 30-layer stack of SmolLM2-135M's matrices and its head (538 MB fp32) in four layouts
 def test_decode_matmul_bench_every_form_checked(capsys):
-    assert load_bench("decode_matmul").main(["--rows", "1", "3", "8", "--repeats", "1", "--bf16"]) == 0
+    assert load_bench("decode_matmul").main(["--rows", "1", "3", "8", "--repeats", "1", "--bf16", "--head"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("CPU: ") and "x @ W bf16 / first" in out
-    rows = re.findall(r"^\| (\d+) \|((?: (?:[\d.]+|n/a) \|){9})$", out, re.M)
+    assert out.startswith("CPU: ") and "x @ W bf16 / first" in out and "+ the head" in out
+    rows = re.findall(r"^\| (\d+) \|((?: (?:[\d.]+|n/a) \|){11})$", out, re.M)
     assert [int(b) for b, _ in rows] == [1, 3, 8]
     assert "n/a" not in rows[0][1] and rows[2][1].count("n/a") == 2  # the multiply-and-reduce: 4 rows at most

@@ -70,7 +70,7 @@ def test_attention_projections_add_the_scaled_low_rank_update(rslora):
     s = spec.scale
     q_ref = np.einsum("btd,dnh->btnh", x, p["w_q"]) + s * np.einsum(
         "btd,dr,rnh->btnh", x, p["w_q_lora.a"], p["w_q_lora.b"]) + p["b_q"]
-    q = attn._project(jnp.asarray(x), attn.w_q, attn.b_q, attn.w_q_lora)
+    q = attn._project(jnp.asarray(x), "w_q", attn.b_q, attn.w_q_lora)
     np.testing.assert_allclose(q, q_ref, rtol=RTOL, atol=ATOL)
     o = np.random.default_rng(3).standard_normal((2, 5, N, H))
     o_ref = np.einsum("btnh,nhd->btd", o, p["w_o"]) + s * np.einsum("btnh,nhr,rd->btd", o, p["w_o_lora.a"],

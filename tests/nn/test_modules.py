@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from tests.nn.builders import attention, gated_mlp, mlp
-from jaxformer.nn.mlp import FEATURE_MAJOR_ROWS, TransposedCopy, add_transposed_inputs
+from jaxformer.nn.params import FEATURE_MAJOR_ROWS, TransposedCopy, add_transposed_copies
 from jaxformer.nn import (
     LOGICAL_AXES, Attention, Block, Embed, GatedMLP, HeadTransform, LayerNorm, LearnedPositions, LMHead, MLP,
     NormConfig, Residual, RMSNorm, make_mlp, param,
@@ -219,7 +219,7 @@ def test_feature_major_mlp_matches_reference_forward_and_grad(activation, use_bi
     else:
         want = _np_act("gelu", xn @ p["w_in"] + p.get("b_in", 0)) @ p["w_out"] + p.get("b_out", 0)
     fm = nnx.merge(*nnx.split(m))
-    assert add_transposed_inputs(fm) == 1
+    assert add_transposed_copies(fm) == 1
     np.testing.assert_allclose(np.asarray(run(fm, x)), want, rtol=RTOL, atol=ATOL)
     r = jax.random.normal(jax.random.key(11), want.shape)
     grads = [jax.grad(lambda x, g=g, st=st: jnp.sum(nnx.merge(g, st)(x) * r))(x)
@@ -242,7 +242,7 @@ def test_feature_major_copies_skip_adapted_mlps(activation, target):
 
     spec = LoRASpec(rank=2, alpha=4.0, targets=frozenset({target}))
     m = nnx.eval_shape(lambda: mlp(8, 12, activation, use_bias=False, lora=spec, rngs=nnx.Rngs(0)))
-    assert add_transposed_inputs(m) == 0
+    assert add_transposed_copies(m) == 0
     assert not any(hasattr(m, f"{k}_t") for k in ("w_in", "w_gate", "w_up"))
     # copies given by hand are not used either: the call keeps the adapter (B non-zero, so it counts)
     m = build(lambda: mlp(8, 12, activation, use_bias=False, lora=spec, rngs=nnx.Rngs(0)), 9, std=0.5)
@@ -251,6 +251,79 @@ def test_feature_major_copies_skip_adapted_mlps(activation, target):
     for k in ("w_gate", "w_up") if activation == "swiglu" else ("w_in",):
         setattr(m, f"{k}_t", TransposedCopy(jnp.swapaxes(getattr(m, k)[...], -1, -2)))
     np.testing.assert_array_equal(np.asarray(run(m, x)), want)
+
+
+@pytest.mark.parametrize("share, bias, qkv_bias", [("none", True, None), ("none", False, True), ("qk", False, None)])
+@pytest.mark.parametrize("shape", [(2, 3), (1, 2), (4, 8), (1, 1), (5, 8)])  # 6, 2, 32 rows; 1, 40: usual path
+def test_feature_major_attention_matches_reference_forward_and_grad(share, bias, qkv_bias, shape):
+    """Attention given transposed copies of its projections (the decode engine's feature-major calls, 2-32 rows:
+    ``[N, H, D]`` / ``[K, H, D]`` / ``[D, N, H]``) against the float64 reference forward (GQA, RoPE, causal,
+    biases; with W_k shared with W_q: against the usual path), its input gradient against the usual path's; the copies are what a call in
+    that range reads (changing each one changes the result), outside it they are unused."""
+    D, N, H = 16, 4, 4
+    K = 2 if share == "none" else N
+    m = build(lambda: attention(D, N, K, H, position="rope", share=share, use_bias=bias, qkv_bias=qkv_bias,
+                                impl="xla", rngs=nnx.Rngs(0)), 21)
+    x = jax.random.normal(jax.random.key(22), (*shape, D))
+    mask = MaskSpec(causal=True)
+    p = params_np(m)
+    fm = nnx.merge(*nnx.split(m))
+    assert add_transposed_copies(fm) == 1
+    names = [k for k in ("w_q", "w_k", "w_v", "w_o") if getattr(fm, k) is not None]
+    assert [k for k in ("w_q", "w_k", "w_v", "w_o") if hasattr(fm, f"{k}_t")] == names
+    if share == "none":
+        want = ref_attention(np, p, np.asarray(x, np.float64), position="rope", causal=True)
+        np.testing.assert_allclose(np.asarray(run(fm, x, mask=mask)), want, rtol=RTOL, atol=ATOL)
+    want = np.asarray(run(m, x, mask=mask))  # the usual path (against the reference in the test above)
+    np.testing.assert_allclose(np.asarray(run(fm, x, mask=mask)), want, rtol=RTOL, atol=ATOL)
+    r = jax.random.normal(jax.random.key(23), want.shape)
+    grads = [jax.jit(jax.grad(lambda x, g=g, st=st: jnp.sum(nnx.merge(g, st)(x, mask=mask) * r)))(x)
+             for g, st in (nnx.split(m), nnx.split(fm))]
+    np.testing.assert_allclose(np.asarray(grads[1]), np.asarray(grads[0]), rtol=1e-4, atol=1e-5)
+    for k in names:  # each copy is read (feature-major rows) or unused (other rows)
+        t = getattr(fm, f"{k}_t")
+        t.set_value(t[...] * 2.0)
+        changed = not np.allclose(np.asarray(run(fm, x, mask=mask)), want, rtol=RTOL, atol=ATOL)
+        t.set_value(t[...] / 2.0)
+        assert changed == (math.prod(shape) in FEATURE_MAJOR_ROWS), k
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (4, 8), (1, 1), (5, 8)])
+def test_feature_major_heads_match_reference(shape):
+    """The tied head marked feature-major (its table ``[V, D]`` read as it lies) and the untied head given a
+    ``[V, D]`` copy, against the float64 products, in fp32 logits; a marked tied head reads its table, an untied
+    one its copy, at 2-32 rows only."""
+    V, D = 11, 6
+    emb = build(lambda: Embed(V, D, rngs=nnx.Rngs(0)), 24)
+    head = build(lambda: LMHead(D, V, rngs=nnx.Rngs(0)), 25)
+    x = jax.random.normal(jax.random.key(26), (*shape, D))
+    xn = np.asarray(x, np.float64)
+    want_tied = xn @ np.asarray(emb.embedding[...], np.float64).T
+    want_untied = xn @ params_np(head)["kernel"]
+    for module, want in ((emb, want_tied), (head, want_untied)):
+        assert add_transposed_copies(module) == 1
+        got = run(module, x) if module is head else jax.jit(lambda st, x: nnx.merge(nnx.graphdef(emb), st).attend(x))(
+            nnx.state(emb), x)
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=ATOL)
+    assert emb.feature_major and isinstance(head.kernel_t, TransposedCopy)
+    head.kernel_t.set_value(head.kernel_t[...] * 2.0)
+    changed = not np.allclose(np.asarray(run(head, x)), want_untied, rtol=RTOL, atol=ATOL)
+    assert changed == (math.prod(shape) in FEATURE_MAJOR_ROWS)
+    with jax.disable_jit():  # the marked tied head's product is the feature-major one: E x^T, then a barrier
+        jaxpr = jax.make_jaxpr(lambda x: emb.attend(x))(x)
+    assert ("optimization_barrier" in str(jaxpr)) == (math.prod(shape) in FEATURE_MAJOR_ROWS)
+
+
+def test_feature_major_copies_skip_adapted_attention():
+    """An attention with a LoRA adapter on any projection gets no copies (the feature-major path would bypass
+    the adapter)."""
+    from jaxformer.nn.lora import LoRASpec
+
+    spec = LoRASpec(rank=2, alpha=4.0, targets=frozenset({"w_v"}))
+    m = nnx.eval_shape(lambda: attention(16, 4, 2, 4, lora=spec, rngs=nnx.Rngs(0)))
+    assert add_transposed_copies(m) == 0
+    assert not any(hasattr(m, f"{k}_t") for k in ("w_q", "w_k", "w_v", "w_o"))
 
 
 def test_norms_match_reference():
