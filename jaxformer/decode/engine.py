@@ -235,7 +235,7 @@ class EngineOptions:
       ``num_pages // pages per sequence`` sequences run at once, and none is ever preempted).
     feature_major: give the step's model transposed copies of the attention's projections, the FFNs' input
       projections and an untied head (a tied head reads its table as it is), so steps of 2-32 tokens run them
-      feature-major (:func:`jaxformer.nn.params.add_transposed_copies`: those products 1.3-2x faster on XLA's
+      feature-major (:func:`jaxformer.nn.params.add_transposed_copies`: those products 1.3-2.8x faster on XLA's
       CPU backend, for the copies' memory: about 60% more weights for a Llama-shaped model, 318 MB for
       SmolLM2-135M). None (default): on when JAX's default backend is the CPU, for modules whose first such
       weight has at least ``FEATURE_MAJOR_MIN_WEIGHTS`` entries per layer; True: every module without
