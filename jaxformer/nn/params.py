@@ -89,7 +89,7 @@ def project(x, w, dtype, *, n_in: int = 1, preferred_element_type=None, split: b
     the output gradient and an Eigen dot with both operands transposed (47 GFLOP/s on one Intel Xeon core);
     the 2-D product's is one ``x^T dy``, an Eigen dot on ``x`` as it is (73-134 GFLOP/s, where YNNPACK runs
     the forward products at ~145). The projections of the attention, the FFNs, the output heads and LoRA's
-    adapters go through here (the engine's feature-major FFN copies, inference only, do not); a train step
+    adapters go through here (the engine's transposed copies, inference only, through :func:`project_t`); a train step
     is 1.1-1.5x faster for it (experiments/results/train_throughput.md, "Intel"). The reshapes go one group
     of axes at a time, which explicit-sharding meshes accept (a batch axis sharded over ``data``).
 
@@ -189,7 +189,7 @@ def project_t(x, wt, dtype, *, n_in: int = 1, preferred_element_type=None):
     if wt.shape[wt.ndim - n_in:] != inner:
         raise ValueError(f"project_t: x.shape={x.shape} does not end in wt.shape[-{n_in}:] "
                          f"({wt.shape=}: the weight's output axes first)")
-    x2 = x.astype(dtype).reshape(math.prod(lead), math.prod(inner))
+    x2 = x.astype(dtype).reshape(*lead, math.prod(inner)).reshape(math.prod(lead), math.prod(inner))  # as project
     w2 = wt.astype(dtype).reshape(math.prod(outer), math.prod(inner))
     y = jax.lax.dot_general(w2, x2, (((1,), (1,)), ((), ())), preferred_element_type=preferred_element_type)
     return jax.lax.optimization_barrier(y).T.reshape(lead + outer)
@@ -218,8 +218,9 @@ def add_transposed_copies(model: nnx.Module, min_weights: int = 0) -> int:
     adapter, where its first such weight has at least ``min_weights`` entries per layer, a
     :class:`TransposedCopy` ``{name}_t`` of each, in place; a module whose ``TRANSPOSED`` names one weight
     laid out feature-major already (a tied head, ``Embed``: its table ``[V, D]``) is marked to run so
-    (``feature_major = True``), from the same size on. Stacked (scanned) layers get stacked copies. Returns how
-    many modules changed. The copies hold the same numbers: a new model state."""
+    (``feature_major = True``), from the same size on (an untied model's input ``Embed`` too: harmless, its
+    ``attend`` is never called). Stacked (scanned) layers get stacked copies. Returns how many modules got copies
+    or a mark. The copies hold the same numbers: a new model state."""
     todo, marked = [], 0
     for _, m in nnx.iter_modules(model):
         spec = getattr(type(m), "TRANSPOSED", None)
@@ -231,6 +232,8 @@ def add_transposed_copies(model: nnx.Module, min_weights: int = 0) -> int:
                 marked += 1
             continue
         names = [k for k in spec if getattr(m, k, None) is not None]
+        if not names:
+            continue
         first = getattr(m, names[0])
         n_in, n_out = spec[names[0]]
         if math.prod(first.shape[first.ndim - n_in - n_out:]) >= min_weights:

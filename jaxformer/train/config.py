@@ -582,7 +582,9 @@ def diff(a: BaseModel, b: BaseModel, *, located: bool = True) -> list[tuple[str,
 
     ``located=False``: the :data:`SOURCE_KEYS` (absolute paths, resolved where the config was read) compare by
     file or directory name only, so a config saved in a checkout elsewhere (another machine, CI's clone) is
-    the same experiment; what the checkpoint holds is still compared, in ``model.*``."""
+    the same experiment. The architecture read from the checkpoint is still compared (``model.*``), its weights
+    are not: two checkpoints of one name and one architecture in different folders are not told apart (a row
+    holds no fingerprint of the weights)."""
     out: list[tuple[str, Any, Any]] = []
 
     def walk(x, y, prefix):

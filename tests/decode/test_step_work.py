@@ -185,7 +185,8 @@ def test_engines_over_one_model_share_compiled_steps(llama, monkeypatch):
     geometry = dict(num_pages=10, page_size=L, max_batch=4, chunk_size=8)
     off = eng.Engine(graphdef, state, cfg, **geometry, feature_major=False)
     own = eng.StaticModel.of(graphdef, jax.tree.structure(state))
-    # the tiny model's FFNs are below the CPU default's size: no copies, the step model is the model's own
+    # the tiny model's modules (FFNs, attention, head) are below the CPU default's size: no copies, no mark, the
+    # step model is the model's own
     assert all(x._step_model(rows)[0] is own for x in (e, off) for rows in (1, 4, 64))
     if jax.default_backend() != "cpu":  # the copies are a CPU default
         return

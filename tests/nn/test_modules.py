@@ -258,8 +258,8 @@ def test_feature_major_copies_skip_adapted_mlps(activation, target):
 def test_feature_major_attention_matches_reference_forward_and_grad(share, bias, qkv_bias, shape):
     """Attention given transposed copies of its projections (the decode engine's feature-major calls, 2-32 rows:
     ``[N, H, D]`` / ``[K, H, D]`` / ``[D, N, H]``) against the float64 reference forward (GQA, RoPE, causal,
-    biases; with W_k shared with W_q: against the usual path), its input gradient against the usual path's; the copies are what a call in
-    that range reads (changing each one changes the result), outside it they are unused."""
+    biases; with W_k shared with W_q: against the usual path), its input gradient against the usual path's; the
+    copies are what a call in that range reads (changing each one changes the result), outside it unused."""
     D, N, H = 16, 4, 4
     K = 2 if share == "none" else N
     m = build(lambda: attention(D, N, K, H, position="rope", share=share, use_bias=bias, qkv_bias=qkv_bias,
@@ -302,8 +302,10 @@ def test_feature_major_heads_match_reference(shape):
     want_untied = xn @ params_np(head)["kernel"]
     for module, want in ((emb, want_tied), (head, want_untied)):
         assert add_transposed_copies(module) == 1
-        got = run(module, x) if module is head else jax.jit(lambda st, x: nnx.merge(nnx.graphdef(emb), st).attend(x))(
-            nnx.state(emb), x)
+        if module is head:
+            got = run(module, x)
+        else:
+            got = jax.jit(lambda st, x: nnx.merge(nnx.graphdef(emb), st).attend(x))(nnx.state(emb), x)
         assert got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=ATOL)
     assert emb.feature_major and isinstance(head.kernel_t, TransposedCopy)

@@ -40,7 +40,8 @@ def _rebuilt(stem: str, folder: str, tmp_path: Path, monkeypatch, edit=None) -> 
     out.mkdir()
     for name in ("summary.jsonl", "tuning.jsonl", "superseded.jsonl"):
         if (committed / name).exists():
-            (out / name).write_text("".join((edit or str)(x) + "\n" for x in (committed / name).read_text().splitlines()))
+            lines = (committed / name).read_text().splitlines()
+            (out / name).write_text("".join((edit or str)(x) + "\n" for x in lines))
     if (committed / "points").is_dir() and edit is None:
         (out / "points").symlink_to(committed / "points")  # read only: each run's row and metrics
     elif (committed / "points").is_dir():
@@ -66,6 +67,11 @@ def test_a_landed_study_report_rebuilds_from_its_committed_rows(stem, folder, tm
 FINE_TUNING = [(s, f) for s, f in LANDED if fine_tunes_a_checkpoint(REPO / "experiments" / "studies" / f"{s}.yaml")]
 
 
+def test_a_landed_study_fine_tunes_a_checkpoint():
+    """The two tests below run on such studies only: they must not vanish unnoticed."""
+    assert FINE_TUNING
+
+
 @pytest.mark.parametrize("stem, folder", FINE_TUNING, ids=[s for s, _ in FINE_TUNING])
 def test_rows_recorded_in_another_checkout_are_still_the_studys(stem, folder, tmp_path, monkeypatch):
     """A row records the checkpoint it fine-tuned as an absolute path (``hf_source``), resolved in the checkout
@@ -77,7 +83,8 @@ def test_rows_recorded_in_another_checkout_are_still_the_studys(stem, folder, tm
             row["config"]["hf_source"] = str(Path("/elsewhere/clone") / Path(row["config"]["hf_source"]).name)
         return json.dumps(row, indent=1) if "\n" in line else json.dumps(row)
 
-    assert all(json.loads(x)["config"]["hf_source"] for x in (RESULTS / folder / "summary.jsonl").read_text().splitlines())
+    rows = (RESULTS / folder / "summary.jsonl").read_text().splitlines()
+    assert rows and all(json.loads(x)["config"]["hf_source"] for x in rows)
     _rebuilt(stem, folder, tmp_path, monkeypatch, moved)
 
 
