@@ -574,7 +574,7 @@ MUTATIONS = [
              '"w_v": (1, 2), "w_o": (2, 1)}', '"w_v": (1, 2), "w_o": (1, 2)}',
              ("tests/nn/test_modules.py",), "the attention's output projection copied with its axes grouped wrongly"),
     Mutation("feature_major_tied_head_any_rows", "jaxformer/nn/embedding.py",
-             "if self.feature_major and math.prod(x.shape[:-1]) in FEATURE_MAJOR_ROWS:", "if self.feature_major:",
+             "if self.feature_major and rows(x) in FEATURE_MAJOR_ROWS:", "if self.feature_major:",
              ("tests/nn/test_modules.py",), "a marked tied head runs feature-major at one row too (the slow form there)"),
     Mutation("serve_profile_decode_as_prefill", "experiments/bench/serve.py",
              'kind = f"decode B={rows}" if new <= rows else "with prefill"',

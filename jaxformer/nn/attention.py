@@ -36,7 +36,8 @@ from jaxtyping import Array, Float
 
 from jaxformer.nn.config import AttentionConfig, PositionConfig
 from jaxformer.nn.lora import Dims, LoRASpec
-from jaxformer.nn.params import add_bias, as_dtype, normal, param, project, project_t, runs_feature_major, zeros
+from jaxformer.nn.params import (add_bias, as_dtype, normal, param, project, project_t, rows, runs_feature_major,
+                                 zeros)
 from jaxformer.ops.attention import attention_logit_stats, dot_product_attention
 from jaxformer.ops.masks import MaskSpec
 from jaxformer.ops.positional import alibi_slopes, apply_rope
@@ -157,7 +158,7 @@ class Attention(nnx.Module):
     def _project(self, x, name, b, lora=None, n_in=1):
         """``x`` through projection ``name`` (+ its adapter, + ``b``); feature-major from its copy where the
         call's rows allow (:func:`jaxformer.nn.params.runs_feature_major`)."""
-        if runs_feature_major(self, math.prod(x.shape[:x.ndim - n_in])):
+        if runs_feature_major(self, rows(x, n_in)):
             y = project_t(x, getattr(self, f"{name}_t")[...], self.dtype, n_in=n_in)
         else:
             y = project(x, getattr(self, name)[...], self.dtype, n_in=n_in)

@@ -3,8 +3,6 @@ BERT's head transform (the MLM head's dense + activation + norm before the outpu
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Integer
@@ -12,7 +10,7 @@ from jaxtyping import Array, Float, Integer
 from jaxformer.nn.config import NormConfig
 from jaxformer.nn.norms import make_norm
 from jaxformer.nn.params import (FEATURE_MAJOR_ROWS, add_bias, as_dtype, normal, param, project, project_rows,
-                                 project_t, runs_feature_major, zeros)
+                                 project_t, rows, runs_feature_major, zeros)
 from jaxformer.ops.activations import activation_fn, is_gated
 from jaxformer.typing import Activations, ArrayLike, Logits
 
@@ -38,7 +36,7 @@ class Embed(nnx.Module):
 
     def attend(self, x: Activations) -> Logits:
         """Tied output head: ``x [B, T, D] @ E^T -> logits float32 [B, T, V]``."""
-        if self.feature_major and math.prod(x.shape[:-1]) in FEATURE_MAJOR_ROWS:
+        if self.feature_major and rows(x) in FEATURE_MAJOR_ROWS:
             return project_t(x, self.embedding[...], self.dtype, preferred_element_type=jnp.float32)
         return project_rows(x, self.embedding[...], self.dtype, preferred_element_type=jnp.float32)
 
@@ -55,7 +53,7 @@ class LMHead(nnx.Module):
         self.kernel = param(rngs, normal(std), (d_model, vocab_size), ("embed", "vocab"), param_dtype)
 
     def __call__(self, x: Activations) -> Logits:
-        if runs_feature_major(self, math.prod(x.shape[:-1])):
+        if runs_feature_major(self, rows(x)):
             return project_t(x, self.kernel_t[...], self.dtype, preferred_element_type=jnp.float32)
         return project(x, self.kernel[...], self.dtype, preferred_element_type=jnp.float32)
 

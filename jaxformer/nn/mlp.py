@@ -19,14 +19,12 @@ the parameters.
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
 from jaxformer.nn.lora import Dims, LoRASpec
-from jaxformer.nn.params import add_bias, as_dtype, normal, param, project, runs_feature_major, zeros
+from jaxformer.nn.params import add_bias, as_dtype, normal, param, project, rows, runs_feature_major, zeros
 from jaxformer.nn.config import FFNConfig
 from jaxformer.ops.activations import activation_fn, geglu, swiglu
 from jaxformer.typing import ArrayLike
@@ -41,11 +39,6 @@ def dense(x, w, b, dtype, lora=None):
     if lora is not None:
         y = y + lora(x)
     return add_bias(y, b, dtype)
-
-
-def rows(x, n_in: int = 1) -> int:
-    """The rows of a call on ``x [*B, *I]`` (``n_in`` input axes): ``prod(B)``."""
-    return math.prod(x.shape[:x.ndim - n_in])
 
 
 def dense_t(x, wt, b, dtype):

@@ -195,6 +195,12 @@ def project_t(x, wt, dtype, *, n_in: int = 1, preferred_element_type=None):
     return jax.lax.optimization_barrier(y).T.reshape(lead + outer)
 
 
+def rows(x, n_in: int = 1) -> int:
+    """The rows of a call on ``x [*B, *I]`` (``n_in`` input axes): ``prod(B)``, what :func:`runs_feature_major`
+    decides by."""
+    return math.prod(x.shape[:x.ndim - n_in])
+
+
 def adapted(module) -> bool:
     """Whether ``module`` holds a LoRA adapter (an attribute ``*_lora`` that is not None)."""
     return any(k.endswith("_lora") and v is not None for k, v in vars(module).items())
