@@ -14,7 +14,8 @@ Each :meth:`Engine.step`:
    work follows the tokens in the cache, not the engine's capacity: it runs only as
    many batch rows as sequences (a power of two, at most ``max_batch``), and sends
    block tables only as wide as the longest of them needs this step (a power of two
-   of pages, at least ``MIN_TABLE_TOKENS`` tokens' worth, at most ``max_context``'s),
+   of pages, at least ``MIN_TABLE_TOKENS`` tokens' worth, ``MIN_BATCHED_TABLE_TOKENS`` in a decode
+   call of ``BATCHED_DECODE_ROWS`` rows or more, at most ``max_context``'s),
    so the paged attention and the prefill's page gather read those pages alone, and
    compiled programs stay few (about log2 of each); ``stats["table_width"]`` and
    ``stats["batch_rows"]`` say what the last step used. The head runs only at each
@@ -63,6 +64,10 @@ from jaxformer.nn.params import FEATURE_MAJOR_ROWS, add_transposed_copies
 TRACE_COUNTS: collections.Counter = collections.Counter()
 MIN_TABLE_TOKENS = 256  # narrowest block table a step sends, in tokens: fewer compiled programs, and below
 # this much context a decode step's attention is a small part of its weight reads anyway
+BATCHED_DECODE_ROWS, MIN_BATCHED_TABLE_TOKENS = 8, 64  # ... except in a decode call of 8 or more rows: its
+# attention reads B x M x L keys, so at 16 rows of ~90 cached tokens a 256-token table spent a third of the
+# step on padding pages (SmolLM2-135M on 2 Zen 2 cores: 16 concurrent sequences ran 1.15x as fast at 64,
+# experiments/results/decode_cpu.md), worth its two more compiled programs per row bucket
 
 
 @dataclasses.dataclass
@@ -184,10 +189,19 @@ def bucket(n: int, low: int, high: int) -> int:
     return min(high, 1 << (max(n, low, 1) - 1).bit_length())
 
 
-def table_width(pages: int, capacity: int, page_size: int) -> int:
+def min_table_tokens(rows: int, width: int) -> int:
+    """The narrowest block table (tokens) a call of ``rows`` batch rows of ``width`` tokens sends:
+    ``MIN_BATCHED_TABLE_TOKENS`` for a decode call (width 1) of at least ``BATCHED_DECODE_ROWS`` rows,
+    ``MIN_TABLE_TOKENS`` otherwise."""
+    return MIN_BATCHED_TABLE_TOKENS if width == 1 and rows >= BATCHED_DECODE_ROWS else MIN_TABLE_TOKENS
+
+
+def table_width(pages: int, capacity: int, page_size: int, floor_tokens: int | None = None) -> int:
     """Block-table width (pages) a step sends when its longest sequence needs ``pages`` pages: a power
-    of two of at least ``MIN_TABLE_TOKENS`` tokens' pages, at most ``capacity`` (``max_pages_per_seq``)."""
-    return bucket(pages, -(-MIN_TABLE_TOKENS // page_size), capacity)
+    of two of at least ``floor_tokens`` tokens' pages (default ``MIN_TABLE_TOKENS``; a call's own:
+    :func:`min_table_tokens`), at most ``capacity`` (``max_pages_per_seq``)."""
+    floor_tokens = MIN_TABLE_TOKENS if floor_tokens is None else floor_tokens
+    return bucket(pages, -(-floor_tokens // page_size), capacity)
 
 
 def check_window(window: int | None, config) -> int | None:
@@ -380,8 +394,8 @@ class Engine:
         rows = sorted({bucket(b, 1, self.max_batch) for b in range(1, self.max_batch + 1)})
         widths = sorted({1} | {self._width(n) for n in range(2, self.chunk_size + 1)})
         L, cap = self.manager.page_size, self.max_pages_per_seq
-        tables = sorted({table_width(p, cap, L) for p in range(1, cap + 1)})
-        return [(B, T, M) for B in rows for T in widths for M in tables]
+        return [(B, T, M) for B in rows for T in widths
+                for M in sorted({table_width(p, cap, L, min_table_tokens(B, T)) for p in range(1, cap + 1)})]
 
     def compile_all(self) -> int:
         """Compile the step for every shape in :meth:`step_shapes` now, so no request waits for a compilation
@@ -494,7 +508,7 @@ class Engine:
         rows = [(req, n, self.manager.num_computed(req.rid), self.manager.num_dropped(req.rid) * L,
                  self.manager.block_table(req.rid)) for req, n in plan]
         M = table_width(max(-(-(start - offset + n) // L) for _, n, start, offset, _ in rows),
-                        self.max_pages_per_seq, L)
+                        self.max_pages_per_seq, L, min_table_tokens(B, T))
         ints = np.zeros((5, B), np.int32)  # lengths (from the table's first page), num_new, offsets, steps, top_k
         reals = np.zeros((2, B), np.float32)  # temperature, top_p
         reals[1] = 1.0

@@ -107,6 +107,38 @@ def test_a_joining_prefill_does_not_widen_the_decoding_rows(llama):
         assert e.results[rid].tokens == generate(graphdef, state, cfg, [p], max_new_tokens=6)[0], p
 
 
+def test_a_batched_decode_call_sends_a_narrower_table(long_llama):
+    """A decode call of ``BATCHED_DECODE_ROWS`` rows or more sends tables down to ``MIN_BATCHED_TABLE_TOKENS``
+    (its attention reads every row's table); prefill calls and smaller decode calls keep ``MIN_TABLE_TOKENS``.
+    Every shape sent is one of ``step_shapes`` (what ``compile_all`` compiles); outputs equal each request
+    generated alone."""
+    cfg, graphdef, state = long_llama
+    rng = np.random.default_rng(2)
+    prompts = [list(map(int, rng.integers(0, 256, n))) for n in (10, 7, 12, 9, 11, 8, 10, 6, 5)]
+    e = eng.Engine(graphdef, state, cfg, num_pages=200, page_size=L, max_batch=8, chunk_size=16)
+    ids = [e.submit(p, SamplingParams(max_new_tokens=k)) for p, k in zip(prompts, (100, 3, 60, 60, 60, 60, 60, 60, 4))]
+    calls, step = [], eng.engine_step
+
+    def spy(graphdef, state, pools, inputs, options):
+        calls.append(inputs.tokens.shape + inputs.tables.shape[1:])
+        return step(graphdef, state, pools, inputs, options)
+
+    eng.engine_step = spy
+    try:
+        e.run()
+    finally:
+        eng.engine_step = step
+    narrow, wide = eng.MIN_BATCHED_TABLE_TOKENS // L, eng.MIN_TABLE_TOKENS // L  # 16 and 64 pages
+    batched = {M for B, T, M in calls if T == 1 and B >= eng.BATCHED_DECODE_ROWS}
+    assert batched == {narrow, 2 * narrow}  # 8 rows of up to 72 tokens: 16 pages, then 32
+    assert {M for B, T, M in calls if T > 1 or B < eng.BATCHED_DECODE_ROWS} == {wide}
+    assert any(T == 1 and B < eng.BATCHED_DECODE_ROWS for B, T, M in calls)  # the longest, alone at the end
+    assert set(calls) <= set(e.step_shapes())
+    for rid, p in zip(ids, prompts):
+        k = len(e.results[rid].tokens)
+        assert e.results[rid].tokens == generate(graphdef, state, cfg, [p], max_new_tokens=k)[0], p
+
+
 @settings(deadline=None)
 @given(data=st.data())
 def test_bucketed_steps_equal_each_request_alone(llama, data):
@@ -166,6 +198,9 @@ def test_logits_at_must_be_one_index_per_row(llama):
 def test_table_width_buckets():
     assert [eng.table_width(p, 512, 16) for p in (1, 16, 17, 33, 200, 257, 512)] == [16, 16, 32, 64, 256, 512, 512]
     assert [eng.table_width(p, 10, 4) for p in (1, 9, 10)] == [10, 10, 10]  # the floor above the capacity
+    assert [eng.table_width(p, 512, 16, 64) for p in (1, 4, 5, 9)] == [4, 4, 8, 16]
+    calls = ((1, 1), (7, 1), (8, 1), (16, 1), (8, 16))  # (rows, width): only decode calls of 8+ rows go narrow
+    assert [eng.min_table_tokens(B, T) for B, T in calls] == [256, 256, 64, 64, 256]
     assert [eng.bucket(n, 1, 6) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 6, 6]
 
 
