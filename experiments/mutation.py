@@ -510,7 +510,7 @@ MUTATIONS = [
     Mutation("batched_floor_prefill_too", "jaxformer/decode/engine.py",
              "MIN_BATCHED_TABLE_TOKENS if width == 1 and rows >= BATCHED_DECODE_ROWS",
              "MIN_BATCHED_TABLE_TOKENS if rows >= BATCHED_DECODE_ROWS",
-             ("tests/decode/test_step_work.py",), "prefill calls of 8+ rows also get the narrow table floor"),
+             ("tests/decode/test_step_work.py",), "prefill calls of 16+ rows also get the narrow table floor"),
     Mutation("batched_floor_not_in_step_shapes", "jaxformer/decode/engine.py",
              "for M in sorted({table_width(p, cap, L, min_table_tokens(B, T)) for",
              "for M in sorted({table_width(p, cap, L) for",

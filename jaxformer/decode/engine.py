@@ -64,10 +64,11 @@ from jaxformer.nn.params import FEATURE_MAJOR_ROWS, add_transposed_copies
 TRACE_COUNTS: collections.Counter = collections.Counter()
 MIN_TABLE_TOKENS = 256  # narrowest block table a step sends, in tokens: fewer compiled programs, and below
 # this much context a decode step's attention is a small part of its weight reads anyway
-BATCHED_DECODE_ROWS, MIN_BATCHED_TABLE_TOKENS = 8, 64  # ... except in a decode call of 8 or more rows: its
+BATCHED_DECODE_ROWS, MIN_BATCHED_TABLE_TOKENS = 16, 64  # ... except in a decode call of 16 or more rows: its
 # attention reads B x M x L keys: at 16 rows of ~90 cached tokens it took ~40% of the step over a 256-token
 # table (SmolLM2-135M on 2 Zen 2 cores; 16 concurrent sequences ran 1.15x as fast at 64,
-# experiments/results/decode_cpu.md), worth two more compiled programs per such row bucket
+# experiments/results/decode_cpu.md), worth two more compiled programs (~5 s each there) in a long run. At 8
+# rows the step hardly moved (78 vs 80 ms), so engines of `generate`'s default 8 rows compile nothing more
 
 
 @dataclasses.dataclass

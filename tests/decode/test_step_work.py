@@ -114,9 +114,9 @@ def test_a_batched_decode_call_sends_a_narrower_table(long_llama):
     generated alone."""
     cfg, graphdef, state = long_llama
     rng = np.random.default_rng(2)
-    prompts = [list(map(int, rng.integers(0, 256, n))) for n in (10, 7, 12, 9, 11, 8, 10, 6, 5)]
-    e = eng.Engine(graphdef, state, cfg, num_pages=200, page_size=L, max_batch=8, chunk_size=16)
-    ids = [e.submit(p, SamplingParams(max_new_tokens=k)) for p, k in zip(prompts, (100, 3, 60, 60, 60, 60, 60, 60, 4))]
+    prompts = [list(map(int, rng.integers(0, 256, n))) for n in (10, 7, 12, 9, 11, 8, 10, 6, 5, 9)]
+    e = eng.Engine(graphdef, state, cfg, num_pages=300, page_size=L, max_batch=16, chunk_size=16)
+    ids = [e.submit(p, SamplingParams(max_new_tokens=k)) for p, k in zip(prompts, (100, 3) + (60,) * 8)]
     calls, step = [], eng.engine_step
 
     def spy(graphdef, state, pools, inputs, options):
@@ -130,7 +130,7 @@ def test_a_batched_decode_call_sends_a_narrower_table(long_llama):
         eng.engine_step = step
     narrow, wide = eng.MIN_BATCHED_TABLE_TOKENS // L, eng.MIN_TABLE_TOKENS // L  # 16 and 64 pages
     batched = {M for B, T, M in calls if T == 1 and B >= eng.BATCHED_DECODE_ROWS}
-    assert batched == {narrow, 2 * narrow}  # 8 rows of up to 72 tokens: 16 pages, then 32
+    assert batched == {narrow, 2 * narrow}  # 9-10 rows (16 batch rows) of up to 72 tokens: 16 pages, then 32
     assert {M for B, T, M in calls if T > 1 or B < eng.BATCHED_DECODE_ROWS} == {wide}
     assert any(T == 1 and B < eng.BATCHED_DECODE_ROWS for B, T, M in calls)  # the longest, alone at the end
     assert set(calls) <= set(e.step_shapes())
@@ -199,8 +199,8 @@ def test_table_width_buckets():
     assert [eng.table_width(p, 512, 16) for p in (1, 16, 17, 33, 200, 257, 512)] == [16, 16, 32, 64, 256, 512, 512]
     assert [eng.table_width(p, 10, 4) for p in (1, 9, 10)] == [10, 10, 10]  # the floor above the capacity
     assert [eng.table_width(p, 512, 16, 64) for p in (1, 4, 5, 9)] == [4, 4, 8, 16]
-    calls = ((1, 1), (7, 1), (8, 1), (16, 1), (8, 16))  # (rows, width): only decode calls of 8+ rows go narrow
-    assert [eng.min_table_tokens(B, T) for B, T in calls] == [256, 256, 64, 64, 256]
+    calls = ((1, 1), (8, 1), (15, 1), (16, 1), (32, 1), (16, 16))  # (rows, width): decode calls of 16+ rows go narrow
+    assert [eng.min_table_tokens(B, T) for B, T in calls] == [256, 256, 256, 64, 64, 256]
     assert [eng.bucket(n, 1, 6) for n in (1, 2, 3, 5, 6)] == [1, 2, 4, 6, 6]
 
 
