@@ -26,15 +26,20 @@ def long_llama():
     return (cfg, *init(cfg, jax.random.key(1)))
 
 
-def run_steps(e):
-    """Step ``e`` to the end; per model call ``(table width, batch rows, pages the longest row reads)``: the
-    last from the call's own ``lengths + num_new`` (the keys its attention sees), so ``width >= need`` is
-    what correctness needs and ``width < 2 * need`` is no wasted bucket."""
+def width_rows_need(inputs):
+    """``(table width, batch rows, pages the longest row reads)`` of a call: the last from its own
+    ``lengths + num_new`` (the keys its attention sees), so ``width >= need`` is what correctness needs and
+    ``width < 2 * need`` is no wasted bucket."""
+    need = -(-int(np.max(np.asarray(inputs.lengths) + np.asarray(inputs.num_new))) // L)
+    return inputs.tables.shape[1], inputs.tokens.shape[0], need
+
+
+def run_steps(e, record=width_rows_need):
+    """Step ``e`` to the end; ``record(inputs)`` of every model call (default :func:`width_rows_need`)."""
     out, step = [], eng.engine_step
 
     def spy(graphdef, state, pools, inputs, options):
-        need = -(-int(np.max(np.asarray(inputs.lengths) + np.asarray(inputs.num_new))) // L)
-        out.append((inputs.tables.shape[1], inputs.tokens.shape[0], need))
+        out.append(record(inputs))
         return step(graphdef, state, pools, inputs, options)
 
     eng.engine_step = spy
@@ -117,17 +122,7 @@ def test_a_batched_decode_call_sends_a_narrower_table(long_llama):
     prompts = [list(map(int, rng.integers(0, 256, n))) for n in (10, 7, 12, 9, 11, 8, 10, 6, 5, 9)]
     e = eng.Engine(graphdef, state, cfg, num_pages=300, page_size=L, max_batch=16, chunk_size=16)
     ids = [e.submit(p, SamplingParams(max_new_tokens=k)) for p, k in zip(prompts, (100, 3) + (60,) * 8)]
-    calls, step = [], eng.engine_step
-
-    def spy(graphdef, state, pools, inputs, options):
-        calls.append(inputs.tokens.shape + inputs.tables.shape[1:])
-        return step(graphdef, state, pools, inputs, options)
-
-    eng.engine_step = spy
-    try:
-        e.run()
-    finally:
-        eng.engine_step = step
+    calls = run_steps(e, lambda inputs: inputs.tokens.shape + inputs.tables.shape[1:])  # (B, T, M)
     narrow, wide = eng.MIN_BATCHED_TABLE_TOKENS // L, eng.MIN_TABLE_TOKENS // L  # 16 and 64 pages
     batched = {M for B, T, M in calls if T == 1 and B >= eng.BATCHED_DECODE_ROWS}
     assert batched == {narrow, 2 * narrow}  # 9-10 rows (16 batch rows) of up to 72 tokens: 16 pages, then 32
