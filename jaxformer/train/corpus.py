@@ -21,6 +21,7 @@ documents, validation one concatenated stream.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import sysconfig
@@ -39,11 +40,15 @@ TEXT_DOC_BYTES = 65536
 def stdlib_files() -> tuple[Path, list[str]]:
     """``(root, sorted relative paths)`` of the interpreter's stdlib ``.py`` files."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    rels = sorted(
-        p.relative_to(root).as_posix() for p in root.rglob("*.py")
-        if "site-packages" not in p.relative_to(root).parts and "dist-packages" not in p.relative_to(root).parts
-    )
-    return root, rels
+    return root, list(_py_files(root))
+
+
+@functools.lru_cache(maxsize=4)
+def _py_files(root: Path) -> tuple[str, ...]:
+    """The walk of :func:`stdlib_files`, once per process (~1 s on a slow disk; a sweep's evaluation at five
+    lengths built its corpus six times): the installed standard library does not change under a run."""
+    rels = (p.relative_to(root) for p in root.rglob("*.py"))
+    return tuple(sorted(r.as_posix() for r in rels if "site-packages" not in r.parts and "dist-packages" not in r.parts))
 
 
 def is_validation(name: str, fraction: float) -> bool:
