@@ -238,6 +238,21 @@ def profile_lines(profiles: dict[str, collections.Counter]) -> list[str]:
     return lines
 
 
+def ceilings(seq: collections.Counter, together: collections.Counter, seq_s: float, longest: int,
+             rounds: int) -> tuple[float, float]:
+    """What the all-at-once run could reach against the one-after-another one (``seq_s`` seconds a round) if a
+    batched decode step cost no more than a one-row step (``seq``'s ``decode B=1`` steps, :func:`run_profiled`'s
+    counters summed over ``rounds``): ``(this schedule, fewest steps)``. This schedule: ``together``'s prefill
+    seconds plus its decode steps at the one-row step's time; fewest steps: ``seq``'s prefill seconds (prefill is
+    the same work whoever batches it) plus ``longest - 1`` one-row steps (the longest output's tokens after the
+    one its prefill step gives). Both are ceilings: a 16-row step costs more than a one-row step on a CPU."""
+    one = seq["decode B=1", "s"] / seq["decode B=1", "steps"]
+    steps = sum(v for (k, f), v in together.items() if k.startswith("decode") and f == "steps") / rounds
+    this = together["with prefill", "s"] / rounds + steps * one
+    fewest = seq["with prefill", "s"] / rounds + (longest - 1) * one
+    return seq_s / this, seq_s / fewest
+
+
 def in_process(model: Path, requests, max_batch: int, max_context: int, chunk_size: int, repeats: int = 2) -> dict:
     """The requests without HTTP (every step shape compiled first, as the server's ``--precompile``): the
     default engine (feature-major steps on the CPU) and one with ``feature_major=False`` (every matmul in the
@@ -366,6 +381,11 @@ def main(argv=None) -> int:
                f"{engine_tok_s / usual['engine'][0]:.2f}x, one after another {seq_tok_s / usual['sequential'][0]:.2f}x "
                "the output tokens/s." if alone["copies"] else "The default engine gave no FFN copies (the model's "
                "FFNs are below FEATURE_MAJOR_MIN_WEIGHTS): its rows and the feature_major=False ones are one engine."),
+              "What bounds the first ratio (ceilings, not goals): if every batched decode step cost no more than a "
+              "one-row step, the all-at-once run would be {:.1f}x the one-after-another one with this run's "
+              "schedule, {:.1f}x with every output decoded in the fewest steps; prefill, the same work either way, "
+              "is the rest.".format(*ceilings(alone["profile"]["one after another"], alone["profile"]["all at once"],
+                                             seq_wall, max(n for _, n in requests), args.repeats)),
               f"Whole run {time.perf_counter() - t_all:.0f} s.", "",
               f"Where the engines' time went without HTTP ({args.repeats} rounds summed, the two engines taking turns; "
               "every `Engine.step` timed; a step's "

@@ -48,7 +48,8 @@ def _py_files(root: Path) -> tuple[str, ...]:
     """The walk of :func:`stdlib_files`, once per process (~1 s on a slow disk; a sweep's evaluation at five
     lengths built its corpus six times): the installed standard library does not change under a run."""
     rels = (p.relative_to(root) for p in root.rglob("*.py"))
-    return tuple(sorted(r.as_posix() for r in rels if "site-packages" not in r.parts and "dist-packages" not in r.parts))
+    return tuple(sorted(r.as_posix() for r in rels
+                        if "site-packages" not in r.parts and "dist-packages" not in r.parts))
 
 
 def is_validation(name: str, fraction: float) -> bool:

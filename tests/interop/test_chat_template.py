@@ -36,3 +36,25 @@ def test_tojson_does_not_escape_html_and_raise_exception_raises():
     assert got == '{"role": "user", "content": "hi <b>"}'
     with pytest.raises(jinja2.exceptions.TemplateError, match="no system role"):
         render_chat_template("{{ raise_exception('no system role') }}", MESSAGES)
+
+
+def test_a_checkpoints_template_file_is_read_before_tokenizer_config(tmp_path):
+    """A checkpoint's ``chat_template.jinja`` (where transformers >= 4.43 saves it) is its template, before a
+    ``chat_template`` in ``tokenizer_config.json`` (transformers' order); without either there is none."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from jaxformer.interop.tokenizer import load_tokenizer
+
+    ckpt = shutil.copytree(Path(__file__).parent / "fixtures" / "llama3", tmp_path / "ckpt")
+    assert load_tokenizer(ckpt).chat_template is None
+    cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    in_config = "config: {{ messages[0].content }}"
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": in_config}))
+    assert load_tokenizer(ckpt).chat_template == in_config
+    (ckpt / "chat_template.jinja").write_text(TEMPLATE)
+    tok = load_tokenizer(ckpt)
+    assert tok.chat_template == TEMPLATE
+    assert tok.apply_chat_template(MESSAGES, add_generation_prompt=True) == render_chat_template(
+        TEMPLATE, MESSAGES, add_generation_prompt=True, bos_token="<|begin_of_text|>")

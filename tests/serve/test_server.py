@@ -82,6 +82,8 @@ def test_models_health_and_metrics(server):
 
 def test_greedy_completions_equal_generate(server, greedy, model):
     records = greedy[:3]
+    server.wait_metrics(lambda m: (m["jaxformer_requests_waiting"], m["jaxformer_requests_running"]) == (0, 0))
+    before = server.metrics()
     out = server.client().completions.create(model="tiny-llama3", prompt=PROMPTS, max_tokens=12, temperature=0)
     assert [c.index for c in out.choices] == [0, 1, 2]
     for c, r in zip(out.choices, records):
@@ -89,14 +91,29 @@ def test_greedy_completions_equal_generate(server, greedy, model):
                                                                   else "length")
     assert out.usage.completion_tokens == sum(len(r["tokens"]) for r in records)
     assert out.usage.prompt_tokens == sum(r["num_prompt_tokens"] for r in records)
-    ids = model[3].encode_prompt(PROMPTS[0]).tolist()  # the same prompt as token ids
-    again = server.client().completions.create(model="tiny-llama3", prompt=ids, max_tokens=12, temperature=0)
+    # /metrics counted this request's sequences: its prompt and generated tokens (the usage above, computed by
+    # generate), a first-token latency per choice, a time per output token per choice of 2+ tokens
+    after = server.metrics()
+    grew = {k: after[k] - before[k] for k in ("jaxformer_prompt_tokens_total", "jaxformer_generation_tokens_total",
+                                               "jaxformer_time_to_first_token_seconds_count",
+                                               "jaxformer_time_per_output_token_seconds_count")}
+    assert grew == {"jaxformer_prompt_tokens_total": sum(r["num_prompt_tokens"] for r in records),
+                    "jaxformer_generation_tokens_total": sum(len(r["tokens"]) for r in records),
+                    "jaxformer_time_to_first_token_seconds_count": 3,
+                    "jaxformer_time_per_output_token_seconds_count": sum(len(r["tokens"]) > 1 for r in records)}
+    ids = [model[3].encode_prompt(p).tolist() for p in PROMPTS[:2]]  # the same prompts as token ids
+    again = server.client().completions.create(model="tiny-llama3", prompt=ids[0], max_tokens=12, temperature=0)
     assert again.choices[0].text == records[0]["completion"]
-    # top_p 0 keeps the most likely token alone (OpenAI's API and transformers accept it): greedy even at the
-    # highest temperature, where top_p 1 draws other tokens for these prompts and seed
-    hot = server.client().completions.create(model="tiny-llama3", prompt=PROMPTS, max_tokens=12, temperature=2.0,
-                                             top_p=0, n=2, seed=3)
-    assert [c.text for c in hot.choices] == [r["completion"] for r in records for _ in range(2)]
+    both = server.client().completions.create(model="tiny-llama3", prompt=ids, max_tokens=12, temperature=0)
+    assert [c.text for c in both.choices] == [r["completion"] for r in records[:2]]
+    # top_p 0 keeps the most likely token alone (OpenAI's API and transformers accept it), and so does top_k 1:
+    # greedy even at the highest temperature, where neither filter draws other tokens for these prompts and seed
+    hot = dict(model="tiny-llama3", prompt=PROMPTS, max_tokens=12, temperature=2.0, n=2, seed=3)
+    greedy_texts = [r["completion"] for r in records for _ in range(2)]
+    assert [c.text for c in server.client().completions.create(**hot).choices] != greedy_texts
+    assert [c.text for c in server.client().completions.create(**hot, top_p=0).choices] == greedy_texts
+    assert [c.text for c in server.client().completions.create(**hot, extra_body={"top_k": 1}).choices
+            ] == greedy_texts
 
 
 def test_sampled_choices_take_seed_plus_index_as_generate_gives_prompts(server, peaked_dir, tmp_path, capsys):
@@ -287,6 +304,32 @@ def test_concurrent_requests_equal_their_solo_answers_through_preemption(server)
     assert server.metrics()["jaxformer_preemptions_total"] > before  # 12 pages cannot hold 8 such sequences
 
 
+def test_a_request_arriving_mid_batch_joins_it_and_ends_first(server):
+    """Continuous batching: a short request sent while a long stream runs is answered while that stream is still
+    sending (it joined the running batch at the next step; it did not wait for the batch to drain)."""
+    server.wait_metrics(lambda m: (m["jaxformer_requests_waiting"], m["jaxformer_requests_running"]) == (0, 0))
+    arrivals, first = [], threading.Event()
+
+    def read():
+        with httpx.Client(base_url=server.url, timeout=60) as c, c.stream(
+                "POST", "/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 150, "temperature": 0,
+                                                 "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append((time.perf_counter(), line))
+                    first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(30)
+    short = server.client().completions.create(model="tiny-llama3", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    answered = time.perf_counter()
+    reader.join(60)
+    assert len(short.choices[0].text) > 0 and arrivals[-1][1] == "data: [DONE]"
+    later = [line for t, line in arrivals if t > answered]
+    assert len(later) > 10, (len(later), len(arrivals))  # the long stream was far from done
+
+
 def _stream_lines(server, body):
     """An open streaming request: (response context, its line iterator)."""
     cm = server.http.stream("POST", "/v1/completions", json=body)
@@ -355,6 +398,7 @@ def test_a_full_queue_answers_429_at_once(server):
 
     with ThreadPoolExecutor(QUEUE + 16) as pool:
         results = list(pool.map(one, range(QUEUE + 16)))
+    server.wait_metrics(lambda m: m["jaxformer_requests_waiting"] > 0)  # the accepted beyond max_batch queue
     for client, cm in opened:  # every stream dropped: cancelled, pages freed
         cm.__exit__(None, None, None)
         client.close()

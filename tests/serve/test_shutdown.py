@@ -1,11 +1,15 @@
-"""SIGTERM: the server stops accepting at once, lets a short stream finish within --shutdown-timeout, cancels
-a long one after it (which ends with finish_reason "abort" and [DONE]), and exits 0."""
+"""SIGTERM: the server stops accepting at once (a request whose body is still arriving is answered 503), lets a
+short stream finish within --shutdown-timeout, cancels a long one after it (which ends with finish_reason "abort"
+and [DONE]), and exits 0."""
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -41,8 +45,26 @@ def test_sigterm_finishes_short_requests_cancels_long_ones_and_exits_0(peaked_di
         assert started["long"].wait(30)
         readers[0].start()
         assert started["short"].wait(30)
+        # a request whose body is still on its way when the signal comes: answered 503, not run
+        body = json.dumps({"prompt": "the fox", "max_tokens": 4}).encode()
+        url = urlsplit(server.url)
+        late = socket.create_connection((url.hostname, url.port), timeout=30)
+        late.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body[:5])
+        time.sleep(0.2)  # the server has read the headers: the request is open on its connection
         server.proc.send_signal(signal.SIGTERM)
         t = time.monotonic()
+        time.sleep(0.2)
+        late.sendall(body[5:])
+        answer = b""
+        while chunk := late.recv(65536):
+            answer += chunk
+            if b"\r\n\r\n" in answer and answer.split(b"\r\n\r\n", 1)[1].rstrip().endswith(b"}"):
+                break
+        late.close()
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), answer
+        assert json.loads(payload)["error"]["code"] == "unavailable"
         assert server.proc.wait(30) == 0, server.log()
         assert time.monotonic() - t < 15
         for r in readers:
