@@ -197,9 +197,13 @@ def report_markdown(sweep: Sweep, rows: list[dict], plots: list[str], *, out: Pa
                 cells.append(fmt(*mean_spread([e.get(metric) for e in evs])))
             lines.append("| " + " | ".join(cells) + " |")
     if spec.probes and probe_keys(rows):
-        lines += ["", "Probes (attention: mean over layers, one validation batch; dead_fraction: FFN units never "
-                  "positive on the validation windows, ReLU FFNs only): at initialisation → after training", ""]
         pkeys = probe_keys(rows)
+        order = ("; order_*: nats per token on the last quarter of each validation window inside one document, "
+                 "intact and with the tokens before it shuffled, and the second minus the first"
+                 if "order_gain" in pkeys else "")
+        lines += ["", "Probes (attention: mean over layers, one validation batch; dead_fraction: FFN units never "
+                  f"positive on the validation windows, ReLU FFNs only{order}): at initialisation → after training",
+                  ""]
         head = [k.split(".")[-1] for k in keys] + pkeys
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for values, rs in settings(sweep, rows):

@@ -11,7 +11,8 @@ from pathlib import Path
 from jaxformer.study.sweep import QUICK_STEPS, Sweep, format_value, read_point
 
 
-PROBE_KEYS = ("logit_var", "entropy_ratio", "max_weight", "qk_grad_norm", "grad_norm_first_block", "dead_fraction")
+PROBE_KEYS = ("logit_var", "entropy_ratio", "max_weight", "qk_grad_norm", "grad_norm_first_block", "dead_fraction",
+              "order_nll", "order_nll_shuffled", "order_gain")
 
 
 def probe_keys(rows: list[dict]) -> list[str]:

@@ -11,8 +11,9 @@ A sweep file names a base experiment and the axes to vary::
     seeds: [0, 1]
     eval_lengths: [64, 128, 256]              # evaluate every finished run at these context lengths
     eval_max_tokens: 65536                    # scored tokens per length
-    probes: [attention, mlp]                  # attention statistics, per-block gradient norms and dead
-                                              # FFN units, at initialisation and at the end
+    probes: [attention, mlp, order]           # attention statistics, per-block gradient norms, dead FFN
+                                              # units, the loss with each window's prefix shuffled, at
+                                              # initialisation and at the end
     divergence_margin: 0.02                   # the train-loss rule of blew_up (null: non-finite only)
     tune:                                      # per arm, search these keys first (fair tuning) ...
       keys: {optimizer.lr: [1.0e-3, 3.0e-3, 1.0e-2]}
@@ -65,7 +66,7 @@ from jaxformer.train import config as C
 
 PLOTS = ("loss_curves", "val_curves", "final_metric", "metric_vs_eval_length", "loss_by_position", "probes",
          "sinusoidal_table", "rope_decay", "alibi_bias")
-PROBES = ("attention", "mlp")
+PROBES = ("attention", "mlp", "order")
 DEFAULT_MARGIN = 0.02  # SweepConfig.divergence_margin's default
 LOSS_RULE = "final train loss"  # how blew_up's train-loss verdict begins
 POINT_FILE = "sweep_point.json"
@@ -731,12 +732,12 @@ def probe_run(run_dir: Path, probes=("attention",), *, cfg: C.ExperimentConfig |
               final: bool = True) -> dict:
     """The ``probes`` at initialisation (the run's seed) and, when ``final``, at the run's end:
     ``attention`` (:func:`jaxformer.study.probes.attention_probe` on the first batch of validation
-    windows) and ``mlp`` (:func:`jaxformer.study.probes.mlp_probe` over the validation windows of
-    ``eval.max_tokens``). Without ``final`` only ``cfg`` is needed (no checkpoint is read)."""
+    windows), ``mlp`` (:func:`jaxformer.study.probes.mlp_probe` over the validation windows of
+    ``eval.max_tokens``) and ``order`` (:func:`jaxformer.study.probes.order_probe` over the same windows). Without ``final`` only ``cfg`` is needed (no checkpoint is read)."""
     from jaxformer.train import sharding as shd
     from jaxformer.train.corpus import build_corpus
     from jaxformer.train.evaluation import eval_batch_size, eval_set
-    from jaxformer.study.probes import attention_probe, mlp_probe
+    from jaxformer.study.probes import attention_probe, mlp_probe, order_probe
     from jaxformer.train.run_dir import load_run, tokenizer_path
     from jaxformer.train.step import make_trainer
 
@@ -758,6 +759,8 @@ def probe_run(run_dir: Path, probes=("attention",), *, cfg: C.ExperimentConfig |
             out[when].update(attention_probe(trainer.graphdef, p, batches[0]))
         if "mlp" in probes:
             out[when].update(mlp_probe(trainer.graphdef, p, batches))
+        if "order" in probes:
+            out[when].update(order_probe(trainer.graphdef, p, batches))
     return out
 
 

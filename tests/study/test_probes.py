@@ -175,3 +175,62 @@ def test_layer_grad_norms_in_the_metrics(tmp_path):
         assert math.sqrt(sum(x * x for x in layers)) < r["grad_norm"]
     train(C.from_dict(tiny_raw(corpus, steps=1)), tmp_path / "plain")
     assert all("grad_norm_layers" not in r for r in read_metrics(tmp_path / "plain"))
+
+
+def _order_batch(seed=0, T=16):
+    """Three windows inside one document each, and a fourth holding two documents (left out by the probe)."""
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, V, (4, T + 1)).astype(np.int32)
+    seg = np.ones((4, T), np.int32)
+    seg[3, 9:] = 2
+    pos = np.where(seg == 2, np.arange(T) - 9, np.arange(T)).astype(np.int32)
+    return Batch(tokens=toks[:, :-1], targets=toks[:, 1:], loss_mask=np.ones((4, T), bool), segment_ids=seg,
+                 positions=pos)
+
+
+@pytest.mark.parametrize("position,n_layers", [("none", 1), ("none", 3), ("rope", 2)])
+def test_order_probe_scores_the_last_quarter_with_the_prefix_shuffled(position, n_layers):
+    """The probe against the model's own logits on windows shuffled here (the same permutations: one
+    default_rng(0) draw per kept window, in order), scored in float64 on the last quarter; and the property the
+    probe stands on: a one-layer causal model without positions sees its prefix as a bag of words (gain 0 to
+    float rounding), while with 3 layers, or with RoPE, the order changes the loss."""
+    from jaxformer.study.probes import order_probe
+
+    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=n_layers, n_heads=4, position=position, max_seq_len=16,
+                      init_std=0.3)
+    gd, st = init(cfg, jax.random.key(2))
+    params = nnx.to_pure_dict(st)
+    batches = [_order_batch(0), _order_batch(1)]
+    got = order_probe(gd, params, batches, keep=0.25, seed=0)
+
+    model = nnx.merge(gd, params)
+    rng = np.random.default_rng(0)
+    nll = {"order_nll": [], "order_nll_shuffled": []}
+    for b in batches:
+        for i in range(3):  # the one-document windows
+            t = b.tokens[i:i + 1].copy()
+            s = t.copy()
+            s[0, :12] = t[0, rng.permutation(12)]
+            for key, x in (("order_nll", t), ("order_nll_shuffled", s)):
+                logits = np.asarray(model(x, positions=b.positions[i:i + 1], segment_ids=b.segment_ids[i:i + 1]),
+                                    np.float64)[0, 12:]
+                lz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+                nll[key] += list(lz - logits[np.arange(4), b.targets[i, 12:]])
+    for key, v in nll.items():
+        np.testing.assert_allclose(got[key], np.mean(v), rtol=1e-5, err_msg=key)  # fp32 sums vs float64
+    np.testing.assert_allclose(got["order_gain"], got["order_nll_shuffled"] - got["order_nll"], rtol=1e-12)
+    if (position, n_layers) == ("none", 1):
+        assert abs(got["order_gain"]) < 1e-5
+    else:
+        assert abs(got["order_gain"]) > 1e-3
+
+
+def test_order_probe_needs_a_window_inside_one_document():
+    from jaxformer.study.probes import order_probe
+
+    cfg = ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, max_seq_len=T)
+    gd, st = init(cfg, jax.random.key(0))
+    b = batch()
+    b = b._replace(segment_ids=np.where(np.arange(T) < 3, 1, 2) * np.ones((B, 1), np.int32))
+    with pytest.raises(ValueError, match="inside one document"):
+        order_probe(gd, nnx.to_pure_dict(st), [b])
