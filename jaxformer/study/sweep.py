@@ -733,7 +733,8 @@ def probe_run(run_dir: Path, probes=("attention",), *, cfg: C.ExperimentConfig |
     """The ``probes`` at initialisation (the run's seed) and, when ``final``, at the run's end:
     ``attention`` (:func:`jaxformer.study.probes.attention_probe` on the first batch of validation
     windows), ``mlp`` (:func:`jaxformer.study.probes.mlp_probe` over the validation windows of
-    ``eval.max_tokens``) and ``order`` (:func:`jaxformer.study.probes.order_probe` over the same windows). Without ``final`` only ``cfg`` is needed (no checkpoint is read)."""
+    ``eval.max_tokens``) and ``order`` (:func:`jaxformer.study.probes.order_probe` over the same windows).
+    Without ``final`` only ``cfg`` is needed (no checkpoint is read)."""
     from jaxformer.train import sharding as shd
     from jaxformer.train.corpus import build_corpus
     from jaxformer.train.evaluation import eval_batch_size, eval_set
