@@ -427,6 +427,36 @@ def test_every_study_file_parses_expands_and_resolves(study, capsys):
     assert f"{len(every)} points" in out and all(p.name in out for p in every)
 
 
+# Issue 25's rules for a study file, and the files that depart from one with the reason (a new study file must
+# follow them or be listed here with its own reason):
+UNTUNED = {  # no `tune:`
+    "activations_full": "the main job's length at the rate activations.yaml's tuning chose for both arms",
+    "norm_placement_stress": "a fixed stress rate (1e-2 unclipped) by design: which placements train at all",
+    "residuals": "the issue's design (1,000 steps at one AdamW rate): whether a stack trains; residuals_rates.yaml "
+                 "is its rate control",
+    "residuals_rates": "a rate control: two lower rates as axes, the trained count per rate",
+    "positions_order": "positions.yaml's tuned rate per arm, copied into the file",
+}
+ONE_SEED = {"residuals_rates": "a control: does any rate of the grid train (the trained column), not a difference"}
+NO_BASELINE = {"norm_placement_stress": "reports how many seeds train per arm (trained_below), not a difference",
+               "residuals_rates": "reports which rates train (trained_below), not a difference"}
+
+
+@pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.stem)
+def test_every_study_file_follows_the_review_rules(study):
+    """Each arm tuned (or a reason in UNTUNED), three seeds or more, a baseline for the paired intervals (or the
+    trained count instead), periodic validation and its curves."""
+    needs_checkpoint(study)
+    sweep, stem = load_sweep(study), study.stem
+    spec = sweep.spec
+    assert (spec.tune is not None) != (stem in UNTUNED), f"{stem}: tune: {spec.tune}, listed untuned: {stem in UNTUNED}"
+    assert (len(spec.seeds) >= 3) != (stem in ONE_SEED), f"{stem}: seeds {spec.seeds}"
+    assert bool(spec.report.baseline) != (stem in NO_BASELINE), f"{stem}: baseline {spec.report.baseline}"
+    if not spec.report.baseline:
+        assert spec.report.trained_below is not None, stem
+    assert all(p.config.eval.every for p in sweep.points) and "val_curves" in spec.report.plots, stem
+
+
 def _quick_one(study: Path, tmp: Path, shard: str):
     out = tmp / "out"
     assert main(["sweep", str(study), "--quick", "--shard", shard, "--out", str(out)]) == 0
