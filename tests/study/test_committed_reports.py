@@ -72,6 +72,24 @@ def test_a_landed_study_fine_tunes_a_checkpoint():
     assert FINE_TUNING
 
 
+def test_the_positions_tables_are_the_pages(capsys):
+    """Study 4's tables its report does not print (experiments/studies/tables/positions.py), run as the page runs
+    them: each arm's 1,024 - 128 gap, and (once the control's rows are committed) each order-probe line, is on the
+    page as printed (the page writes minus signs as U+2212)."""
+    _, lines = _run_table("positions", capsys)
+    page = (RESULTS / "positions.md").read_text().replace("\u2212", "-")
+    gaps = lines[:lines.index("")] if "" in lines else lines
+    order = lines[lines.index("") + 3:] if "" in lines else []  # after the order table's header and rule
+    assert len(gaps) == 5
+    for line in gaps:
+        arm, diff, seeds = (c.strip() for c in line.strip("|").split("|"))
+        row = next(r for r in page.splitlines() if r.startswith(f"| {arm.split()[0]} |")
+                   and ("✓" in r) == ("√d" in arm) and "1024" not in r and r.count("|") == 9)
+        assert row.rstrip().endswith(f"| {diff} |") and seeds == "3", (line, row)
+    for line in order:
+        assert line in page, line
+
+
 @pytest.mark.parametrize("stem, folder", FINE_TUNING, ids=[s for s, _ in FINE_TUNING])
 def test_rows_recorded_in_another_checkout_are_still_the_studys(stem, folder, tmp_path, monkeypatch):
     """A row records the checkpoint it fine-tuned as an absolute path (``hf_source``), resolved in the checkout
