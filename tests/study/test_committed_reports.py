@@ -28,7 +28,7 @@ LANDED = [("sqrt_dk", "sqrt_dk"), ("qkv_sharing", "qkv_sharing"), ("heads", "hea
           ("residuals", "residuals"), ("activations_full", "activations/full"),
           ("norm_placement", "norm_placement"), ("norm_placement_stress", "norm_placement/stress"),
           ("lora", "lora")]
-PENDING: list[str] = ["residuals_rates", "positions_order"]  # landing over several sessions
+PENDING: list[str] = ["residuals_rates", "residuals_rates_deep", "positions_order"]  # landing over several sessions
 
 
 def _rebuilt(stem: str, folder: str, tmp_path: Path, monkeypatch, edit=None) -> tuple[Path, str]:

@@ -435,11 +435,14 @@ UNTUNED = {  # no `tune:`
     "residuals": "the issue's design (1,000 steps at one AdamW rate): whether a stack trains; residuals_rates.yaml "
                  "is its rate control",
     "residuals_rates": "a rate control: two lower rates as axes, the trained count per rate",
+    "residuals_rates_deep": "the same rate control at 12 and 24 layers",
     "positions_order": "positions.yaml's tuned rate per arm, copied into the file",
 }
-ONE_SEED = {"residuals_rates": "a control: does any rate of the grid train (the trained column), not a difference"}
+ONE_SEED = {"residuals_rates": "a control: does any rate of the grid train (the trained column), not a difference",
+            "residuals_rates_deep": "the same control at 12 and 24 layers"}
 NO_BASELINE = {"norm_placement_stress": "reports how many seeds train per arm (trained_below), not a difference",
-               "residuals_rates": "reports which rates train (trained_below), not a difference"}
+               "residuals_rates": "reports which rates train (trained_below), not a difference",
+               "residuals_rates_deep": "the same, at 12 and 24 layers"}
 
 
 @pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.stem)
