@@ -27,8 +27,8 @@ LANDED = [("sqrt_dk", "sqrt_dk"), ("qkv_sharing", "qkv_sharing"), ("heads", "hea
           ("positions", "positions"), ("norms", "norms"), ("activations", "activations"),
           ("residuals", "residuals"), ("activations_full", "activations/full"),
           ("norm_placement", "norm_placement"), ("norm_placement_stress", "norm_placement/stress"),
-          ("lora", "lora")]
-PENDING: list[str] = ["residuals_rates", "residuals_rates_deep", "positions_order"]  # landing over several sessions
+          ("lora", "lora"), ("residuals_rates", "residuals/rates")]
+PENDING: list[str] = ["residuals_rates_deep", "positions_order"]  # landing over several sessions
 
 
 def _rebuilt(stem: str, folder: str, tmp_path: Path, monkeypatch, edit=None) -> tuple[Path, str]:
