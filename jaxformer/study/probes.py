@@ -20,6 +20,8 @@ from flax import nnx
 from jaxformer.model import abstract_init, per_layer_config, unstack_layers
 from jaxformer.nn.attention import Attention
 from jaxformer.nn.mlp import MLP, GatedMLP
+from jaxformer.train.evaluation import token_nll
+from jaxformer.train.packing import Batch
 from jaxformer.train.step import model_loss, block_grad_norms
 
 STATS = ("logit_var", "entropy", "entropy_ratio", "max_weight")
@@ -126,14 +128,6 @@ def mlp_probe(graphdef, params, batches) -> dict:
     return {"dead_fraction": float(1.0 - fired.mean()), "dead_fraction_layers": [float(x) for x in dead]}
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _suffix_nll(graphdef, params, tokens, targets, positions, segment_ids, scored):
-    """Summed next-token NLL (nats, fp32) over the ``scored`` positions, and their count."""
-    logits = nnx.merge(graphdef, params)(tokens, positions=positions, segment_ids=segment_ids).astype(jnp.float32)
-    nll = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
-    return jnp.sum(jnp.where(scored, nll, 0.0)), jnp.sum(scored)
-
-
 def order_probe(graphdef, params, batches, *, keep: float = 0.25, seed: int = 0) -> dict:
     """Does the model read the *order* of its context, or only which tokens it holds (a bag of words)?
 
@@ -160,9 +154,9 @@ def order_probe(graphdef, params, batches, *, keep: float = 0.25, seed: int = 0)
         for i in range(len(shuffled)):
             shuffled[i, :prefix] = shuffled[i, rng.permutation(prefix)]
         for k, t in enumerate((tokens, shuffled)):
-            s, n = _suffix_nll(graphdef, params, t, targets, positions, seg, scored)
-            sums[k] += float(s)
-        count += float(n)
+            nll = token_nll(graphdef, params, Batch(t, targets, scored, seg, positions))  # 0 where not scored
+            sums[k] += float(np.asarray(nll, np.float64).sum())
+        count += float(scored.sum())
     if not count:
         raise ValueError("order_probe: no validation window lies inside one document")
     intact, shuffled_nll = sums / count

@@ -109,7 +109,7 @@ def evaluate_run(run_dir: str | Path, *, max_tokens: int | None = -1, compressor
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _token_nll(graphdef, params, batch):
+def token_nll(graphdef, params, batch):
     """Next-token negative log-likelihood (nats) of every position, fp32 ``[B, T]`` (0 where masked)."""
     logits = apply(graphdef, params, batch.tokens, positions=batch.positions,
                    segment_ids=batch.segment_ids)
@@ -174,7 +174,7 @@ def evaluate_run_at_length(run_dir: str | Path, seq_len: int, *, max_tokens: int
     nats, count, nbytes = np.zeros(n_buckets), np.zeros(n_buckets), np.zeros(n_buckets)
     token_bytes = corpus.tokenizer.token_bytes
     for b in evalset.batches(eval_batch_size(cfg, trainer.mesh)):
-        nll = np.asarray(_token_nll(trainer.graphdef, params, b), np.float64)
+        nll = np.asarray(token_nll(trainer.graphdef, params, b), np.float64)
         where = b.loss_mask
         idx = b.positions[where] // width
         nats += np.bincount(idx, nll[where], n_buckets)
@@ -229,7 +229,7 @@ def evaluate_hf_text(path: str | Path, options: EvalOptions) -> dict:
     token_bytes = tok.token_bytes
     nats, count, nbytes = 0.0, 0, 0
     for b in evalset.batches(o.batch_size):
-        nll = np.asarray(_token_nll(graphdef, state, b), np.float64)
+        nll = np.asarray(token_nll(graphdef, state, b), np.float64)
         where = b.loss_mask
         nats += float(nll[where].sum())
         count += int(where.sum())
