@@ -28,8 +28,8 @@ LANDED = [("sqrt_dk", "sqrt_dk"), ("qkv_sharing", "qkv_sharing"), ("heads", "hea
           ("residuals", "residuals"), ("activations_full", "activations/full"),
           ("norm_placement", "norm_placement"), ("norm_placement_stress", "norm_placement/stress"),
           ("lora", "lora"), ("residuals_rates", "residuals/rates"),
-          ("positions_order", "positions/order")]
-PENDING: list[str] = ["residuals_rates_deep"]  # landing over several sessions
+          ("positions_order", "positions/order"), ("residuals_rates_deep", "residuals/rates_deep")]
+PENDING: list[str] = []  # landing over several sessions
 
 
 def _rebuilt(stem: str, folder: str, tmp_path: Path, monkeypatch, edit=None) -> tuple[Path, str]:
