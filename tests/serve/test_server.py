@@ -308,6 +308,7 @@ def test_a_request_arriving_mid_batch_joins_it_and_ends_first(server):
     """Continuous batching: a short request sent while a long stream runs is answered while that stream is still
     sending (it joined the running batch at the next step; it did not wait for the batch to drain)."""
     server.wait_metrics(lambda m: (m["jaxformer_requests_waiting"], m["jaxformer_requests_running"]) == (0, 0))
+    client = server.client()  # made before the clock runs
     arrivals, first = [], threading.Event()
 
     def read():
@@ -322,12 +323,12 @@ def test_a_request_arriving_mid_batch_joins_it_and_ends_first(server):
     reader = threading.Thread(target=read)
     reader.start()
     assert first.wait(30)
-    short = server.client().completions.create(model="tiny-llama3", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    short = client.completions.create(model="tiny-llama3", prompt=PROMPTS[0], max_tokens=4, temperature=0)
     answered = time.perf_counter()
     reader.join(60)
     assert len(short.choices[0].text) > 0 and arrivals[-1][1] == "data: [DONE]"
     later = [line for t, line in arrivals if t > answered]
-    assert len(later) > 10, (len(later), len(arrivals))  # the long stream was far from done
+    assert len(later) > 10, (len(later), len(arrivals))  # the long stream was far from done (~60 here)
 
 
 def _stream_lines(server, body):

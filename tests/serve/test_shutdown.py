@@ -36,6 +36,13 @@ def test_sigterm_finishes_short_requests_cancels_long_ones_and_exits_0(peaked_di
                     tmp_path / "server.log")
     try:  # two at once first: the 2-row step is compiled before the clock runs
         server.post("/v1/completions", {"prompt": ["the fox", "the dog"], "max_tokens": 4})
+        # a request whose body is still on its way when the signal comes (its headers sent now, long before):
+        # answered 503, not run
+        body = json.dumps({"prompt": "the fox", "max_tokens": 4}).encode()
+        url = urlsplit(server.url)
+        late = socket.create_connection((url.hostname, url.port), timeout=30)
+        late.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body[:5])
         out: dict = {}
         started = {k: threading.Event() for k in ("short", "long")}
         bodies = {"short": {"prompt": "the fox", "max_tokens": 4, "temperature": 0, "stream": True},
@@ -45,13 +52,6 @@ def test_sigterm_finishes_short_requests_cancels_long_ones_and_exits_0(peaked_di
         assert started["long"].wait(30)
         readers[0].start()
         assert started["short"].wait(30)
-        # a request whose body is still on its way when the signal comes: answered 503, not run
-        body = json.dumps({"prompt": "the fox", "max_tokens": 4}).encode()
-        url = urlsplit(server.url)
-        late = socket.create_connection((url.hostname, url.port), timeout=30)
-        late.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body[:5])
-        time.sleep(0.2)  # the server has read the headers: the request is open on its connection
         server.proc.send_signal(signal.SIGTERM)
         t = time.monotonic()
         time.sleep(0.2)
