@@ -238,19 +238,16 @@ def profile_lines(profiles: dict[str, collections.Counter]) -> list[str]:
     return lines
 
 
-def ceilings(seq: collections.Counter, together: collections.Counter, seq_s: float, longest: int,
-             rounds: int) -> tuple[float, float]:
-    """What the all-at-once run could reach against the one-after-another one (``seq_s`` seconds a round) if a
-    batched decode step cost no more than a one-row step (``seq``'s ``decode B=1`` steps, :func:`run_profiled`'s
-    counters summed over ``rounds``): ``(this schedule, fewest steps)``. This schedule: ``together``'s prefill
-    seconds plus its decode steps at the one-row step's time; fewest steps: ``seq``'s prefill seconds (prefill is
-    the same work whoever batches it) plus ``longest - 1`` one-row steps (the longest output's tokens after the
-    one its prefill step gives). Both are ceilings: a 16-row step costs more than a one-row step on a CPU."""
+def ceiling(seq: collections.Counter, together: collections.Counter, seq_s: float, rounds: int) -> float:
+    """What the all-at-once run could reach against the one-after-another one (``seq_s`` seconds a round) if every
+    batched decode step cost no more than a one-row step (``seq``'s ``decode B=1`` steps; :func:`run_profiled`'s
+    counters, summed over ``rounds``): ``together``'s prefill seconds (its prefill steps, which also carry decode
+    rows) plus its decode steps at the one-row step's time. A ceiling: on a CPU a 16-row step costs more."""
+    if not seq["decode B=1", "steps"] or not rounds:
+        raise ValueError("ceiling: the one-after-another profile has no one-row decode step")
     one = seq["decode B=1", "s"] / seq["decode B=1", "steps"]
     steps = sum(v for (k, f), v in together.items() if k.startswith("decode") and f == "steps") / rounds
-    this = together["with prefill", "s"] / rounds + steps * one
-    fewest = seq["with prefill", "s"] / rounds + (longest - 1) * one
-    return seq_s / this, seq_s / fewest
+    return seq_s / (together["with prefill", "s"] / rounds + steps * one)
 
 
 def in_process(model: Path, requests, max_batch: int, max_context: int, chunk_size: int, repeats: int = 2) -> dict:
@@ -381,11 +378,11 @@ def main(argv=None) -> int:
                f"{engine_tok_s / usual['engine'][0]:.2f}x, one after another {seq_tok_s / usual['sequential'][0]:.2f}x "
                "the output tokens/s." if alone["copies"] else "The default engine gave no FFN copies (the model's "
                "FFNs are below FEATURE_MAJOR_MIN_WEIGHTS): its rows and the feature_major=False ones are one engine."),
-              "What bounds the first ratio (ceilings, not goals): if every batched decode step cost no more than a "
-              "one-row step, the all-at-once run would be {:.1f}x the one-after-another one with this run's "
-              "schedule, {:.1f}x with every output decoded in the fewest steps; prefill, the same work either way, "
-              "is the rest.".format(*ceilings(alone["profile"]["one after another"], alone["profile"]["all at once"],
-                                             seq_wall, max(n for _, n in requests), args.repeats)),
+              "What bounds the first ratio (a ceiling, not a goal): if every batched decode step cost no more than "
+              "a one-row step, the all-at-once run would be {:.1f}x the one-after-another one with this run's "
+              "schedule; prefill, about the same work either way, is the rest.".format(
+                  ceiling(alone["profile"]["one after another"], alone["profile"]["all at once"], seq_wall,
+                          args.repeats)),
               f"Whole run {time.perf_counter() - t_all:.0f} s.", "",
               f"Where the engines' time went without HTTP ({args.repeats} rounds summed, the two engines taking turns; "
               "every `Engine.step` timed; a step's "

@@ -137,6 +137,8 @@ def order_probe(graphdef, params, batches, *, keep: float = 0.25, seed: int = 0)
     unchanged): ``order_nll`` and ``order_nll_shuffled`` (nats per scored token) and ``order_gain``, the second
     minus the first: 0 for a model that sees its prefix as a bag of words (a one-layer causal model without
     positions is exactly that at the scored positions), above 0 as far as it uses the order."""
+    if not 0.0 < keep < 1.0:
+        raise ValueError(f"order_probe: keep={keep} must be in (0, 1): the scored fraction of each window")
     rng = np.random.default_rng(seed)
     sums = np.zeros(2)
     count = 0.0

@@ -39,7 +39,7 @@ def test_tojson_does_not_escape_html_and_raise_exception_raises():
 
 
 def test_a_checkpoints_template_file_is_read_before_tokenizer_config(tmp_path):
-    """A checkpoint's ``chat_template.jinja`` (where transformers >= 4.43 saves it) is its template, before a
+    """A checkpoint's ``chat_template.jinja`` (where recent transformers save it) is its template, before a
     ``chat_template`` in ``tokenizer_config.json`` (transformers' order); without either there is none."""
     import json
     import shutil

@@ -327,8 +327,8 @@ def test_a_request_arriving_mid_batch_joins_it_and_ends_first(server):
     answered = time.perf_counter()
     reader.join(60)
     assert len(short.choices[0].text) > 0 and arrivals[-1][1] == "data: [DONE]"
-    later = [line for t, line in arrivals if t > answered]
-    assert len(later) > 10, (len(later), len(arrivals))  # the long stream was far from done (~60 here)
+    later = [line for t, line in arrivals if t > answered and line != "data: [DONE]"]
+    assert later, len(arrivals)  # the long stream was still sending (~60 of its 150 chunks came after, here)
 
 
 def _stream_lines(server, body):

@@ -443,6 +443,7 @@ ONE_SEED = {"residuals_rates": "a control: does any rate of the grid train (the 
 NO_BASELINE = {"norm_placement_stress": "reports how many seeds train per arm (trained_below), not a difference",
                "residuals_rates": "reports which rates train (trained_below), not a difference",
                "residuals_rates_deep": "the same, at 12 and 24 layers"}
+assert set(UNTUNED) | set(ONE_SEED) | set(NO_BASELINE) <= {s.stem for s in STUDIES}  # no stale reason left listed
 
 
 @pytest.mark.parametrize("study", STUDIES, ids=lambda p: p.stem)
