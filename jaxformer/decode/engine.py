@@ -197,11 +197,10 @@ def min_table_tokens(rows: int, width: int) -> int:
     return MIN_BATCHED_TABLE_TOKENS if width == 1 and rows >= BATCHED_DECODE_ROWS else MIN_TABLE_TOKENS
 
 
-def table_width(pages: int, capacity: int, page_size: int, floor_tokens: int | None = None) -> int:
+def table_width(pages: int, capacity: int, page_size: int, floor_tokens: int = MIN_TABLE_TOKENS) -> int:
     """Block-table width (pages) a step sends when its longest sequence needs ``pages`` pages: a power
-    of two of at least ``floor_tokens`` tokens' pages (default ``MIN_TABLE_TOKENS``; a call's own:
-    :func:`min_table_tokens`), at most ``capacity`` (``max_pages_per_seq``)."""
-    floor_tokens = MIN_TABLE_TOKENS if floor_tokens is None else floor_tokens
+    of two of at least ``floor_tokens`` tokens' pages (a call's own: :func:`min_table_tokens`), at most
+    ``capacity`` (``max_pages_per_seq``)."""
     return bucket(pages, -(-floor_tokens // page_size), capacity)
 
 
