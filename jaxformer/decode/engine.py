@@ -247,10 +247,10 @@ class EngineOptions:
       ``"context"``: admitting a sequence reserves its whole ``max_context`` of pages, as a contiguous KV
       cache preallocates ``max_context`` slots per sequence (a baseline to measure paging against: at most
       ``num_pages // pages per sequence`` sequences run at once, and none is ever preempted).
-    feature_major: give the step's model transposed copies of the attention's projections, the FFNs' input
-      projections and an untied head (a tied head reads its table as it is), so steps of 2-32 tokens run them
-      feature-major (:func:`jaxformer.nn.params.add_transposed_copies`: those products 1.3-2.8x faster on XLA's
-      CPU backend, for the copies' memory: about 60% more weights for a Llama-shaped model, 318 MB for
+    feature_major: give the step's model transposed copies of the attention's and the FFNs' projections and
+      an untied head (a tied head reads its table as it is), so steps of 2-32 tokens run them feature-major
+      (:func:`jaxformer.nn.params.add_transposed_copies`: those products 1.3-2.8x faster on XLA's CPU backend,
+      for the copies' memory: every layer's weights (and an untied head) once more, 425 MB beside the 538 MB of
       SmolLM2-135M). None (default): on when JAX's default backend is the CPU, for modules whose first such
       weight has at least ``FEATURE_MAJOR_MIN_WEIGHTS`` entries per layer; True: every module without
       adapters.
@@ -326,7 +326,7 @@ class Engine:
         self._ids = itertools.count()
         self.stats = collections.Counter()
         self._plain = step_model(graphdef, state, False)
-        self._feature_major = None  # built at the first call of FEATURE_MAJOR_ROWS rows (a 318 MB copy at 135M)
+        self._feature_major = None  # built at the first call of FEATURE_MAJOR_ROWS rows (a 425 MB copy at 135M)
 
     # -- requests
     def submit(self, prompt: Sequence[int], params: SamplingParams | None = None, request_id=None) -> Hashable:
@@ -414,7 +414,7 @@ class Engine:
         """The step's model for a call of ``rows`` tokens: with the transposed copies for the rows they serve
         (:data:`jaxformer.nn.params.FEATURE_MAJOR_ROWS`), made at the first such call, so an engine whose calls
         all have one row or more than 32 (one long prompt in chunks of more than 32 tokens, then batch-1
-        decode) never copies its weights (318 MB at 135M); a prompt's chunk of 2-32 tokens or a
+        decode) never copies its weights (425 MB at 135M); a prompt's chunk of 2-32 tokens or a
         batch of 2-32 sequences makes them. Other rows run the plain model, which computes them the same way."""
         o = self.engine_options
         if rows not in FEATURE_MAJOR_ROWS or o.feature_major is False:

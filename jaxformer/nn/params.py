@@ -220,7 +220,7 @@ def runs_feature_major(module, rows: int) -> bool:
 
 def add_transposed_copies(model: nnx.Module, min_weights: int = 0) -> int:
     """Give every module of ``model`` whose class names weights in ``TRANSPOSED`` (``{name: (input axes, output
-    axes)}``: the attention's projections, the FFNs' input projections, an untied head) and that holds no
+    axes)}``: the attention's and the FFNs' projections, an untied head) and that holds no
     adapter, where its first such weight has at least ``min_weights`` entries per layer, a
     :class:`TransposedCopy` ``{name}_t`` of each, in place; a module whose ``TRANSPOSED`` names one weight
     laid out feature-major already (a tied head, ``Embed``: its table ``[V, D]``) is marked to run so

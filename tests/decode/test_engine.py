@@ -192,7 +192,7 @@ def test_step_width_buckets(llama):
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_feature_major_steps_equal_the_usual_ones(llama, alone, scan_layers):
-    """The step model with the transposed copies (the CPU default: the FFNs' inputs, the attention's four
+    """The step model with the transposed copies (the CPU default: the FFNs' and the attention's
     projections, an untied head) gives each request the tokens it gets alone, as the step model without them
     does; the copies are in the step's leaves, stacked for scanned layers (one GatedMLP holding [L, F, D]
     copies), and the caller's model is left as it was."""
@@ -223,8 +223,8 @@ def test_feature_major_steps_equal_the_usual_ones(llama, alone, scan_layers):
     attns = [m for _, m in nnx.iter_modules(nnx.merge(graphdef, state)) if isinstance(m, Attention)]
     heads = 0 if cfg.tie_embeddings else 1  # a tied head reads its table as it lies; an untied one gets a copy
     assert len(attns) == len(mlps)
-    assert len(with_copies) == len(plain) + 2 * len(mlps) + 4 * len(attns) + heads
+    assert len(with_copies) == len(plain) + 3 * len(mlps) + 4 * len(attns) + heads
     # the caller's model is left as it was: the same leaves, and no copies in its modules
     assert all(a is b for a, b in zip(jax.tree.leaves(state), leaves)) and len(jax.tree.leaves(state)) == len(leaves)
-    assert not any(hasattr(m, "w_gate_t") or hasattr(m, "w_q_t") or getattr(m, "feature_major", False) is True
-                   for _, m in nnx.iter_modules(nnx.merge(graphdef, state)))
+    assert not any(hasattr(m, "w_gate_t") or hasattr(m, "w_down_t") or hasattr(m, "w_q_t")
+                   or getattr(m, "feature_major", False) is True for _, m in nnx.iter_modules(nnx.merge(graphdef, state)))

@@ -205,7 +205,7 @@ def test_mlp_matches_reference(activation):
 @pytest.mark.parametrize("use_bias", [True, False])
 @pytest.mark.parametrize("shape", [(2, 3), (1, 2), (4, 8), (1, 1), (5, 8)])  # 6, 2, 32 rows; 1, 40: usual path
 def test_feature_major_mlp_matches_reference_forward_and_grad(activation, use_bias, shape):
-    """An MLP given ``[F, D]`` copies of its input projections (the decode engine's feature-major calls, 2-32
+    """An MLP given transposed copies of its projections (the decode engine's feature-major calls, 2-32
     rows) against the float64 reference forward, and its gradient in ``x`` against the usual path's; the
     copies are what a call in that range reads (changing them changes the result), outside it they are
     unused."""
@@ -226,12 +226,13 @@ def test_feature_major_mlp_matches_reference_forward_and_grad(activation, use_bi
              for g, st in (nnx.split(m), nnx.split(fm))]
     # fp32 both sides, different summation orders: relative 1e-4 of O(1) gradients.
     np.testing.assert_allclose(np.asarray(grads[1]), np.asarray(grads[0]), rtol=1e-4, atol=1e-5)
-    names = ("w_gate", "w_up") if activation == "swiglu" else ("w_in",)
-    for k in names:
+    names = ("w_gate", "w_up", "w_down") if activation == "swiglu" else ("w_in", "w_out")
+    for k in names:  # each copy, alone, is read (or not) by the call
         t = getattr(fm, f"{k}_t")
         t.set_value(t[...] * 2.0)
-    changed = not np.allclose(np.asarray(run(fm, x)), want, rtol=RTOL, atol=ATOL)
-    assert changed == (math.prod(shape) in FEATURE_MAJOR_ROWS)
+        changed = not np.allclose(np.asarray(run(fm, x)), want, rtol=RTOL, atol=ATOL)
+        t.set_value(t[...] / 2.0)
+        assert changed == (math.prod(shape) in FEATURE_MAJOR_ROWS), k
 
 
 @pytest.mark.parametrize("activation, target", [("swiglu", "w_up"), ("swiglu", "w_down"), ("gelu", "w_out")])
