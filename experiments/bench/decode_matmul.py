@@ -21,7 +21,12 @@ batch rows ``B``:
 
 Milliseconds per stack (median of ``--repeats``, compile excluded) and each form's time against the first.
 
-    python experiments/bench/decode_matmul.py [--rows 1 2 4 8 16 32 256] [--repeats 15] [--bf16] [--head]
+``--stream`` adds what bounds a batched decode step's products: one dependent chain of 30 feature-major
+``[1536, 576]`` products (``project_t``, each layer's input the last one's output) over 30 distinct weights
+(streamed from memory, as a step reads them) and over one weight reused 30 times (in cache), beside a plain read
+of the same 30 weights (a jitted sum): the GB/s of weights the products stream against what the cores read.
+
+    python experiments/bench/decode_matmul.py [--rows 1 2 4 8 16 32 256] [--repeats 15] [--bf16] [--head] [--stream]
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--bf16", action="store_true", help="also the first form in bfloat16 (float32 accumulation)")
     ap.add_argument("--head", action="store_true", help="also the tied head, 576 -> 49,152, once in the stack")
+    ap.add_argument("--stream", action="store_true",
+                    help="also the weights' streaming rate of a chain of products against a plain read")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     w_in_out = [rng.standard_normal(s, np.float32) * 0.02 for _ in range(LAYERS) for s in SHAPES]
@@ -125,7 +132,42 @@ def main(argv=None) -> int:
             ms.append(1e3 * median_seconds(fn, ws, xj, repeats=args.repeats))
         print(f"| {B} | " + " | ".join("n/a" if m is None else f"{m:.1f}" for m in ms) + " | "
               + " | ".join("n/a" if m is None else f"{m / ms[0]:.2f}" for m in ms[1:]) + " |", flush=True)
+    if args.stream:
+        stream_table(args.rows, args.repeats, rng)
     return 0
+
+
+def stream_table(rows_list, repeats, rng, out: int = 1536, width: int = 576, n: int = LAYERS):
+    """Print, per row count, a dependent chain of ``n`` feature-major ``[out, width]`` products over distinct
+    weights and over one weight reused, and a jitted sum reading the distinct weights: ms, GFLOP/s, GB/s."""
+    distinct = [jnp.asarray(rng.standard_normal((out, width), np.float32) * 0.02) for _ in range(n)]
+    reused = [distinct[0]] * n
+
+    @jax.jit
+    def chain(ws, x):  # each product's input is the last one's output: nothing runs side by side
+        for w in ws:
+            x = x + project_t(x, w, jnp.float32)[:, :width] * 1e-3
+        return x
+
+    read = jax.jit(lambda ws: sum(w.sum() for w in ws))
+    weight_bytes = n * out * width * 4
+    t_read = median_seconds(read, distinct, repeats=repeats)
+    print(f"\nA chain of {n} feature-major [{out}, {width}] products ({weight_bytes / 1e6:.0f} MB of distinct "
+          f"weights); a plain read of them (jitted sum) {t_read * 1e3:.1f} ms = {weight_bytes / t_read / 1e9:.1f} GB/s\n")
+    print("| rows B | distinct weights ms | GFLOP/s | weights GB/s | one weight reused ms | GFLOP/s "
+          "| distinct / reused | weights GB/s / plain read |")
+    print("|---|---|---|---|---|---|---|---|")
+    for B in rows_list:
+        x = jnp.asarray(rng.standard_normal((B, width), np.float32))
+        ref = np.asarray(x, np.float64)
+        for w in distinct:  # the chain in float64: the check that the timed chain computes it
+            ref = ref + (ref @ np.asarray(w, np.float64).T)[:, :width] * 1e-3
+        np.testing.assert_allclose(np.asarray(chain(distinct, x)), ref, rtol=1e-4, atol=1e-4)
+        t_d, t_r = (median_seconds(chain, ws, x, repeats=repeats) for ws in (distinct, reused))
+        flop = 2 * B * out * width * n
+        gbs = weight_bytes / t_d / 1e9
+        print(f"| {B} | {t_d * 1e3:.1f} | {flop / t_d / 1e9:.0f} | {gbs:.1f} | {t_r * 1e3:.1f} | "
+              f"{flop / t_r / 1e9:.0f} | {t_d / t_r:.2f} | {gbs / (weight_bytes / t_read / 1e9):.2f} |", flush=True)
 
 
 if __name__ == "__main__":
