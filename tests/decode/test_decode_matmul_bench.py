@@ -18,3 +18,13 @@ def test_decode_matmul_bench_every_form_checked(capsys):
     rows = re.findall(r"^\| (\d+) \|((?: (?:[\d.]+|n/a) \|){11})$", out, re.M)
     assert [int(b) for b, _ in rows] == [1, 3, 8]
     assert "n/a" not in rows[0][1] and rows[2][1].count("n/a") == 2  # the multiply-and-reduce: 4 rows at most
+
+
+@pytest.mark.slow  # ~10 s: 30 distinct [1536, 576] weights (106 MB) in a chain, checked inside against float64
+def test_decode_matmul_bench_stream_table(capsys):
+    assert load_bench("decode_matmul").main(["--rows", "2", "--repeats", "1", "--stream"]) == 0
+    out = capsys.readouterr().out
+    assert "a plain read of them (jitted sum)" in out
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$",
+                      out, re.M)
+    assert [int(r[0]) for r in rows] == [2] and all(float(v) > 0 for v in rows[0][1:])
