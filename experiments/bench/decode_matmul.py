@@ -153,7 +153,8 @@ def stream_table(rows_list, repeats, rng, out: int = 1536, width: int = 576, n: 
     weight_bytes = n * out * width * 4
     t_read = median_seconds(read, distinct, repeats=repeats)
     print(f"\nA chain of {n} feature-major [{out}, {width}] products ({weight_bytes / 1e6:.0f} MB of distinct "
-          f"weights); a plain read of them (jitted sum) {t_read * 1e3:.1f} ms = {weight_bytes / t_read / 1e9:.1f} GB/s\n")
+          f"weights); a plain read of them (jitted sum) {t_read * 1e3:.1f} ms = "
+          f"{weight_bytes / t_read / 1e9:.1f} GB/s\n")
     print("| rows B | distinct weights ms | GFLOP/s | weights GB/s | one weight reused ms | GFLOP/s "
           "| distinct / reused | weights GB/s / plain read |")
     print("|---|---|---|---|---|---|---|---|")

@@ -12,10 +12,10 @@ its projections (``[F, D]`` ``w_in_t``, ``[D, F]`` ``w_out_t``; ``w_gate_t``, ``
 decode engine gives them on CPU, computes a call of ``FEATURE_MAJOR_ROWS`` rows as ``W^T x^T``: the FFN's hidden
 activations ``[F, *B]``, then the output ``[D, *B]`` the same way, back to rows. The same product; on XLA's CPU
 backend 2-32 rows run 1.3-2.8x as fast that way (the kernels tile the result's rows: the features fill them, a
-few tokens do not; ``experiments/results/decode_matmul_cpu.md``; the down projection's copy made 16 concurrent
-sequences of SmolLM2-135M 1.3-1.5x as fast, ``decode_cpu.md``, Zen 2 fourth stop). Other row counts, and calls of a module with adapters or
-``record_stats``, take the usual path. For inference only: a gradient of such a call reaches the copies, not
-the parameters.
+few tokens do not; ``experiments/results/decode_matmul_cpu.md``; with the down projection's copy a 16-row decode
+step of SmolLM2-135M takes 0.82-0.85x the time, paired in one process: ``decode_cpu.md``, Zen 2 fourth stop).
+Other row counts, and calls of a module with adapters or ``record_stats``, take the usual path. For inference
+only: a gradient of such a call reaches the copies, not the parameters.
 """
 
 from __future__ import annotations

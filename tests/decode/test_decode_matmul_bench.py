@@ -27,4 +27,4 @@ def test_decode_matmul_bench_stream_table(capsys):
     assert "a plain read of them (jitted sum)" in out
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$",
                       out, re.M)
-    assert [int(r[0]) for r in rows] == [2] and all(float(v) > 0 for v in rows[0][1:])
+    assert [int(r[0]) for r in rows] == [2] and float(rows[0][1]) > 0 and float(rows[0][4]) > 0  # the two chains' ms

@@ -195,7 +195,7 @@ def test_feature_major_steps_equal_the_usual_ones(llama, alone, scan_layers):
     """The step model with the transposed copies (the CPU default: the FFNs' and the attention's
     projections, an untied head) gives each request the tokens it gets alone, as the step model without them
     does; the copies are in the step's leaves, stacked for scanned layers (one GatedMLP holding [L, F, D]
-    copies), and the caller's model is left as it was."""
+    copies of W_gate and W_up, an [L, D, F] one of W_down), and the caller's model is left as it was."""
     from flax import nnx
 
     from jaxformer.model import init
@@ -227,4 +227,5 @@ def test_feature_major_steps_equal_the_usual_ones(llama, alone, scan_layers):
     # the caller's model is left as it was: the same leaves, and no copies in its modules
     assert all(a is b for a, b in zip(jax.tree.leaves(state), leaves)) and len(jax.tree.leaves(state)) == len(leaves)
     assert not any(hasattr(m, "w_gate_t") or hasattr(m, "w_down_t") or hasattr(m, "w_q_t")
-                   or getattr(m, "feature_major", False) is True for _, m in nnx.iter_modules(nnx.merge(graphdef, state)))
+                   or getattr(m, "feature_major", False) is True
+                   for _, m in nnx.iter_modules(nnx.merge(graphdef, state)))
