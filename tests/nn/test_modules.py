@@ -247,8 +247,12 @@ def test_feature_major_mlp_in_bfloat16_matches_the_usual_path(activation):
     x = jax.random.normal(jax.random.key(10), (2, 3, D)).astype(jnp.bfloat16)
     fm = nnx.merge(*nnx.split(m))
     assert add_transposed_copies(fm) == 1
+    assert run(fm, x).dtype == jnp.bfloat16
     usual, fast = np.asarray(run(m, x), np.float32), np.asarray(run(fm, x), np.float32)
-    assert fast.dtype == usual.dtype and run(fm, x).dtype == jnp.bfloat16
+    t = getattr(fm, "w_down_t" if activation == "swiglu" else "w_out_t")  # the call reads the output copy
+    t.set_value(t[...] * 2.0)
+    assert not np.allclose(np.asarray(run(fm, x), np.float32), fast, rtol=5e-2, atol=5e-2)
+    t.set_value(t[...] / 2.0)
     p, xn = params_np(m), np.asarray(x.astype(jnp.float32), np.float64)
     if activation == "swiglu":
         h = _np_act("silu", xn @ p["w_gate"] + p["b_gate"]) * (xn @ p["w_up"] + p["b_up"])
