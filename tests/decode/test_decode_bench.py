@@ -4,6 +4,7 @@ the id tokenizer round-trips."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.bench_scripts import load_bench
@@ -53,3 +54,28 @@ def test_serve_bench_profile_counts_every_step_by_kind(llama):
     assert sum(v for (k, what), v in profile.items() if what == "steps") == e.stats["steps"] == 5
     lines = serve.profile_lines({"both": profile})
     assert lines[0].index("decode B=2") < lines[0].index("with prefill") and lines[2].startswith("| both | 2, ")
+
+
+def test_paired_steps_time_the_decode_steps_of_both_engines(bench, llama):
+    """The paired 16-vs-1 measurement times ``new`` steps of each engine, each a decode step (one token per
+    sequence, every sequence's row computed: the recorder's batch rows), and its engines generate what
+    ``run_prompts`` generates for the same prompts."""
+    cfg, graphdef, state = llama
+    from jaxformer.decode.prompts import GenerateOptions, run_prompts
+
+    rng = np.random.default_rng(0)
+    one = [list(map(int, rng.integers(3, cfg.vocab_size, 5)))]
+    many = [list(map(int, rng.integers(3, cfg.vocab_size, 5))) for _ in range(4)]
+    with bench.StepRecorder() as rec:
+        r = bench.paired_steps(graphdef, state, cfg, one, many, short=2, new=20, passes=1)
+    assert len(r["one"]) == len(r["many"]) == 20 and all(t > 0 for t in r["one"] + r["many"])
+    # after the 2 untimed steps of each engine, 20 pairs, the order swapped every step (the 4-sequence engine first
+    # at even steps): every timed step one token per sequence, every sequence's row computed (27 tokens: 2 pages
+    # a sequence, so the pool admits all 4 at once; with 1 page each it would keep a page of growth per sequence)
+    order = [((4, 1), (1, 1)) if i % 2 == 0 else ((1, 1), (4, 1)) for i in range(2, 22)]
+    assert [(s["B"], s["T"]) for s in rec.steps[4:]] == [p for pair in order for p in pair]
+    tok = bench.IdTokenizer()
+    for prompts, got in ((one, r["tokens"][0]), (many, r["tokens"][1])):
+        recs = run_prompts(graphdef, state, cfg, tok, [" ".join(map(str, p)) for p in prompts],
+                           GenerateOptions(max_new_tokens=22, temperature=0.0, page_size=16, max_batch=8))
+        assert [x["tokens"] for x in recs] == got and all(len(t) == 22 for t in got)
