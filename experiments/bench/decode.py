@@ -668,8 +668,9 @@ def vs_transformers_sections(args) -> list[str]:
          f"16-sequence engine, alternating, each pair at the same cached length): **{paired16:.2f}x** (16 x the "
          f"one-sequence engine's summed step time / the 16-sequence engine's; goal >= 6x: "
          f"{'met' if paired16 >= 6 else 'MISSED'}); per pair 16 x t1 / t16 has median {np.median(pr):.2f}x (IQR "
-         f"{np.percentile(pr, 25):.2f}-{np.percentile(pr, 75):.2f}). Steadier on a shared machine than the line "
-         f"above, the difference of whole calls of ~1 s and ~10 s",
+         f"{np.percentile(pr, 25):.2f}-{np.percentile(pr, 75):.2f}); a second estimate, in which both engines "
+         f"meet the shared machine's same moments (the line above is the difference of whole calls of ~1 s and "
+         f"~10 s, minutes apart)",
          f"- prefill of a 512-token prompt (one new token): jaxformer {pre_ours:.2f} s, transformers "
          f"{t['hf prefill', 1]:.2f} s at 2 threads, {t['hf prefill (1 thread)', 1]:.2f} s at 1: "
          f"{pre_hf / pre_ours:.2f}x (goal: no slower): {'met' if pre_ours <= pre_hf else 'MISSED'}",
