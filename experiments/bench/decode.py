@@ -508,8 +508,8 @@ def paired_steps(graphdef, state, cfg, one, many, short: int, new: int, passes: 
     prompt (max_batch 8) and one holding ``many`` (max_batch ``len(many)``), both sized as ``run_prompts`` sizes
     them for ``short + new`` greedy tokens, step alternately (the order swapped every step): ``short`` steps
     (the prompts' and the first decode steps), then ``new`` timed decode steps each, so each pair ran at the same
-    cached length and within milliseconds of each other. The last of ``passes`` passes (fresh engines; the first compiles) is
-    kept. Returns the ``new`` step times of each and the tokens each engine generated."""
+    cached length and within milliseconds of each other. The last of ``passes`` passes (fresh engines; the first
+    compiles) is kept. Returns the ``new`` step times of each and the tokens each engine generated."""
     import time
 
     from jaxformer.decode.engine import Engine
@@ -669,8 +669,8 @@ def vs_transformers_sections(args) -> list[str]:
          f"one-sequence engine's summed step time / the 16-sequence engine's; goal >= 6x: "
          f"{'met' if paired16 >= 6 else 'MISSED'}); per pair 16 x t1 / t16 has median {np.median(pr):.2f}x (IQR "
          f"{np.percentile(pr, 25):.2f}-{np.percentile(pr, 75):.2f}); a second estimate, in which both engines "
-         f"meet the shared machine's same moments (the line above is the difference of whole calls of ~1 s and "
-         f"~10 s, minutes apart)",
+         f"meet the shared machine's same moments (the line above is the difference of two whole calls of ~1 s "
+         f"and ~10 s, a burst in either moving it)",
          f"- prefill of a 512-token prompt (one new token): jaxformer {pre_ours:.2f} s, transformers "
          f"{t['hf prefill', 1]:.2f} s at 2 threads, {t['hf prefill (1 thread)', 1]:.2f} s at 1: "
          f"{pre_hf / pre_ours:.2f}x (goal: no slower): {'met' if pre_ours <= pre_hf else 'MISSED'}",
