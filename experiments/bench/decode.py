@@ -509,7 +509,7 @@ def paired_steps(graphdef, state, cfg, one, many, short: int, new: int, passes: 
     them for ``short + new`` greedy tokens, step alternately (the order swapped every step): ``short`` steps
     (the prompts' and the first decode steps), then ``new`` timed decode steps each, so each pair ran at the same
     cached length and within milliseconds of each other. The last of ``passes`` passes (fresh engines; the first
-    compiles) is kept. Returns the ``new`` step times of each and the tokens each engine generated."""
+    compiles any step shape not compiled yet) is kept. Returns the ``new`` step times of each and the tokens each engine generated."""
     import time
 
     from jaxformer.decode.engine import Engine

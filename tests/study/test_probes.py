@@ -218,7 +218,8 @@ def test_order_probe_scores_the_last_quarter_with_the_prefix_shuffled(position, 
                 nll[key] += list(lz - logits[np.arange(4), b.targets[i, 12:]])
     for key, v in nll.items():
         np.testing.assert_allclose(got[key], np.mean(v), rtol=1e-5, err_msg=key)  # fp32 sums vs float64
-    np.testing.assert_allclose(got["order_gain"], got["order_nll_shuffled"] - got["order_nll"], rtol=1e-12)
+    want_gain = np.mean(nll["order_nll_shuffled"]) - np.mean(nll["order_nll"])  # the float64 reference's
+    np.testing.assert_allclose(got["order_gain"], want_gain, rtol=1e-4, atol=1e-6)
     if (position, n_layers) == ("none", 1):
         assert abs(got["order_gain"]) < 1e-5
     else:
