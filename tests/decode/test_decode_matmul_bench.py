@@ -28,3 +28,17 @@ def test_decode_matmul_bench_stream_table(capsys):
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|$",
                       out, re.M)
     assert [int(r[0]) for r in rows] == [2] and float(rows[0][1]) > 0 and float(rows[0][4]) > 0  # the two chains' ms
+
+
+def test_decode_attention_bench_table_and_its_check(capsys, monkeypatch):
+    """``experiments/bench/decode_attention.py`` at toy sizes: a row per table width, every column a time; and
+    its check bites: with the length mask dropped from the contiguous form's weights, the bench refuses to time."""
+    bench = load_bench("decode_attention")
+    assert bench.main(["--rows", "3", "--pages", "1", "2", "--layers", "2", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("CPU: ") and "paged_attention (engine)" in out and "plain read" in out
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \|((?: [\d.]+ \|){9})$", out, re.M)
+    assert [int(r[0]) for r in rows] == [1, 2] and all(float(t) > 0 for t in rows[1][2].split("|")[:-1])
+    monkeypatch.setattr(bench, "decode_weights", lambda s, lengths: bench.jax.nn.softmax(s, axis=-1))
+    with pytest.raises(AssertionError, match="contiguous keys"):
+        bench.main(["--rows", "3", "--pages", "2", "--layers", "1", "--repeats", "1"])
