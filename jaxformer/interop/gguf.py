@@ -162,6 +162,15 @@ def _read(path: Path):
         raise HFWeightsError(f"{path}: not a GGUF file (starts with {head!r}, a GGUF file with {MAGIC!r})")
 
     class Reader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._bytes
+
+        @data.setter
+        def data(self, mapped):  # the reader's np.memmap, kept as a plain ndarray view of the same mapping: the
+            # header's ~250k small reads (a 49k-token vocabulary) cost 3x as much through memmap's subclass hooks
+            self._bytes = mapped.view(np.ndarray) if isinstance(mapped, np.memmap) else mapped
+
         def _build_tensors(self, start_offs, fields):
             for field in fields:  # the parts GGUFReader._build_tensors unpacks, in its order
                 _, name_data, _, dims, raw_type, offset = field.parts
@@ -205,7 +214,7 @@ def _open_cached(path: str, stamp: tuple) -> GGUFFile:
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
-    """The parsed file, cached: parsing a 49k-token vocabulary's header takes seconds, and one load reads
+    """The parsed file, cached: parsing a 49k-token vocabulary's header takes over a second, and one load reads
     the config, the tensors and the tokenizer. The cache key is the path, inode, size, modification time
     and a hash of the first and last 256 KiB (the metadata is at the start), so a file rewritten in place
     within one clock tick is still read afresh."""
