@@ -15,7 +15,9 @@ eager mode with ``torch.optim.AdamW`` (same betas, eps, weight decay on the matr
 the same warmup + cosine schedule. ``--before`` adds the library's step as it was before issue 16
 (attention differentiated by plain autodiff through ``xla_attention``), ``--no-chunks`` the step
 without causal attention chunks and ``--einsum`` the step with its projections as einsums over the
-``[B, T, ...]`` activations (before issue 23), each compiled in the same process.
+``[B, T, ...]`` activations (before issue 23), each compiled in the same process. Where the library's step
+computes each batch in more than one part side by side (``optimizer.parallel_parts``: "auto", 2 on the CPU, or
+``--parts N``), the one-part step is timed beside it ("library one part").
 
 The script checks that every contender's first loss agrees with the library's, then times them in
 alternating rounds (``--steps`` steps per round) so a busy machine slows each alike; the table shows
@@ -58,7 +60,7 @@ def experiment(args) -> C.ExperimentConfig:
         "model": {"preset": "gpt2_small", "vocab_size": 264, "d_model": args.d_model, "n_layers": args.layers,
                   "n_heads": args.heads or (args.d_model // 64 if args.d_model >= 128 else 2),
                   "max_seq_len": args.seq_len, "compute_dtype": args.dtype, "attention_impl": args.attention},
-        "optimizer": {"lr": 1e-3, "weight_decay": 0.1, "clip_norm": 1.0},
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.1, "clip_norm": 1.0, "parallel_parts": args.parts or "auto"},
         "schedule": {"kind": "cosine", "warmup_steps": 10},
         "mesh": {"data": 1},
     }, "<bench>")
@@ -339,6 +341,10 @@ def main(argv=None):
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="with --config: an override, as on jaxformer's command line (e.g. 'model.lora={rank: 16, "
                         "alpha: 32}': a LoRA fine-tune's step, its frozen base read from the config's model source)")
+    p.add_argument("--parts", type=int,
+                   help="the library's step with optimizer.parallel_parts=N (default the config's, 'auto': 2 on the "
+                        "CPU); whenever the library's step runs more than one part, the one-part step is also timed, "
+                        "as 'library one part'")
     p.add_argument("--peak-tflops", type=float,
                    help="per-device peak for MFU (default: datasheet bf16 on GPU/TPU, measured fp32 matmul on CPU)")
     args = p.parse_args(argv)
@@ -346,7 +352,8 @@ def main(argv=None):
     if args.set and not args.config:
         p.error("--set overrides a --config file's keys; give --config")
     if args.config:
-        cfg = C.load(args.config, ["mesh.data=1", *args.set])
+        cfg = C.load(args.config, ["mesh.data=1", *args.set,
+                                   *([f"optimizer.parallel_parts={args.parts}"] if args.parts else [])])
         args.no_hand, args.vs_torch, args.dtype = True, False, cfg.model.compute_dtype
         args.d_model, args.layers = cfg.model.d_model, cfg.model.n_layers
     else:
@@ -385,6 +392,11 @@ def main(argv=None):
                 for n, on in (("before", args.before), ("no chunks", args.no_chunks), ("einsum", args.einsum)) if on}
     if args.scan_remat:
         variants["library scan+remat"] = scan_remat_step(cfg, mesh, state, batches[0])
+    if trainer.spec.optimizer.parallel_parts > 1:  # "auto" resolved: 2 on the CPU where the batch splits
+        one = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"parallel_parts": 1})})
+        compiled = make_trainer(one, mesh).train_step.lower(state, batches[0]).compile()
+        variants["library one part"] = [compiled if trainer.frozen is None else _Frozen(compiled, trainer.frozen),
+                                        jax.tree.map(jnp.copy, state)]
     if variants:  # each variant must be its own program, or its row times the library (or another variant) again
         texts = {"library": trainer.train_step.lower(state, batches[0]).compile().as_text(),
                  **{name: v[0].as_text() for name, v in variants.items()}}
@@ -461,7 +473,7 @@ def main(argv=None):
     per_round = {k: [a / b for a, b in zip(times[k], times["library"])] for k in times if k != "library"}
     cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
     for name, goal in (("hand-written", 0.95), ("library before", 1.0), ("library no chunks", 1.0),
-                       ("library einsum", 1.0), ("torch eager", 1.1)):
+                       ("library einsum", 1.0), ("library one part", 1.0), ("torch eager", 1.1)):
         if name in rows:
             print(f"ratio library / {name} tokens/s: {rows['library'] / rows[name]:.3f} "
                   f"(per round: {' '.join(f'{r:.2f}' for r in per_round[name])}; goal >= {goal}); "

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 from pydantic_core import PydanticCustomError
 
@@ -113,6 +113,10 @@ class OptimizerConfig(_Section):
     decay_embeddings: bool = False
     clip_norm: float | None = Field(1.0, gt=0.0)
     grad_accum: int = Field(1, ge=1, description="micro-batches per step (batch_size must divide)")
+    parallel_parts: Literal["auto"] | PositiveInt = Field(
+        "auto", description="parts each micro-batch is computed in side by side: independent parts of one program, "
+        "their gradients summed (XLA's CPU runtime runs independent ops on separate threads, and most of a small "
+        "model's ops on one); 'auto': 2 where the devices are CPUs and each one's rows split in two, else 1")
     z_loss: float = Field(0.0, ge=0.0)
     muon_momentum: float = Field(0.95, ge=0.0, lt=1.0, description="name='muon': Nesterov momentum")
     muon_rms: float = Field(0.2, gt=0.0, description="name='muon': update RMS per unit lr (AdamW's is ~0.2)")
@@ -369,9 +373,12 @@ class ExperimentConfig(_Section):
             raise ValueError(f"training supports model.kind='decoder' (a causal LM), got {m.kind!r}")
         if self.seq_len > m.max_seq_len:
             raise ValueError(f"seq_len={self.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-        accum = self.optimizer.grad_accum
+        accum, parts = self.optimizer.grad_accum, self.optimizer.parallel_parts
         if self.batch_size % accum:
             raise ValueError(f"batch_size={self.batch_size} not divisible by optimizer.grad_accum={accum}")
+        if parts != "auto" and self.batch_size // accum % parts:
+            raise ValueError(f"micro-batch batch_size/optimizer.grad_accum={self.batch_size}/{accum}="
+                             f"{self.batch_size // accum} not divisible by optimizer.parallel_parts={parts}")
         if self.eval.stride is not None and self.eval.stride > self.seq_len:
             raise ValueError(f"eval.stride={self.eval.stride} exceeds seq_len={self.seq_len}")
         tok = self.data.tokenizer

@@ -84,7 +84,7 @@ def _moments(params, optimizer: str) -> list[int]:
 
 
 def describe(model: ModelConfig, *, mesh_shape: dict, batch_size: int, seq_len: int,
-             grad_accum: int = 1, optimizer: str = "adamw") -> dict:
+             grad_accum: int = 1, optimizer: str = "adamw", parallel_parts: int = 1) -> dict:
     """Sizes and the memory estimate (bytes per device) as a dict."""
     _, abstract = abstract_init(model)
     trained_state, base_state, _ = nnx.split_state(abstract, nnx.LoRAParam if model.lora else nnx.Param,
@@ -97,7 +97,7 @@ def describe(model: ModelConfig, *, mesh_shape: dict, batch_size: int, seq_len: 
     base_bytes = _sharded_bytes(base, base_axes, mesh_shape) if base else 0
     p_bytes = g_bytes + base_bytes
     opt_bytes = _sharded_bytes(params, axes, mesh_shape, itemsize=4, copies=_moments(params, optimizer))
-    shd.check_batch(batch_size, grad_accum, mesh_shape)
+    shd.check_batch(batch_size, grad_accum, mesh_shape, parallel_parts)
     b_local = batch_size // grad_accum // (mesh_shape["data"] * mesh_shape["fsdp"])
     tp = mesh_shape["tensor"]
     D, F, N, V, L = (model.d_model, model.resolved_d_ff, model.attention.n_heads, model.vocab_size, model.n_layers)
@@ -193,7 +193,8 @@ def describe_experiment(cfg: ExperimentConfig, n_devices: int | None = None) -> 
     """:func:`describe` for ``cfg`` on ``n_devices`` planned devices (None: those present)."""
     return describe(cfg.model, mesh_shape=plan_mesh(cfg.mesh, n_devices),
                     batch_size=cfg.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.optimizer.grad_accum,
-                    optimizer=cfg.optimizer.name)
+                    optimizer=cfg.optimizer.name,  # "auto" takes 1 part where 2 do not split: it never refuses
+                    parallel_parts=1 if cfg.optimizer.parallel_parts == "auto" else cfg.optimizer.parallel_parts)
 
 
 def preset_config(name: str, overrides=(), n_devices: int | None = None) -> ExperimentConfig:

@@ -111,8 +111,9 @@ def batch_shards(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def check_batch(batch_size: int, grad_accum: int, mesh_shape) -> None:
-    """Raise ValueError unless every micro-batch (``batch_size // grad_accum``) splits over ``data x fsdp``.
+def check_batch(batch_size: int, grad_accum: int, mesh_shape, parallel_parts: int = 1) -> None:
+    """Raise ValueError unless every micro-batch (``batch_size // grad_accum``), and each of its
+    ``parallel_parts`` parts, splits over ``data x fsdp``.
 
     ``mesh_shape``: ``{"data": .., "fsdp": .., "tensor": ..}``. The trainer and ``jaxformer info``
     both call this, so a plan that ``info`` accepts is one training accepts.
@@ -125,6 +126,9 @@ def check_batch(batch_size: int, grad_accum: int, mesh_shape) -> None:
     if micro % shards:
         raise ValueError(f"micro-batch batch_size/grad_accum={batch_size}/{grad_accum}={micro} "
                          f"not divisible by data*fsdp={shards} on mesh {where}")
+    if micro % (parallel_parts * shards):
+        raise ValueError(f"micro-batch batch_size/grad_accum={batch_size}/{grad_accum}={micro} in "
+                         f"parallel_parts={parallel_parts}: parts not divisible by data*fsdp={shards} on mesh {where}")
 
 
 def put_batch(batch, mesh: Mesh):

@@ -1,0 +1,117 @@
+"""``optimizer.parallel_parts``: each micro-batch computed as independent parts of one program, gradients summed.
+
+The parts' summed gradients, cross-entropy and token count must equal the whole micro-batch's (the same sums in
+another order: fp32 rounding, tolerance below), with and without ``grad_accum`` and on a data-parallel mesh;
+each part gets its own micro-batch index (its dropout keys); "auto" takes 2 parts on CPU devices where each
+device's rows split in two, and 1 otherwise; a count that does not divide is refused naming the keys.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer.train import config as C
+from jaxformer.train import sharding as S
+from jaxformer.train.packing import Batch
+from jaxformer.train.step import StepSpec, accumulate, in_parts, make_trainer, model_graphdef, model_loss, \
+    resolve_parts
+from tests.train.helpers import make_corpus, tiny_config
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("parts") / "c", 4)
+
+
+def packed_batch(rng, b: int, t: int) -> Batch:
+    """Random tokens in two packed documents a row, the last positions unscored (padding)."""
+    tokens = rng.integers(3, 264, (b, t)).astype(np.int32)
+    seg = np.where(np.arange(t) < t // 3, 1, 2)[None].repeat(b, 0).astype(np.int32)
+    pos = np.where(seg == 1, np.arange(t), np.arange(t) - t // 3).astype(np.int32)
+    mask = np.arange(t)[None].repeat(b, 0) < t - rng.integers(0, 4, (b, 1))
+    return Batch(tokens=jnp.asarray(tokens), targets=jnp.asarray(np.roll(tokens, -1, 1)), loss_mask=jnp.asarray(mask),
+                 positions=jnp.asarray(pos), segment_ids=jnp.asarray(seg))
+
+
+@pytest.mark.parametrize("accum,parts", [(1, 2), (1, 4), (2, 2)])
+def test_parts_sum_to_the_whole_batch(corpus, accum, parts):
+    """Gradients, cross-entropy sum and token count of the parts against the one-part computation. Tolerance: the
+    same fp32 sums in another order, relative to each leaf's largest entry: 1e-5."""
+    cfg = tiny_config(corpus)
+    graphdef = model_graphdef(cfg.model)
+    params = make_trainer(cfg, S.make_mesh(C.MeshConfig(data=1), jax.devices()[:1])).init_state()["params"]
+    batch = packed_batch(np.random.default_rng(0), 8, 32)
+    grad_fn = jax.grad(lambda p, b, i: model_loss(graphdef, p, b, 1e-4), has_aux=True)
+    whole = jax.jit(lambda p, b: accumulate(grad_fn, p, b, accum))(params, batch)
+    split = jax.jit(lambda p, b: accumulate(grad_fn, p, b, accum, parts))(params, batch)
+    for want, got in zip(jax.tree.leaves(whole), jax.tree.leaves(split), strict=True):
+        want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(np.abs(want).max(), 1e-30))
+    assert float(split[2]) == float(np.asarray(batch.loss_mask).sum())  # every scored token counted once
+
+
+def test_each_part_gets_its_own_index_and_its_strided_rows():
+    """Part ``j`` of micro-batch ``i`` is handed index ``i * parts + j`` (its dropout keys) and rows ``j, j + parts,
+    ...`` of the micro-batch (each device's rows of a part are its own)."""
+    seen = []
+
+    def grad_fn(params, b, i):
+        seen.append((b, i))
+        return {"g": b.sum(0)}, (b.sum(), jnp.float32(b.shape[0]))
+
+    x = jnp.arange(12 * 2, dtype=jnp.float32).reshape(12, 2)
+    grads, (ce, n) = in_parts(grad_fn, 3)(None, x, jnp.int32(5))
+    assert [int(i) for _, i in seen] == [15, 16, 17]
+    for j, (b, _) in enumerate(seen):
+        np.testing.assert_array_equal(b, x[j::3])
+    np.testing.assert_array_equal(grads["g"], x.sum(0))
+    assert float(ce) == float(x.sum()) and float(n) == 12
+    assert in_parts(grad_fn, 1) is grad_fn
+
+
+def test_auto_is_two_parts_on_cpus_where_the_rows_split(corpus):
+    one = S.make_mesh(C.MeshConfig(data=1), jax.devices()[:1])
+    four = S.make_mesh(C.MeshConfig(data=4), jax.devices()[:4])
+
+    def parts(mesh, **top):
+        return resolve_parts(StepSpec.of(tiny_config(corpus, **top)), mesh).optimizer.parallel_parts
+
+    assert tiny_config(corpus).optimizer.parallel_parts == "auto"
+    assert parts(one) == 2 and parts(four) == 2  # batch 8: 8 rows on one device, 2 on each of four
+    assert parts(four, batch_size=4) == 1  # one row a device
+    assert parts(one, batch_size=6, optimizer={"grad_accum": 2}) == 1  # micro-batches of 3 rows
+    assert parts(one, optimizer={"parallel_parts": 4}) == 4
+    assert make_trainer(tiny_config(corpus), one).spec.optimizer.parallel_parts == 2
+
+
+def test_a_data_parallel_step_in_parts_matches_one_device(corpus):
+    """One optimiser step on 4 devices (data=4) with 2 parts against one device with 1 part: the same loss and
+    gradient norm (fp32 rounding: 1e-5 relative), and parameters within the update's rounding."""
+    batch = packed_batch(np.random.default_rng(1), 8, 32)
+    out = []
+    for mesh_cfg, devices, parts in ((C.MeshConfig(data=1), jax.devices()[:1], 1),
+                                     (C.MeshConfig(data=4), jax.devices()[:4], 2)):
+        trainer = make_trainer(tiny_config(corpus, optimizer={"parallel_parts": parts}),
+                               S.make_mesh(mesh_cfg, devices))
+        state, m = trainer.train_step(trainer.init_state(), S.put_batch(jax.device_get(batch), trainer.mesh))
+        out.append((jax.device_get(state["params"]), {k: float(v) for k, v in m.items()}))
+    (p1, m1), (p2, m2) = out
+    for k in ("loss", "grad_norm", "n_tokens"):
+        assert m2[k] == pytest.approx(m1[k], rel=1e-5), k
+    # the first AdamW step moves each weight by about lr * sign(g): a gradient at the rounding's scale may
+    # flip, so the parameters are compared through the mean change, which those few cannot move by lr / 10
+    diffs = np.concatenate([np.abs(a - b).ravel() for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2))])
+    assert diffs.mean() < 3e-3 / 10
+
+
+def test_a_count_that_does_not_divide_is_refused(corpus):
+    with pytest.raises(ValueError, match=r"not divisible by optimizer.parallel_parts=3"):
+        tiny_config(corpus, optimizer={"parallel_parts": 3})
+    with pytest.raises(ValueError, match=r"parallel_parts=2: parts not divisible by data\*fsdp=8"):
+        make_trainer(tiny_config(corpus, optimizer={"parallel_parts": 2}),
+                     S.make_mesh(C.MeshConfig(data=8), jax.devices()[:8]))
+    with pytest.raises(ValueError):
+        tiny_config(corpus, optimizer={"parallel_parts": 0})
