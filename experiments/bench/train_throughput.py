@@ -16,8 +16,8 @@ the same warmup + cosine schedule. ``--before`` adds the library's step as it wa
 (attention differentiated by plain autodiff through ``xla_attention``), ``--no-chunks`` the step
 without causal attention chunks and ``--einsum`` the step with its projections as einsums over the
 ``[B, T, ...]`` activations (before issue 23), each compiled in the same process. Where the library's step
-computes each batch in more than one part side by side (``optimizer.parallel_parts``: "auto", 2 on the CPU, or
-``--parts N``), the one-part step is timed beside it ("library one part").
+computes each batch in more than one part side by side (``optimizer.parallel_parts``: "auto", 2 on the CPU for
+steps of >= 1 GFLOP a micro-batch, or ``--parts N``), the one-part step is timed beside it ("library one part").
 
 The script checks that every contender's first loss agrees with the library's, then times them in
 alternating rounds (``--steps`` steps per round) so a busy machine slows each alike; the table shows
@@ -60,7 +60,8 @@ def experiment(args) -> C.ExperimentConfig:
         "model": {"preset": "gpt2_small", "vocab_size": 264, "d_model": args.d_model, "n_layers": args.layers,
                   "n_heads": args.heads or (args.d_model // 64 if args.d_model >= 128 else 2),
                   "max_seq_len": args.seq_len, "compute_dtype": args.dtype, "attention_impl": args.attention},
-        "optimizer": {"lr": 1e-3, "weight_decay": 0.1, "clip_norm": 1.0, "parallel_parts": args.parts or "auto"},
+        "optimizer": {"lr": 1e-3, "weight_decay": 0.1, "clip_norm": 1.0,
+                      "parallel_parts": "auto" if args.parts is None else args.parts},
         "schedule": {"kind": "cosine", "warmup_steps": 10},
         "mesh": {"data": 1},
     }, "<bench>")
@@ -343,7 +344,7 @@ def main(argv=None):
                         "alpha: 32}': a LoRA fine-tune's step, its frozen base read from the config's model source)")
     p.add_argument("--parts", type=int,
                    help="the library's step with optimizer.parallel_parts=N (default the config's, 'auto': 2 on the "
-                        "CPU); whenever the library's step runs more than one part, the one-part step is also timed, "
+                        "CPU for steps of >= 1 GFLOP a micro-batch); whenever the library's step runs more than one part, the one-part step is also timed, "
                         "as 'library one part'")
     p.add_argument("--peak-tflops", type=float,
                    help="per-device peak for MFU (default: datasheet bf16 on GPU/TPU, measured fp32 matmul on CPU)")
@@ -353,7 +354,7 @@ def main(argv=None):
         p.error("--set overrides a --config file's keys; give --config")
     if args.config:
         cfg = C.load(args.config, ["mesh.data=1", *args.set,
-                                   *([f"optimizer.parallel_parts={args.parts}"] if args.parts else [])])
+                                   *([] if args.parts is None else [f"optimizer.parallel_parts={args.parts}"])])
         args.no_hand, args.vs_torch, args.dtype = True, False, cfg.model.compute_dtype
         args.d_model, args.layers = cfg.model.d_model, cfg.model.n_layers
     else:

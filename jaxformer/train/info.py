@@ -51,7 +51,7 @@ from jaxformer.train import config as C
 from jaxformer.train import sharding as shd
 from jaxformer.train.config import ExperimentConfig, MeshConfig
 from jaxformer.train.optim import muon_dimensions
-from jaxformer.train.step import make_trainer
+from jaxformer.train.step import auto_parts, make_trainer
 
 
 def _sharded_bytes(abstract_params, axes_tree, mesh_shape: dict, itemsize: int | None = None,
@@ -85,7 +85,8 @@ def _moments(params, optimizer: str) -> list[int]:
 
 def describe(model: ModelConfig, *, mesh_shape: dict, batch_size: int, seq_len: int,
              grad_accum: int = 1, optimizer: str = "adamw", parallel_parts: int = 1) -> dict:
-    """Sizes and the memory estimate (bytes per device) as a dict."""
+    """Sizes and the memory estimate (bytes per device) as a dict. With ``parallel_parts`` P, P gradient trees are
+    alive before their sum (``bytes_grads`` counts them)."""
     _, abstract = abstract_init(model)
     trained_state, base_state, _ = nnx.split_state(abstract, nnx.LoRAParam if model.lora else nnx.Param,
                                                    nnx.Param, ...)  # the rest: LoRA's dropout keys
@@ -118,12 +119,13 @@ def describe(model: ModelConfig, *, mesh_shape: dict, batch_size: int, seq_len: 
         "mesh": dict(mesh_shape),
         "bytes_params": p_bytes,
         "bytes_base": base_bytes,
-        "bytes_grads": g_bytes,
+        "bytes_grads": g_bytes * parallel_parts,
         "bytes_optimizer": opt_bytes,
         "bytes_activations": int(act),
-        "bytes_total": int(p_bytes + g_bytes + opt_bytes + act),
+        "bytes_total": int(p_bytes + g_bytes * parallel_parts + opt_bytes + act),
         "batch_size": batch_size,
         "grad_accum": grad_accum,
+        "parallel_parts": parallel_parts,
         "batch_per_device": b_local,
         "optimizer": optimizer,
         "seq_len": seq_len,
@@ -189,12 +191,22 @@ def _mesh_text(sizes: dict) -> str:
     return " ".join(f"{a}={v}" for a, v in sizes.items())
 
 
+def planned_parts(cfg: ExperimentConfig, n_devices: int | None = None) -> int:
+    """``cfg``'s ``optimizer.parallel_parts``, "auto" resolved as training would on this machine's devices
+    (:func:`jaxformer.train.step.auto_parts`; planned devices are taken to be of the default backend's kind)."""
+    parts = cfg.optimizer.parallel_parts
+    if parts != "auto":
+        return parts
+    mesh = plan_mesh(cfg.mesh, n_devices)
+    return auto_parts(cfg.model, cfg.batch_size, cfg.optimizer.grad_accum, cfg.seq_len,
+                      mesh["data"] * mesh["fsdp"], jax.default_backend() == "cpu")
+
+
 def describe_experiment(cfg: ExperimentConfig, n_devices: int | None = None) -> dict:
     """:func:`describe` for ``cfg`` on ``n_devices`` planned devices (None: those present)."""
     return describe(cfg.model, mesh_shape=plan_mesh(cfg.mesh, n_devices),
                     batch_size=cfg.batch_size, seq_len=cfg.seq_len, grad_accum=cfg.optimizer.grad_accum,
-                    optimizer=cfg.optimizer.name,  # "auto" takes 1 part where 2 do not split: it never refuses
-                    parallel_parts=1 if cfg.optimizer.parallel_parts == "auto" else cfg.optimizer.parallel_parts)
+                    optimizer=cfg.optimizer.name, parallel_parts=planned_parts(cfg, n_devices))
 
 
 def preset_config(name: str, overrides=(), n_devices: int | None = None) -> ExperimentConfig:
@@ -245,7 +257,8 @@ def format_info(name: str, d: dict) -> str:
         f"    parameters      {_gib(d['bytes_params'])}" + (
             f"  (frozen base {_gib(d['bytes_base'])} + adapter {_gib(d['bytes_params'] - d['bytes_base'])})"
             if d["lora"] else ""),
-        f"    gradients       {_gib(d['bytes_grads'])}" + ("  (the adapter's)" if d["lora"] else ""),
+        f"    gradients       {_gib(d['bytes_grads'])}" + ("  (the adapter's)" if d["lora"] else "")
+        + (f"  ({d['parallel_parts']} parts' copies)" if d["parallel_parts"] > 1 else ""),
         f"    {d['optimizer'] + ' state':<16}{_gib(d['bytes_optimizer'])}",
         f"    activations     {_gib(d['bytes_activations'])}",
         f"    total           {_gib(d['bytes_total'])}",

@@ -8,8 +8,9 @@ shardings, once per ``(spec, mesh)``.
 The state is a plain dict pytree ``{"params", "opt_state", "step", "rng"}``;
 ``params`` is ``nnx.to_pure_dict`` of the model state (fp32 master weights;
 the model computes in ``compute_dtype``). The step sums gradients over
-``grad_accum`` micro-batches with a ``lax.scan``, normalises by the number of
-scored tokens in the whole batch, and applies the optimiser once. It is jitted
+``grad_accum`` micro-batches with a ``lax.scan`` (each micro-batch computed in ``parallel_parts`` independent
+parts side by side, :func:`in_parts`), normalises by the number of scored tokens in the whole batch, and applies
+the optimiser once. It is jitted
 with explicit in/out shardings and the state donated.
 
 A LoRA run (``model.lora``; :mod:`jaxformer.train.lora`) trains the adapter alone: its state's
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxformer.model import ModelConfig, Transformer, abstract_init, apply, init
+from jaxformer.model import ModelConfig, Transformer, abstract_init, apply, count_params, flops_per_token, init
 from jaxformer.nn.lora import is_dropout_key
 from jaxformer.ops.losses import cross_entropy
 from jaxformer.train import sharding as shd
@@ -178,9 +179,9 @@ def opt_state_shardings(abstract_opt, abstract_params, param_shardings, default)
 
 def make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
     """The optimiser, shardings and jitted steps of ``cfg`` on ``mesh``, compiled once per process for each
-    ``(StepSpec.of(cfg), mesh)``. A LoRA run (``model.lora``) gets its own trainer (its frozen base is per run)
+    ``(StepSpec.of(cfg), mesh)`` (its ``parallel_parts`` resolved: :func:`resolve_parts`). A LoRA run (``model.lora``) gets its own trainer (its frozen base is per run)
     over the cached compiled functions."""
-    spec = resolve_parts(StepSpec.of(cfg), mesh)
+    spec = resolve_parts(StepSpec.of(cfg), mesh, cfg.seq_len)
     if cfg.model.lora is not None:
         return make_lora_trainer(spec, mesh)
     return _make_trainer(spec, mesh)
@@ -191,6 +192,9 @@ def in_parts(grad_fn, parts: int):
     device's rows of a part are its own), computed as independent subprograms and summed, so XLA may run them side
     by side (``optimizer.parallel_parts``). Part ``j`` of micro-batch ``i`` is handed the index ``i * parts + j``
     (its own dropout keys)."""
+    if not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"parallel_parts={parts!r}: a number of parts >= 1 (resolve \"auto\" first: "
+                         f"resolve_parts(spec, mesh, seq_len), as make_trainer does)")
     if parts == 1:
         return grad_fn
 
@@ -202,16 +206,35 @@ def in_parts(grad_fn, parts: int):
     return summed
 
 
-def resolve_parts(spec: StepSpec, mesh: jax.sharding.Mesh) -> StepSpec:
-    """``spec`` with ``optimizer.parallel_parts`` a number: "auto" is 2 where every device of ``mesh`` is a CPU and
-    each device's rows of a micro-batch split in two, else 1. On 2-core AMD EPYC (Zen 2) CPUs two parts made the
-    step 1.09-1.10x faster (``experiments/results/train_throughput.md``): XLA's CPU runtime runs most of a small
-    model's ops on one thread each, and independent ones side by side."""
+AUTO_PARTS_MIN_FLOPS = 1e9
+"""``parallel_parts: auto`` takes 2 parts only for a micro-batch of at least this many training FLOPs a device
+(``flops_per_token`` x its tokens): the parts' program compiles ~30% longer, which a smaller step does not repay."""
+AUTO_PARTS_MAX_PARAMS = 100_000_000
+"""... and only for models of at most this many parameters: both parts' gradients are alive before their sum (one
+more copy of the trained parameters), for 1.03x at SmolLM2-135M's full fine-tune (1.09-1.10x at 0.8-3.3 M)."""
+
+
+def auto_parts(model: ModelConfig, batch_size: int, grad_accum: int, seq_len: int, shards: int, cpu: bool) -> int:
+    """What ``parallel_parts: auto`` resolves to: 2 on CPU devices where each device's rows of a micro-batch split
+    in two, the micro-batch is worth ``AUTO_PARTS_MIN_FLOPS`` a device and the model has at most
+    ``AUTO_PARTS_MAX_PARAMS`` parameters; else 1. XLA's CPU runtime runs most of a small model's ops on one thread
+    each and independent ones side by side: on 2-core AMD EPYC Zen 2 CPUs two parts made AdamW steps 1.09-1.10x
+    and Muon steps 1.02-1.06x faster (``experiments/results/train_throughput.md``)."""
+    micro = batch_size // grad_accum
+    rows = micro // shards if micro % shards == 0 else 0
+    work = flops_per_token(model, seq_len) * seq_len * rows
+    small = count_params(model) <= AUTO_PARTS_MAX_PARAMS
+    return 2 if cpu and rows and rows % 2 == 0 and work >= AUTO_PARTS_MIN_FLOPS and small else 1
+
+
+def resolve_parts(spec: StepSpec, mesh: jax.sharding.Mesh, seq_len: int) -> StepSpec:
+    """``spec`` with ``optimizer.parallel_parts`` a number (:func:`auto_parts` for "auto", for batches of
+    ``seq_len`` tokens a row on ``mesh``)."""
     parts = spec.optimizer.parallel_parts
     if parts == "auto":
-        micro, shards = spec.batch_size // spec.optimizer.grad_accum, shd.batch_shards(mesh)
         cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
-        parts = 2 if cpu and micro % (2 * shards) == 0 else 1
+        parts = auto_parts(spec.model, spec.batch_size, spec.optimizer.grad_accum, seq_len, shd.batch_shards(mesh),
+                           cpu)
     return dataclasses.replace(spec, optimizer=spec.optimizer.model_copy(update={"parallel_parts": parts}))
 
 
@@ -380,7 +403,7 @@ def lora_dropout(config: ModelConfig) -> tuple[Any, tuple]:
 
 def lora_train_step(frozen, state, batch, spec: StepSpec):
     """:func:`train_step` of a LoRA model: the gradient of the adapter (``state["params"]``) alone, the ``frozen``
-    base joined in (its dropout keys drawn per step and micro-batch: :func:`dropout_keys`)."""
+    base joined in (its dropout keys drawn per step and micro-batch, or part: :func:`dropout_keys`)."""
     _, optimizer, schedule = step_parts(spec, "adapter")
     graphdef, paths = lora_dropout(spec.model)
     z_loss = spec.optimizer.z_loss

@@ -282,7 +282,7 @@ def test_config_refusals_name_the_key(tmp_path):
 
 
 def test_the_fast_header_read_equals_gguf_readers(tmp_path):
-    """jaxformer reads a file through ``gguf.GGUFReader`` over a plain ndarray view of its memory map (~2.9x faster
+    """jaxformer reads a file through ``gguf.GGUFReader`` over a plain ndarray view of its memory map (~2.8x faster
     on SmolLM2's 49k-token header): every field's parts and every tensor's bytes, type and shape must equal what
     the stock reader gives, on a file with a tokenizer and on the sentencepiece fixture."""
     from jaxformer.interop.gguf import _read

@@ -2,8 +2,9 @@
 
 The parts' summed gradients, cross-entropy and token count must equal the whole micro-batch's (the same sums in
 another order: fp32 rounding, tolerance below), with and without ``grad_accum`` and on a data-parallel mesh;
-each part gets its own micro-batch index (its dropout keys); "auto" takes 2 parts on CPU devices where each
-device's rows split in two, and 1 otherwise; a count that does not divide is refused naming the keys.
+each part gets its own micro-batch index (its dropout keys); "auto" takes 2 parts on CPU devices for a
+micro-batch of enough work whose rows split in two, for models that are not too large, and 1 otherwise; a count
+that does not divide is refused naming the keys.
 """
 
 from __future__ import annotations
@@ -72,19 +73,63 @@ def test_each_part_gets_its_own_index_and_its_strided_rows():
     assert in_parts(grad_fn, 1) is grad_fn
 
 
-def test_auto_is_two_parts_on_cpus_where_the_rows_split(corpus):
+MAIN_JOB_SHAPE = dict(model={"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "max_seq_len": 128},
+                      seq_len=128, batch_size=8)  # 5.9 GFLOP a batch: the main job's model at batch 8
+
+
+def test_auto_parts_rule():
+    """2 parts only on CPU devices, for a micro-batch of >= AUTO_PARTS_MIN_FLOPS a device whose rows split in two,
+    and for models of <= AUTO_PARTS_MAX_PARAMS parameters; each condition flipped alone gives 1."""
+    from jaxformer.model import count_params, flops_per_token, presets
+    from jaxformer.train.step import AUTO_PARTS_MAX_PARAMS, AUTO_PARTS_MIN_FLOPS, auto_parts
+
+    m = presets.get("llama_tiny", vocab_size=264, d_model=128, n_layers=4, max_seq_len=128)
+    assert 4 * flops_per_token(m, 128) * 128 >= AUTO_PARTS_MIN_FLOPS > 2 * flops_per_token(m, 32) * 32  # 4 rows of
+    # 128 tokens clear the bar, 2 rows of 32 do not
+    assert auto_parts(m, 8, 1, 128, 1, cpu=True) == 2
+    assert auto_parts(m, 8, 1, 128, 1, cpu=False) == 1  # GPUs / TPUs
+    assert auto_parts(m, 8, 1, 128, 2, cpu=True) == 2  # 4 rows a device
+    assert auto_parts(m, 8, 2, 128, 1, cpu=True) == 2
+    assert auto_parts(m, 8, 1, 128, 8, cpu=True) == 1  # one row a device
+    assert auto_parts(m, 6, 2, 128, 1, cpu=True) == 1  # micro-batches of 3 rows
+    assert auto_parts(m, 8, 1, 128, 3, cpu=True) == 1  # rows that do not split over the devices
+    assert auto_parts(m, 2, 1, 32, 1, cpu=True) == 1  # too little work: 2 rows of 32 tokens
+    big = presets.get("llama_tiny", vocab_size=32000, d_model=1024, n_layers=8, max_seq_len=128)
+    assert count_params(big) > AUTO_PARTS_MAX_PARAMS and auto_parts(big, 8, 1, 128, 1, cpu=True) == 1
+
+
+def test_auto_resolves_in_make_trainer(corpus):
+    """The trainer resolves "auto" for its mesh (a fake mesh of GPUs: 1 part); the tests' tiny model stays at 1."""
+    from types import SimpleNamespace
+
     one = S.make_mesh(C.MeshConfig(data=1), jax.devices()[:1])
     four = S.make_mesh(C.MeshConfig(data=4), jax.devices()[:4])
 
     def parts(mesh, **top):
-        return resolve_parts(StepSpec.of(tiny_config(corpus, **top)), mesh).optimizer.parallel_parts
+        cfg = tiny_config(corpus, **top)
+        return resolve_parts(StepSpec.of(cfg), mesh, cfg.seq_len).optimizer.parallel_parts
 
     assert tiny_config(corpus).optimizer.parallel_parts == "auto"
-    assert parts(one) == 2 and parts(four) == 2  # batch 8: 8 rows on one device, 2 on each of four
-    assert parts(four, batch_size=4) == 1  # one row a device
-    assert parts(one, batch_size=6, optimizer={"grad_accum": 2}) == 1  # micro-batches of 3 rows
+    assert parts(one) == 1  # the tiny model: 0.05 GFLOP a batch
+    assert parts(one, **MAIN_JOB_SHAPE) == 2 and parts(four, **MAIN_JOB_SHAPE) == 2
+    gpus = SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")]), shape={"data": 1, "fsdp": 1})
+    assert parts(gpus, **MAIN_JOB_SHAPE) == 1
     assert parts(one, optimizer={"parallel_parts": 4}) == 4
-    assert make_trainer(tiny_config(corpus), one).spec.optimizer.parallel_parts == 2
+    assert make_trainer(tiny_config(corpus, **MAIN_JOB_SHAPE), one).spec.optimizer.parallel_parts == 2
+
+
+def test_unresolved_parts_are_refused():
+    with pytest.raises(ValueError, match=r"parallel_parts='auto'.*resolve_parts"):
+        in_parts(lambda p, b, i: None, "auto")
+
+
+def test_info_counts_the_parts_gradients(corpus):
+    from jaxformer.train.info import describe_experiment
+
+    one = describe_experiment(tiny_config(corpus, optimizer={"parallel_parts": 1}, **MAIN_JOB_SHAPE), 1)
+    two = describe_experiment(tiny_config(corpus, **MAIN_JOB_SHAPE), 1)  # auto: 2 on this CPU
+    assert two["parallel_parts"] == 2 and two["bytes_grads"] == 2 * one["bytes_grads"]
+    assert two["bytes_total"] - one["bytes_total"] == one["bytes_grads"]
 
 
 def test_a_data_parallel_step_in_parts_matches_one_device(corpus):
