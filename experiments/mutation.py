@@ -49,6 +49,9 @@ MODEL = ("tests/model/test_oracle.py", "tests/model/test_transformer.py")
 HF = "tests/interop/"
 GGUF = HF + "test_gguf.py"
 
+_AUTO_PARTS_LINE = ("return 2 if cpu and rows and rows % 2 == 0 and work >= AUTO_PARTS_MIN_FLOPS and small "
+                    "else 1")  # jaxformer.train.step.auto_parts
+
 MUTATIONS = [
     # -- Hugging Face interop: the layouts, the config translation and the model options it needs
     Mutation("hf_linear_not_transposed", "jaxformer/interop/rules.py",
@@ -613,16 +616,16 @@ MUTATIONS = [
              ("tests/train/test_parallel_parts.py",),
              "parts as contiguous blocks of rows (the same sums, but on a mesh a part's rows leave their devices)"),
     Mutation("parallel_parts_auto_never", "jaxformer/train/step.py",
-             "return 2 if cpu and rows and rows % 2 == 0 and work >= AUTO_PARTS_MIN_FLOPS and small else 1", "return 1",
+             _AUTO_PARTS_LINE, "return 1",
              ("tests/train/test_parallel_parts.py",), "'auto' never splits a batch, on the CPU too"),
     Mutation("parallel_parts_auto_any_device", "jaxformer/train/step.py",
-             "return 2 if cpu and rows and rows % 2 == 0 and work >= AUTO_PARTS_MIN_FLOPS and small else 1", "return 2 if rows and rows % 2 == 0 and work >= AUTO_PARTS_MIN_FLOPS and small else 1",
+             _AUTO_PARTS_LINE, _AUTO_PARTS_LINE.replace("cpu and rows and", "rows and"),
              ("tests/train/test_parallel_parts.py",), "'auto' splits batches on GPUs and TPUs too"),
     Mutation("parallel_parts_auto_any_work", "jaxformer/train/step.py",
-             "return 2 if cpu and rows and rows % 2 == 0 and work >= AUTO_PARTS_MIN_FLOPS and small else 1", "return 2 if cpu and rows and rows % 2 == 0 and small else 1",
+             _AUTO_PARTS_LINE, _AUTO_PARTS_LINE.replace(" and work >= AUTO_PARTS_MIN_FLOPS", ""),
              ("tests/train/test_parallel_parts.py",), "'auto' splits steps too small to repay the longer compile"),
     Mutation("parallel_parts_auto_any_size", "jaxformer/train/step.py",
-             "return 2 if cpu and rows and rows % 2 == 0 and work >= AUTO_PARTS_MIN_FLOPS and small else 1", "return 2 if cpu and rows and rows % 2 == 0 and work >= AUTO_PARTS_MIN_FLOPS else 1",
+             _AUTO_PARTS_LINE, _AUTO_PARTS_LINE.replace(" and small", ""),
              ("tests/train/test_parallel_parts.py",), "'auto' splits a large model's batches (a second gradient copy)"),
     Mutation("parallel_parts_info_grads_once", "jaxformer/train/info.py",
              '"bytes_grads": g_bytes * parallel_parts,', '"bytes_grads": g_bytes,',

@@ -344,8 +344,8 @@ def main(argv=None):
                         "alpha: 32}': a LoRA fine-tune's step, its frozen base read from the config's model source)")
     p.add_argument("--parts", type=int,
                    help="the library's step with optimizer.parallel_parts=N (default the config's, 'auto': 2 on the "
-                        "CPU for steps of >= 1 GFLOP a micro-batch); whenever the library's step runs more than one part, the one-part step is also timed, "
-                        "as 'library one part'")
+                        "CPU for steps of >= 1 GFLOP a micro-batch); whenever the library's step runs more than one "
+                        "part, the one-part step is also timed, as 'library one part'")
     p.add_argument("--peak-tflops", type=float,
                    help="per-device peak for MFU (default: datasheet bf16 on GPU/TPU, measured fp32 matmul on CPU)")
     args = p.parse_args(argv)

@@ -8,10 +8,10 @@ shardings, once per ``(spec, mesh)``.
 The state is a plain dict pytree ``{"params", "opt_state", "step", "rng"}``;
 ``params`` is ``nnx.to_pure_dict`` of the model state (fp32 master weights;
 the model computes in ``compute_dtype``). The step sums gradients over
-``grad_accum`` micro-batches with a ``lax.scan`` (each micro-batch computed in ``parallel_parts`` independent
-parts side by side, :func:`in_parts`), normalises by the number of scored tokens in the whole batch, and applies
-the optimiser once. It is jitted
-with explicit in/out shardings and the state donated.
+``grad_accum`` micro-batches with a ``lax.scan`` (each micro-batch computed in ``parallel_parts``
+independent parts side by side, :func:`in_parts`), normalises by the number of scored tokens in the
+whole batch, and applies the optimiser once. It is jitted with explicit in/out shardings and the state
+donated.
 
 A LoRA run (``model.lora``; :mod:`jaxformer.train.lora`) trains the adapter alone: its state's
 ``params`` are the ``nnx.LoRAParam`` leaves, the frozen base lives beside the state in
@@ -179,8 +179,8 @@ def opt_state_shardings(abstract_opt, abstract_params, param_shardings, default)
 
 def make_trainer(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Trainer:
     """The optimiser, shardings and jitted steps of ``cfg`` on ``mesh``, compiled once per process for each
-    ``(StepSpec.of(cfg), mesh)`` (its ``parallel_parts`` resolved: :func:`resolve_parts`). A LoRA run (``model.lora``) gets its own trainer (its frozen base is per run)
-    over the cached compiled functions."""
+    ``(StepSpec.of(cfg), mesh)`` (its ``parallel_parts`` resolved: :func:`resolve_parts`). A LoRA run
+    (``model.lora``) gets its own trainer (its frozen base is per run) over the cached compiled functions."""
     spec = resolve_parts(StepSpec.of(cfg), mesh, cfg.seq_len)
     if cfg.model.lora is not None:
         return make_lora_trainer(spec, mesh)

@@ -296,7 +296,8 @@ def test_the_fast_header_read_equals_gguf_readers(tmp_path):
         for key, field in stock.fields.items():
             mine = ours.fields[key]
             assert (mine.types, mine.data, mine.offset) == (field.types, field.data, field.offset), key
-            assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(mine.parts, field.parts, strict=True)), key
+            assert all(np.array_equal(a, b) and a.dtype == b.dtype
+                       for a, b in zip(mine.parts, field.parts, strict=True)), key
         assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in ours.tensors] == \
             [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in stock.tensors]
         assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, stock.tensors, strict=True))
