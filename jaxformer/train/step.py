@@ -211,14 +211,14 @@ AUTO_PARTS_MIN_FLOPS = 1e9
 (``flops_per_token`` x its tokens): the parts' program compiles ~30% longer, which a smaller step does not repay."""
 AUTO_PARTS_MAX_PARAMS = 100_000_000
 """... and only for models of at most this many parameters: both parts' gradients are alive before their sum (one
-more copy of the trained parameters), for 1.03x at SmolLM2-135M's full fine-tune (1.09-1.10x at 0.8-3.3 M)."""
+more copy of the trained parameters), for 1.03x at SmolLM2-135M's full fine-tune (1.04-1.10x at 0.8-3.3 M)."""
 
 
 def auto_parts(model: ModelConfig, batch_size: int, grad_accum: int, seq_len: int, shards: int, cpu: bool) -> int:
     """What ``parallel_parts: auto`` resolves to: 2 on CPU devices where each device's rows of a micro-batch split
     in two, the micro-batch is worth ``AUTO_PARTS_MIN_FLOPS`` a device and the model has at most
     ``AUTO_PARTS_MAX_PARAMS`` parameters; else 1. XLA's CPU runtime runs most of a small model's ops on one thread
-    each and independent ones side by side: on 2-core AMD EPYC Zen 2 CPUs two parts made AdamW steps 1.09-1.10x
+    each and independent ones side by side: on 2-core AMD EPYC Zen 2 CPUs two parts made AdamW steps 1.04-1.10x
     and Muon steps 1.02-1.06x faster (``experiments/results/train_throughput.md``)."""
     micro = batch_size // grad_accum
     rows = micro // shards if micro % shards == 0 else 0
