@@ -24,7 +24,9 @@ Milliseconds per stack (median of ``--repeats``, compile excluded) and each form
 ``--stream`` adds what bounds a batched decode step's products: one dependent chain of 30 feature-major
 ``[1536, 576]`` products (``project_t``, each layer's input the last one's output) over 30 distinct weights
 (streamed from memory, as a step reads them) and over one weight reused 30 times (in cache), beside a plain read
-of the same 30 weights (a jitted sum): the GB/s of weights the products stream against what the cores read.
+of the same 30 weights (a jitted sum, the weights read independently: both cores) and the same read one weight
+after another (each sum waiting for the last, as the chain's products do): the GB/s of weights the products
+stream against what the cores read.
 
     python experiments/bench/decode_matmul.py [--rows 1 2 4 8 16 32 256] [--repeats 15] [--bf16] [--head] [--stream]
 """
@@ -150,11 +152,20 @@ def stream_table(rows_list, repeats, rng, out: int = 1536, width: int = 576, n: 
         return x
 
     read = jax.jit(lambda ws: sum(w.sum() for w in ws))
+
+    @jax.jit
+    def read_chained(ws):  # each weight's sum waits for the last one's (plus 0 unless it is NaN), as the products do
+        acc = jnp.zeros((), jnp.float32)
+        for w in ws:
+            acc = acc + (w + (acc != acc).astype(w.dtype)).sum()
+        return acc
+
     weight_bytes = n * out * width * 4
-    t_read = median_seconds(read, distinct, repeats=repeats)
+    t_read, t_chained = (median_seconds(f, distinct, repeats=repeats) for f in (read, read_chained))
     print(f"\nA chain of {n} feature-major [{out}, {width}] products ({weight_bytes / 1e6:.0f} MB of distinct "
           f"weights); a plain read of them (jitted sum) {t_read * 1e3:.1f} ms = "
-          f"{weight_bytes / t_read / 1e9:.1f} GB/s\n")
+          f"{weight_bytes / t_read / 1e9:.1f} GB/s; read one after another (each sum waiting for the last, as the "
+          f"chain's products do) {t_chained * 1e3:.1f} ms = {weight_bytes / t_chained / 1e9:.1f} GB/s\n")
     print("| rows B | distinct weights ms | GFLOP/s | weights GB/s | one weight reused ms | GFLOP/s "
           "| distinct / reused | weights GB/s / plain read |")
     print("|---|---|---|---|---|---|---|---|")
