@@ -49,8 +49,9 @@ MODEL = ("tests/model/test_oracle.py", "tests/model/test_transformer.py")
 HF = "tests/interop/"
 GGUF = HF + "test_gguf.py"
 
-_AUTO_PARTS_LINE = ("return 2 if cpu and rows and rows % 2 == 0 and work >= AUTO_PARTS_MIN_FLOPS and small "
-                    "else 1")  # jaxformer.train.step.auto_parts
+_AUTO_PARTS_CPU = "    if not cpu or not rows:\n        return 1"  # jaxformer.train.step.auto_parts
+_AUTO_PARTS_TEST = "if rows % parts == 0 and work >= min_flops and size <= max_params), 1)"
+_AUTO_PARTS_TABLE = "AUTO_PARTS = ((4, 40e9, 30_000_000), (2, 1e9, 100_000_000))"
 
 MUTATIONS = [
     # -- Hugging Face interop: the layouts, the config translation and the model options it needs
@@ -616,17 +617,26 @@ MUTATIONS = [
              ("tests/train/test_parallel_parts.py",),
              "parts as contiguous blocks of rows (the same sums, but on a mesh a part's rows leave their devices)"),
     Mutation("parallel_parts_auto_never", "jaxformer/train/step.py",
-             _AUTO_PARTS_LINE, "return 1",
+             _AUTO_PARTS_CPU, "    if True:\n        return 1",
              ("tests/train/test_parallel_parts.py",), "'auto' never splits a batch, on the CPU too"),
     Mutation("parallel_parts_auto_any_device", "jaxformer/train/step.py",
-             _AUTO_PARTS_LINE, _AUTO_PARTS_LINE.replace("cpu and rows and", "rows and"),
+             _AUTO_PARTS_CPU, _AUTO_PARTS_CPU.replace("not cpu or ", ""),
              ("tests/train/test_parallel_parts.py",), "'auto' splits batches on GPUs and TPUs too"),
     Mutation("parallel_parts_auto_any_work", "jaxformer/train/step.py",
-             _AUTO_PARTS_LINE, _AUTO_PARTS_LINE.replace(" and work >= AUTO_PARTS_MIN_FLOPS", ""),
+             _AUTO_PARTS_TEST, _AUTO_PARTS_TEST.replace(" and work >= min_flops", ""),
              ("tests/train/test_parallel_parts.py",), "'auto' splits steps too small to repay the longer compile"),
     Mutation("parallel_parts_auto_any_size", "jaxformer/train/step.py",
-             _AUTO_PARTS_LINE, _AUTO_PARTS_LINE.replace(" and small", ""),
-             ("tests/train/test_parallel_parts.py",), "'auto' splits a large model's batches (a second gradient copy)"),
+             _AUTO_PARTS_TEST, _AUTO_PARTS_TEST.replace(" and size <= max_params", ""),
+             ("tests/train/test_parallel_parts.py",), "'auto' splits a large model's batches (more gradient copies)"),
+    Mutation("parallel_parts_auto_four_any_rows", "jaxformer/train/step.py",
+             _AUTO_PARTS_TEST, _AUTO_PARTS_TEST.replace("rows % parts", "rows % 2"),
+             ("tests/train/test_parallel_parts.py",), "'auto' takes 4 parts where each device's rows split only in two"),
+    Mutation("parallel_parts_auto_no_four", "jaxformer/train/step.py",
+             _AUTO_PARTS_TABLE, "AUTO_PARTS = ((2, 1e9, 100_000_000),)",
+             ("tests/train/test_parallel_parts.py",), "'auto' never takes 4 parts (nanoGPT's batch back to 2)"),
+    Mutation("parallel_parts_auto_four_any_size", "jaxformer/train/step.py",
+             _AUTO_PARTS_TABLE, _AUTO_PARTS_TABLE.replace("30_000_000", "100_000_000"),
+             ("tests/train/test_parallel_parts.py",), "'auto' takes 4 parts up to 100 M parameters (4 gradient copies)"),
     Mutation("parallel_parts_lora_ignored", "jaxformer/train/step.py",
              """    grads, ce_sum, n = accumulate(jax.grad(loss, has_aux=True), state["params"], batch, spec.optimizer.grad_accum,
                                   spec.optimizer.parallel_parts)""",

@@ -16,8 +16,9 @@ the same warmup + cosine schedule. ``--before`` adds the library's step as it wa
 (attention differentiated by plain autodiff through ``xla_attention``), ``--no-chunks`` the step
 without causal attention chunks and ``--einsum`` the step with its projections as einsums over the
 ``[B, T, ...]`` activations (before issue 23), each compiled in the same process. Where the library's step
-computes each batch in more than one part side by side (``optimizer.parallel_parts``: "auto", 2 on the CPU for
-steps of >= 1 GFLOP a micro-batch, or ``--parts N``), the one-part step is timed beside it ("library one part").
+computes each batch in more than one part side by side (``optimizer.parallel_parts``: "auto", 4 or 2 on the CPU
+by the micro-batch's work and the model's size, or ``--parts N``), the one-part step is timed beside it ("library
+one part"); ``--also-parts N ...`` times other part counts beside them ("library N parts").
 
 The script checks that every contender's first loss agrees with the library's, then times them in
 alternating rounds (``--steps`` steps per round) so a busy machine slows each alike; the table shows
@@ -343,9 +344,12 @@ def main(argv=None):
                    help="with --config: an override, as on jaxformer's command line (e.g. 'model.lora={rank: 16, "
                         "alpha: 32}': a LoRA fine-tune's step, its frozen base read from the config's model source)")
     p.add_argument("--parts", type=int,
-                   help="the library's step with optimizer.parallel_parts=N (default the config's, 'auto': 2 on the "
-                        "CPU for steps of >= 1 GFLOP a micro-batch); whenever the library's step runs more than one "
+                   help="the library's step with optimizer.parallel_parts=N (default the config's, 'auto': 4 or 2 on "
+                        "the CPU, jaxformer.train.step.AUTO_PARTS); whenever the library's step runs more than one "
                         "part, the one-part step is also timed, as 'library one part'")
+    p.add_argument("--also-parts", type=int, nargs="+", default=[], metavar="N",
+                   help="also time the library's step with optimizer.parallel_parts=N for each N (rows 'library N "
+                        "parts'; the one-part step is then timed too): the part counts side by side in one run")
     p.add_argument("--peak-tflops", type=float,
                    help="per-device peak for MFU (default: datasheet bf16 on GPU/TPU, measured fp32 matmul on CPU)")
     args = p.parse_args(argv)
@@ -393,11 +397,12 @@ def main(argv=None):
                 for n, on in (("before", args.before), ("no chunks", args.no_chunks), ("einsum", args.einsum)) if on}
     if args.scan_remat:
         variants["library scan+remat"] = scan_remat_step(cfg, mesh, state, batches[0])
-    if trainer.spec.optimizer.parallel_parts > 1:  # "auto" resolved: 2 on the CPU where the batch splits
-        one = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"parallel_parts": 1})})
-        compiled = make_trainer(one, mesh).train_step.lower(state, batches[0]).compile()
-        variants["library one part"] = [compiled if trainer.frozen is None else _Frozen(compiled, trainer.frozen),
-                                        jax.tree.map(jnp.copy, state)]
+    ran = trainer.spec.optimizer.parallel_parts  # "auto" resolved
+    for n in sorted({1, *args.also_parts} - {ran}) if ran > 1 or args.also_parts else ():
+        other = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"parallel_parts": n})})
+        compiled = make_trainer(other, mesh).train_step.lower(state, batches[0]).compile()
+        variants["library one part" if n == 1 else f"library {n} parts"] = [
+            compiled if trainer.frozen is None else _Frozen(compiled, trainer.frozen), jax.tree.map(jnp.copy, state)]
     if variants:  # each variant must be its own program, or its row times the library (or another variant) again
         texts = {"library": trainer.train_step.lower(state, batches[0]).compile().as_text(),
                  **{name: v[0].as_text() for name, v in variants.items()}}
@@ -464,6 +469,8 @@ def main(argv=None):
     print(cpu_line())
     print(f"device {jax.devices()[0].device_kind}; model d={args.d_model} L={args.layers} H={cfg.model.attention.n_heads} "
           f"T={cfg.seq_len} B={cfg.batch_size} {args.dtype}; {fpt / 1e6:.1f} MFLOP/token; MFU vs {peak_src}")
+    print(f"library: {trainer.spec.optimizer.parallel_parts} part(s) a micro-batch (optimizer.parallel_parts="
+          f"{cfg.optimizer.parallel_parts!r})")
     print(f"{'step':<16}{'ms/step':>10}{'tokens/s':>14}{'MFU':>8}{'CPU ms/step':>13}")
     rows = {}
     for name, ts in times.items():
@@ -479,6 +486,11 @@ def main(argv=None):
             print(f"ratio library / {name} tokens/s: {rows['library'] / rows[name]:.3f} "
                   f"(per round: {' '.join(f'{r:.2f}' for r in per_round[name])}; goal >= {goal}); "
                   f"CPU time per step {cpu_med[name] / cpu_med['library']:.3f}")
+    for name in (k for k in rows if k.endswith(" parts") and "library one part" in rows):
+        ratios = [b / a for a, b in zip(times[name], times["library one part"])]
+        print(f"ratio {name} / library one part tokens/s: {rows[name] / rows['library one part']:.3f} "
+              f"(per round: {' '.join(f'{r:.2f}' for r in ratios)}); CPU time per step "
+              f"{cpu_med['library one part'] / cpu_med[name]:.3f}")
     if "library scan+remat" in rows:
         for name in ("library", "torch eager"):
             if name in rows and name != "library scan+remat":

@@ -206,25 +206,30 @@ def in_parts(grad_fn, parts: int):
     return summed
 
 
-AUTO_PARTS_MIN_FLOPS = 1e9
-"""``parallel_parts: auto`` takes 2 parts only for a micro-batch of at least this many training FLOPs a device
-(``flops_per_token`` x its tokens): the parts' program compiles ~30% longer, which a smaller step does not repay."""
-AUTO_PARTS_MAX_PARAMS = 100_000_000
-"""... and only for models of at most this many parameters: both parts' gradients are alive before their sum (one
-more copy of the trained parameters), for 1.03x at SmolLM2-135M's full fine-tune (1.04-1.10x at 0.8-3.3 M)."""
+AUTO_PARTS = ((4, 40e9, 30_000_000), (2, 1e9, 100_000_000))
+"""``parallel_parts: auto`` on CPU devices: rows of ``(parts, min FLOPs, max parameters)``, the first that a step
+meets chosen: each device's rows of a micro-batch split into ``parts``, the micro-batch is worth at least ``min
+FLOPs`` training FLOPs a device, the model has at most ``max parameters``. Measured on 2-core AMD EPYC Zen 2 CPUs
+(``experiments/results/train_throughput.md``, paired in one process): two parts 1.04-1.10x a one-part AdamW step
+at 0.8-3.3 M parameters, 1.03x at 135 M; four parts 1.10-1.12x at nanoGPT's 92 GFLOP batch and at 25 M
+parameters, where two gave 1.04-1.09x. The bars: the parts' program compiles ~30% longer, which a step under
+1 GFLOP does not repay; four parts of under ~6 GFLOP each did no better than two, or worse (nanoGPT's shape at 4
+rows: 0.96x one part, two 1.03x), nor did four at 85 M parameters (1.05x, as two), whose gradients are alive
+side by side before their sum (``parts - 1`` more copies of the trained parameters)."""
 
 
 def auto_parts(model: ModelConfig, batch_size: int, grad_accum: int, seq_len: int, shards: int, cpu: bool) -> int:
-    """What ``parallel_parts: auto`` resolves to: 2 on CPU devices where each device's rows of a micro-batch split
-    in two, the micro-batch is worth ``AUTO_PARTS_MIN_FLOPS`` a device and the model has at most
-    ``AUTO_PARTS_MAX_PARAMS`` parameters; else 1. XLA's CPU runtime runs most of a small model's ops on one thread
-    each and independent ones side by side: on 2-core AMD EPYC Zen 2 CPUs two parts made AdamW steps 1.04-1.10x
-    and Muon steps 1.02-1.06x faster (``experiments/results/train_throughput.md``)."""
+    """What ``parallel_parts: auto`` resolves to: on CPU devices the first of :data:`AUTO_PARTS` that the
+    micro-batch (``batch_size // grad_accum`` rows of ``seq_len`` tokens over ``shards`` devices) and the model
+    meet; else 1. XLA's CPU runtime runs most of a small model's ops on one thread each and independent ones side by
+    side, and each part's activations are smaller."""
     micro = batch_size // grad_accum
     rows = micro // shards if micro % shards == 0 else 0
-    work = flops_per_token(model, seq_len) * seq_len * rows
-    small = count_params(model) <= AUTO_PARTS_MAX_PARAMS
-    return 2 if cpu and rows and rows % 2 == 0 and work >= AUTO_PARTS_MIN_FLOPS and small else 1
+    if not cpu or not rows:
+        return 1
+    work, size = flops_per_token(model, seq_len) * seq_len * rows, count_params(model)
+    return next((parts for parts, min_flops, max_params in AUTO_PARTS
+                 if rows % parts == 0 and work >= min_flops and size <= max_params), 1)
 
 
 def resolve_parts(spec: StepSpec, mesh: jax.sharding.Mesh, seq_len: int) -> StepSpec:

@@ -2,12 +2,14 @@
 
 The parts' summed gradients, cross-entropy and token count must equal the whole micro-batch's (the same sums in
 another order: fp32 rounding, tolerance below), with and without ``grad_accum`` and on a data-parallel mesh;
-each part gets its own micro-batch index (its dropout keys); "auto" takes 2 parts on CPU devices for a
-micro-batch of enough work whose rows split in two, for models that are not too large, and 1 otherwise; a count
+each part gets its own micro-batch index (its dropout keys); "auto" takes 4 or 2 parts on CPU devices for a
+micro-batch of enough work whose rows split so, for models that are not too large, and 1 otherwise; a count
 that does not divide is refused naming the keys.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -78,14 +80,16 @@ MAIN_JOB_SHAPE = dict(model={"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_
 
 
 def test_auto_parts_rule():
-    """2 parts only on CPU devices, for a micro-batch of >= AUTO_PARTS_MIN_FLOPS a device whose rows split in two,
-    and for models of <= AUTO_PARTS_MAX_PARAMS parameters; each condition flipped alone gives 1."""
+    """On CPU devices 4 parts for a micro-batch of >= 40 GFLOP a device whose rows split in four, of a model of <= 30 M
+    parameters; else 2 for >= 1 GFLOP whose rows split in two, of <= 100 M; else 1. Each condition flipped alone
+    falls to the next row; the measured shapes resolve as measured (nanoGPT's batch of 16: 4; at 4 rows: 2; the
+    main job's: 2)."""
     from jaxformer.model import count_params, flops_per_token, presets
-    from jaxformer.train.step import AUTO_PARTS_MAX_PARAMS, AUTO_PARTS_MIN_FLOPS, auto_parts
+    from jaxformer.train.step import auto_parts
 
     m = presets.get("llama_tiny", vocab_size=264, d_model=128, n_layers=4, max_seq_len=128)
-    assert 4 * flops_per_token(m, 128) * 128 >= AUTO_PARTS_MIN_FLOPS > 2 * flops_per_token(m, 32) * 32  # 4 rows of
-    # 128 tokens clear the bar, 2 rows of 32 do not
+    row = flops_per_token(m, 128) * 128
+    assert 4 * row >= 1e9 > 2 * flops_per_token(m, 32) * 32  # 4 rows of 128 tokens clear 2 parts' bar, 2 of 32 not
     assert auto_parts(m, 8, 1, 128, 1, cpu=True) == 2
     assert auto_parts(m, 8, 1, 128, 1, cpu=False) == 1  # GPUs / TPUs
     assert auto_parts(m, 8, 1, 128, 2, cpu=True) == 2  # 4 rows a device
@@ -94,8 +98,25 @@ def test_auto_parts_rule():
     assert auto_parts(m, 6, 2, 128, 1, cpu=True) == 1  # micro-batches of 3 rows
     assert auto_parts(m, 8, 1, 128, 3, cpu=True) == 1  # rows that do not split over the devices
     assert auto_parts(m, 2, 1, 32, 1, cpu=True) == 1  # too little work: 2 rows of 32 tokens
+    four = 4 * int(np.ceil(40e9 / row / 4))  # the fewest rows, in fours, worth 40 GFLOP
+    assert (four - 4) * row < 40e9 <= four * row
+    assert auto_parts(m, four, 1, 128, 1, cpu=True) == 4
+    assert auto_parts(m, four, 1, 128, 1, cpu=False) == 1
+    assert auto_parts(m, 2 * four, 1, 128, 2, cpu=True) == 4  # per device
+    assert auto_parts(m, 2 * four, 1, 128, 1, cpu=True) == 4
+    assert auto_parts(m, 2 * four, 2, 128, 2, cpu=True) == 2  # micro-batches of `four` rows, `four / 2` a device
+    assert auto_parts(m, four - 4, 1, 128, 1, cpu=True) == 2  # under 40 GFLOP
+    assert auto_parts(m, four + 2, 1, 128, 1, cpu=True) == 2  # rows that do not split in four
+    mid = presets.get("llama_tiny", vocab_size=264, d_model=768, n_layers=8, max_seq_len=128)
+    assert 30e6 < count_params(mid) <= 100e6 and flops_per_token(mid, 128) * 128 * 64 >= 40e9
+    assert auto_parts(mid, 64, 1, 128, 1, cpu=True) == 2
     big = presets.get("llama_tiny", vocab_size=32000, d_model=1024, n_layers=8, max_seq_len=128)
-    assert count_params(big) > AUTO_PARTS_MAX_PARAMS and auto_parts(big, 8, 1, 128, 1, cpu=True) == 1
+    assert count_params(big) > 100e6 and auto_parts(big, 64, 1, 128, 1, cpu=True) == 1
+    nano = presets.get("gpt2_small", vocab_size=264, d_model=256, n_layers=4, n_heads=4, max_seq_len=256)
+    assert auto_parts(nano, 16, 1, 256, 1, cpu=True) == 4 and auto_parts(nano, 4, 1, 256, 1, cpu=True) == 2
+    main_job = C.load(Path(__file__).resolve().parents[2] / "experiments" / "configs" / "stdlib_bpe.yaml")
+    assert auto_parts(main_job.model, main_job.batch_size, main_job.optimizer.grad_accum, main_job.seq_len, 1,
+                      cpu=True) == 2
 
 
 def test_auto_resolves_in_make_trainer(corpus):

@@ -19,18 +19,19 @@ def test_train_throughput_bench_toy(capsys):
 
     bench = _bench()
     with jax.numpy_rank_promotion("allow"):  # the hand-written step broadcasts implicitly, as users write it
-        rows = bench.main(["--d-model", "64", "--layers", "1", "--seq-len", "128", "--batch", "2", "--steps", "1",
+        rows = bench.main(["--d-model", "64", "--layers", "1", "--seq-len", "128", "--batch", "4", "--steps", "1",
                            "--rounds", "1", "--before", "--no-chunks", "--einsum", "--scan-remat", "--vs-torch",
-                           "--peak-tflops", "1", "--parts", "2"])
+                           "--peak-tflops", "1", "--parts", "2", "--also-parts", "4"])
     out = capsys.readouterr().out
     assert {"library", "library before", "library no chunks", "library einsum", "library scan+remat",
-            "library one part", "hand-written"} <= set(rows)  # one part: the library's step runs 2 (--parts 2)
+            "library one part", "library 4 parts", "hand-written"} <= set(rows)  # the library's step runs 2 parts
     assert all(v > 0 for v in rows.values())
     assert "DISAGREE" not in out and out.count("(agree within") == len(rows) - 1
     assert "ratio library / library before tokens/s" in out and "MFU vs 1 TFLOP/s per process" in out
     assert ("compiled programs differ: library, library before, library no chunks, library einsum, "
-            "library scan+remat, library one part") in out
-    assert "ratio library / library one part tokens/s" in out
+            "library scan+remat, library one part, library 4 parts") in out
+    assert "ratio library / library one part tokens/s" in out and "library: 2 part(s) a micro-batch" in out
+    assert "ratio library 4 parts / library one part tokens/s" in out
     assert "ratio library scan+remat / library tokens/s" in out
     try:
         import torch  # noqa: F401
