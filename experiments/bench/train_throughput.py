@@ -349,7 +349,8 @@ def main(argv=None):
                         "part, the one-part step is also timed, as 'library one part'")
     p.add_argument("--also-parts", type=int, nargs="+", default=[], metavar="N",
                    help="also time the library's step with optimizer.parallel_parts=N for each N (rows 'library N "
-                        "parts'; the one-part step is then timed too): the part counts side by side in one run")
+                        "parts', each with its ratio to the one-part step, timed too where the library's step runs "
+                        "more than one part): the part counts side by side in one run")
     p.add_argument("--peak-tflops", type=float,
                    help="per-device peak for MFU (default: datasheet bf16 on GPU/TPU, measured fp32 matmul on CPU)")
     args = p.parse_args(argv)
@@ -364,6 +365,13 @@ def main(argv=None):
     else:
         cfg = experiment(args)
     mesh = S.make_mesh(cfg.mesh)
+    for n in args.also_parts:  # before anything is built
+        try:
+            if n < 1:
+                raise ValueError("a number of parts >= 1")
+            S.check_batch(cfg.batch_size, cfg.optimizer.grad_accum, mesh.shape, n)
+        except ValueError as e:
+            p.error(f"--also-parts {n}: {e}")
     trainer = make_trainer(cfg, mesh)
     if cfg.model.lora is not None:  # a LoRA step: its frozen base read from the model's source
         from jaxformer.train.lora import attach_base
@@ -398,6 +406,9 @@ def main(argv=None):
     if args.scan_remat:
         variants["library scan+remat"] = scan_remat_step(cfg, mesh, state, batches[0])
     ran = trainer.spec.optimizer.parallel_parts  # "auto" resolved
+    for n in args.also_parts:
+        if n == ran:
+            print(f"--also-parts {n}: the library's own step runs {n} part(s) (its row is 'library')")
     for n in sorted({1, *args.also_parts} - {ran}) if ran > 1 or args.also_parts else ():
         other = cfg.model_copy(update={"optimizer": cfg.optimizer.model_copy(update={"parallel_parts": n})})
         compiled = make_trainer(other, mesh).train_step.lower(state, batches[0]).compile()
@@ -486,11 +497,12 @@ def main(argv=None):
             print(f"ratio library / {name} tokens/s: {rows['library'] / rows[name]:.3f} "
                   f"(per round: {' '.join(f'{r:.2f}' for r in per_round[name])}; goal >= {goal}); "
                   f"CPU time per step {cpu_med[name] / cpu_med['library']:.3f}")
-    for name in (k for k in rows if k.endswith(" parts") and "library one part" in rows):
-        ratios = [b / a for a, b in zip(times[name], times["library one part"])]
-        print(f"ratio {name} / library one part tokens/s: {rows[name] / rows['library one part']:.3f} "
+    one = "library one part" if "library one part" in rows else "library"  # the library's step in one part
+    for name in (k for k in rows if k.endswith(" parts")):
+        ratios = [b / a for a, b in zip(times[name], times[one])]
+        print(f"ratio {name} / {one} (one part) tokens/s: {rows[name] / rows[one]:.3f} "
               f"(per round: {' '.join(f'{r:.2f}' for r in ratios)}); CPU time per step "
-              f"{cpu_med['library one part'] / cpu_med[name]:.3f}")
+              f"{cpu_med[one] / cpu_med[name]:.3f}")
     if "library scan+remat" in rows:
         for name in ("library", "torch eager"):
             if name in rows and name != "library scan+remat":

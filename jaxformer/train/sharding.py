@@ -127,8 +127,9 @@ def check_batch(batch_size: int, grad_accum: int, mesh_shape, parallel_parts: in
         raise ValueError(f"micro-batch batch_size/grad_accum={batch_size}/{grad_accum}={micro} "
                          f"not divisible by data*fsdp={shards} on mesh {where}")
     if micro % (parallel_parts * shards):
-        raise ValueError(f"micro-batch batch_size/grad_accum={batch_size}/{grad_accum}={micro} in "
-                         f"parallel_parts={parallel_parts}: parts not divisible by data*fsdp={shards} on mesh {where}")
+        raise ValueError(f"micro-batch batch_size/grad_accum={batch_size}/{grad_accum}={micro} does not split into "
+                         f"parallel_parts={parallel_parts} parts of whole rows on each of data*fsdp={shards} devices "
+                         f"(mesh {where})")
 
 
 def put_batch(batch, mesh: Mesh):

@@ -211,11 +211,12 @@ AUTO_PARTS = ((4, 40e9, 30_000_000), (2, 1e9, 100_000_000))
 meets chosen: each device's rows of a micro-batch split into ``parts``, the micro-batch is worth at least ``min
 FLOPs`` training FLOPs a device, the model has at most ``max parameters``. Measured on 2-core AMD EPYC Zen 2 CPUs
 (``experiments/results/train_throughput.md``, paired in one process): two parts 1.04-1.10x a one-part AdamW step
-at 0.8-3.3 M parameters, 1.03x at 135 M; four parts 1.10-1.12x at nanoGPT's 92 GFLOP batch and at 25 M
-parameters, where two gave 1.04-1.09x. The bars: the parts' program compiles ~30% longer, which a step under
-1 GFLOP does not repay; four parts of under ~6 GFLOP each did no better than two, or worse (nanoGPT's shape at 4
-rows: 0.96x one part, two 1.03x), nor did four at 85 M parameters (1.05x, as two), whose gradients are alive
-side by side before their sum (``parts - 1`` more copies of the trained parameters)."""
+at 0.8-3.3 M parameters, 1.03x at 135 M; four parts 1.10-1.14x at nanoGPT's 92 GFLOP batch and 1.10x at 25 M
+parameters, where two gave 1.04-1.07x. The bars: the parts' program compiles longer (nanoGPT's shape: 3.4 s in
+one part, 5.6 in two, 8.4 in four), which a step under 1 GFLOP does not repay; four parts of 2-6 GFLOP each gained
+no more than two or lost (nanoGPT's shape at 4 rows: 0.96x one part, two 1.03x), nor did four at 85 M parameters
+(1.05x, as two), whose gradients are alive side by side before their sum (``parts - 1`` more copies of the
+trained parameters). The 40 GFLOP and 30 M bars lie between measured shapes (23 and 46 GFLOP; 25 and 85 M)."""
 
 
 def auto_parts(model: ModelConfig, batch_size: int, grad_accum: int, seq_len: int, shards: int, cpu: bool) -> int:

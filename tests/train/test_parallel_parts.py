@@ -81,9 +81,9 @@ MAIN_JOB_SHAPE = dict(model={"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_
 
 def test_auto_parts_rule():
     """On CPU devices 4 parts for a micro-batch of >= 40 GFLOP a device whose rows split in four, of a model of <= 30 M
-    parameters; else 2 for >= 1 GFLOP whose rows split in two, of <= 100 M; else 1. Each condition flipped alone
-    falls to the next row; the measured shapes resolve as measured (nanoGPT's batch of 16: 4; at 4 rows: 2; the
-    main job's: 2)."""
+    parameters; else 2 for >= 1 GFLOP whose rows split in two, of <= 100 M; else 1. Each bar is pinned from both
+    sides; the measured shapes resolve as measured (nanoGPT's batch of 16: 4, of 4: 2; 25 M parameters: 4, 85 M:
+    2; the main job: 2)."""
     from jaxformer.model import count_params, flops_per_token, presets
     from jaxformer.train.step import auto_parts
 
@@ -98,6 +98,9 @@ def test_auto_parts_rule():
     assert auto_parts(m, 6, 2, 128, 1, cpu=True) == 1  # micro-batches of 3 rows
     assert auto_parts(m, 8, 1, 128, 3, cpu=True) == 1  # rows that do not split over the devices
     assert auto_parts(m, 2, 1, 32, 1, cpu=True) == 1  # too little work: 2 rows of 32 tokens
+    short = flops_per_token(m, 32) * 32
+    assert 6 * short < 1e9 <= 8 * short  # the bar between 6 and 8 rows of 32 tokens
+    assert auto_parts(m, 8, 1, 32, 1, cpu=True) == 2 and auto_parts(m, 6, 1, 32, 1, cpu=True) == 1
     four = 4 * int(np.ceil(40e9 / row / 4))  # the fewest rows, in fours, worth 40 GFLOP
     assert (four - 4) * row < 40e9 <= four * row
     assert auto_parts(m, four, 1, 128, 1, cpu=True) == 4
@@ -105,15 +108,22 @@ def test_auto_parts_rule():
     assert auto_parts(m, 2 * four, 1, 128, 2, cpu=True) == 4  # per device
     assert auto_parts(m, 2 * four, 1, 128, 1, cpu=True) == 4
     assert auto_parts(m, 2 * four, 2, 128, 2, cpu=True) == 2  # micro-batches of `four` rows, `four / 2` a device
+    assert auto_parts(m, 2 * (four - 4), 1, 128, 2, cpu=True) == 2  # the work is a device's: under 40 GFLOP each
     assert auto_parts(m, four - 4, 1, 128, 1, cpu=True) == 2  # under 40 GFLOP
     assert auto_parts(m, four + 2, 1, 128, 1, cpu=True) == 2  # rows that do not split in four
-    mid = presets.get("llama_tiny", vocab_size=264, d_model=768, n_layers=8, max_seq_len=128)
-    assert 30e6 < count_params(mid) <= 100e6 and flops_per_token(mid, 128) * 128 * 64 >= 40e9
-    assert auto_parts(mid, 64, 1, 128, 1, cpu=True) == 2
-    big = presets.get("llama_tiny", vocab_size=32000, d_model=1024, n_layers=8, max_seq_len=128)
-    assert count_params(big) > 100e6 and auto_parts(big, 64, 1, 128, 1, cpu=True) == 1
+    def sized(d_model, n_layers):  # 4 rows of 128 tokens: >= 40 GFLOP at every size below
+        model = presets.get("llama_tiny", vocab_size=264, d_model=d_model, n_layers=n_layers, max_seq_len=128)
+        assert flops_per_token(model, 128) * 128 * 4 >= 40e9
+        return count_params(model), auto_parts(model, 4, 1, 128, 1, cpu=True)
+
+    assert sized(512, 10) == (29_280_768, 4) and sized(640, 7) == (31_958_400, 2)  # the 30 M cap
+    assert sized(1024, 8) == (92_963_840, 2) and sized(1024, 9) == (104_516_608, 1)  # the 100 M cap
     nano = presets.get("gpt2_small", vocab_size=264, d_model=256, n_layers=4, n_heads=4, max_seq_len=256)
     assert auto_parts(nano, 16, 1, 256, 1, cpu=True) == 4 and auto_parts(nano, 4, 1, 256, 1, cpu=True) == 2
+    for d_model, n_layers, batch, want in ((512, 8, 16, 4), (768, 12, 8, 2)):  # 25 M and 85 M parameters
+        gpt = presets.get("gpt2_small", vocab_size=264, d_model=d_model, n_layers=n_layers, n_heads=d_model // 64,
+                          max_seq_len=256)
+        assert auto_parts(gpt, batch, 1, 256, 1, cpu=True) == want, (d_model, n_layers)
     main_job = C.load(Path(__file__).resolve().parents[2] / "experiments" / "configs" / "stdlib_bpe.yaml")
     assert auto_parts(main_job.model, main_job.batch_size, main_job.optimizer.grad_accum, main_job.seq_len, 1,
                       cpu=True) == 2
@@ -151,6 +161,8 @@ def test_info_counts_the_parts_gradients(corpus):
     two = describe_experiment(tiny_config(corpus, **MAIN_JOB_SHAPE), 1)  # auto: 2 on this CPU
     assert two["parallel_parts"] == 2 and two["bytes_grads"] == 2 * one["bytes_grads"]
     assert two["bytes_total"] - one["bytes_total"] == one["bytes_grads"]
+    four = describe_experiment(tiny_config(corpus, optimizer={"parallel_parts": 4}, **MAIN_JOB_SHAPE), 1)
+    assert four["parallel_parts"] == 4 and four["bytes_grads"] == 4 * one["bytes_grads"]
 
 
 def test_a_data_parallel_step_in_parts_matches_one_device(corpus):
@@ -176,7 +188,7 @@ def test_a_data_parallel_step_in_parts_matches_one_device(corpus):
 def test_a_count_that_does_not_divide_is_refused(corpus):
     with pytest.raises(ValueError, match=r"not divisible by optimizer.parallel_parts=3"):
         tiny_config(corpus, optimizer={"parallel_parts": 3})
-    with pytest.raises(ValueError, match=r"parallel_parts=2: parts not divisible by data\*fsdp=8"):
+    with pytest.raises(ValueError, match=r"parallel_parts=2 parts of whole rows on each of data\*fsdp=8 devices"):
         make_trainer(tiny_config(corpus, optimizer={"parallel_parts": 2}),
                      S.make_mesh(C.MeshConfig(data=8), jax.devices()[:8]))
     with pytest.raises(ValueError):

@@ -31,7 +31,7 @@ def test_train_throughput_bench_toy(capsys):
     assert ("compiled programs differ: library, library before, library no chunks, library einsum, "
             "library scan+remat, library one part, library 4 parts") in out
     assert "ratio library / library one part tokens/s" in out and "library: 2 part(s) a micro-batch" in out
-    assert "ratio library 4 parts / library one part tokens/s" in out
+    assert "ratio library 4 parts / library one part (one part) tokens/s" in out
     assert "ratio library scan+remat / library tokens/s" in out
     try:
         import torch  # noqa: F401
@@ -39,6 +39,26 @@ def test_train_throughput_bench_toy(capsys):
         assert "torch is not importable here; skipped" in out
     else:
         assert "torch eager" in rows and "MISMATCH" not in out
+
+
+@pytest.mark.slow  # 6 s
+def test_also_parts_beside_a_one_part_library_step(capsys):
+    """With the library's own step in one part, the other part counts are compared with it."""
+    rows = _bench().main(["--d-model", "64", "--layers", "1", "--seq-len", "32", "--batch", "4", "--steps", "1",
+                          "--rounds", "1", "--no-hand", "--parts", "1", "--also-parts", "2", "1"])
+    out = capsys.readouterr().out
+    assert set(rows) == {"library", "library 2 parts"}
+    assert "library: 1 part(s) a micro-batch" in out and "--also-parts 1: the library's own step runs 1 part" in out
+    assert "ratio library 2 parts / library (one part) tokens/s" in out
+
+
+@pytest.mark.parametrize("n", [3, 0])
+def test_also_parts_refuses_a_count_that_does_not_split_the_batch(n, capsys):
+    with pytest.raises(SystemExit):
+        _bench().main(["--d-model", "64", "--layers", "1", "--seq-len", "32", "--batch", "4", "--also-parts", str(n)])
+    err = capsys.readouterr().err
+    assert ("--also-parts 3: micro-batch batch_size/grad_accum=4/1=4 does not split into parallel_parts=3 parts"
+            if n == 3 else "--also-parts 0: a number of parts >= 1") in err
 
 
 def test_torch_twin_matches_the_library_where_torch_is_installed():
