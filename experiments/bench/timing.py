@@ -56,18 +56,40 @@ def cpu_line() -> str:
 XLA_RUNTIME_SPANS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener", "end: ")  # the executor's own
 
 
+def xla_op_events(trace_dir: str) -> list[tuple[int, int, str]]:
+    """``(start_ns, end_ns, HLO instruction)`` of every XLA CPU op in a ``jax.profiler.trace(trace_dir)`` run with
+    ``--xla_cpu_enable_xprof_traceme=true``, over all of XLA's threads (the executor's own spans left out)."""
+    import glob
+
+    data = jax.profiler.ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+    return [(ev.start_ns, ev.start_ns + ev.duration_ns, ev.name)
+            for plane in data.planes for line in plane.lines if line.name.startswith("tf_XLA")
+            for ev in line.events if not ev.name.startswith(XLA_RUNTIME_SPANS)]
+
+
 def xla_op_ns(trace_dir: str, steps: int) -> dict[str, float]:
     """Nanoseconds per step of each XLA CPU op in a ``jax.profiler.trace(trace_dir)`` of ``steps`` steps run
     with ``--xla_cpu_enable_xprof_traceme=true``: ops by HLO instruction name, summed over XLA's threads."""
     import collections
-    import glob
 
-    data = jax.profiler.ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
     op_ns = collections.Counter()
-    for plane in data.planes:
-        for line in plane.lines:
-            if line.name.startswith("tf_XLA"):
-                for ev in line.events:
-                    if not ev.name.startswith(XLA_RUNTIME_SPANS):
-                        op_ns[ev.name] += ev.duration_ns / steps
+    for start, end, name in xla_op_events(trace_dir):
+        op_ns[name] += (end - start) / steps
     return op_ns
+
+
+def ops_running(events: list[tuple[int, int, str]]) -> dict[int, float]:
+    """Of the span from the first op's start to the last op's end, the fraction with ``k`` ops running at once
+    (``{0: .., 1: .., 2: ..}``, 2 meaning two or more): how well a program keeps a CPU's threads busy. An op that
+    hands its work to another pool is traced for its launch only (XLA's Eigen dots, when XLA has more than one
+    thread), so "0" holds that work as well as the runtime's gaps."""
+    edges = sorted([(s, 1) for s, _, _ in events] + [(e, -1) for _, e, _ in events])
+    if not edges:
+        return {}
+    span = edges[-1][0] - edges[0][0]
+    busy = {0: 0, 1: 0, 2: 0}
+    running, last = 0, edges[0][0]
+    for t, step in edges:
+        busy[min(running, 2)] += t - last
+        running, last = running + step, t
+    return {k: v / span for k, v in busy.items()} if span else {}

@@ -12,6 +12,12 @@ before JAX starts), each named after its HLO instruction; an op whose instructio
 holds a dot is a matmul, and its FLOPs are read off the dot's shapes (so GFLOP/s per class is printed).
 Matmuls are split by who runs them: XLA's YNNPACK fusions or its Eigen dots (what XLA falls back to, e.g.
 for a dot whose operands it transposed). PyTorch's ops are grouped by aten name.
+
+A line above the table says how busy the step keeps the threads: of the traced span, the share with no XLA op
+running, one, and two or more (``timing.ops_running``). Unpinned (XLA's 2-thread pool on 2 cores) that is where a
+step loses to two cores; the "none" share also holds the Eigen dots' contractions, which run in Eigen's pool
+outside their traced launch when XLA has more than one thread (their traced time at 2 threads is a fifth of their
+one-core time).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from jaxformer.train import sharding as S  # noqa: E402
 from jaxformer.train.corpus import build_corpus  # noqa: E402
 from jaxformer.train.pipeline import TrainIterator  # noqa: E402
 from jaxformer.train.step import make_trainer  # noqa: E402
-from timing import cpu_line, xla_op_ns  # noqa: E402
+from timing import cpu_line, ops_running, xla_op_events  # noqa: E402
 
 def _shapes(hlo: str) -> dict[str, list[int]]:
     return {m[1]: [int(d) for d in m[2].split(",") if d] for m in re.finditer(r"%([\w.\-]+) = \w+\[([\d,]*)\]", hlo)}
@@ -88,8 +94,12 @@ def profile_library(cfg, mesh, batch, steps: int):
             for _ in range(steps):
                 state, m = compiled(state, batch)
             jax.block_until_ready(state)
-        op_ns = xla_op_ns(d, steps)
-    return classify_xla(op_ns, compiled.as_text())
+        events = xla_op_events(d)
+    op_ns = collections.Counter()
+    for start, end, name in events:
+        op_ns[name] += (end - start) / steps
+    span = (max(e for _, e, _ in events) - min(s for s, _, _ in events)) / steps
+    return classify_xla(op_ns, compiled.as_text()), ops_running(events), span, trainer.spec.optimizer.parallel_parts
 
 
 def profile_torch(step, steps: int):
@@ -127,13 +137,14 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=3, help="profiled steps (after 2 warm-up steps)")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--parts", type=int, help="optimizer.parallel_parts (default 'auto', as the library trains)")
     args = p.parse_args(argv)
     args.dtype, args.attention = "float32", "xla"
     cfg = tt.experiment(args)
     mesh = S.make_mesh(cfg.mesh)
     it = TrainIterator(build_corpus(C.DataConfig()), seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=0)
     host = next(it)
-    lib = profile_library(cfg, mesh, S.put_batch(host, mesh), args.steps)
+    lib, running, span, parts = profile_library(cfg, mesh, S.put_batch(host, mesh), args.steps)
     torch_rows, threads = {}, None
     if not args.no_torch:
         state = make_trainer(cfg, mesh).init_state()
@@ -146,6 +157,9 @@ def main(argv=None):
     print(f"model d={args.d_model} L={args.layers} T={cfg.seq_len} B={cfg.batch_size} float32; op CPU time per step, "
           f"median-free sum over {args.steps} profiled steps / {args.steps}"
           + (f"; torch {threads} thread(s)" if threads else ""))
+    print(f"library: {parts} part(s) a micro-batch; traced span {span / 1e6:.1f} ms a step, with XLA ops running "
+          f"at once: none {running[0]:.1%}, one {running[1]:.1%}, two or more {running[2]:.1%} (none: the runtime's "
+          f"gaps, and Eigen dots' contractions, traced for their launch only when XLA has more than one thread)")
     print(f"{'library op class (XLA)':<52}{'ms':>9}{'GFLOP/s':>9}")
     for cls, (ns, fl) in sorted(lib.items(), key=lambda kv: -kv[1][0]):
         print(f"{cls:<52}{ns / 1e6:>9.1f}{(f'{fl / ns:.0f}' if fl else '-'):>9}")
@@ -156,7 +170,7 @@ def main(argv=None):
         for cls, ns in sorted(torch_rows.items(), key=lambda kv: -kv[1]):
             print(f"{cls:<52}{ns / 1e6:>9.1f}")
         print(f"{'total':<52}{sum(torch_rows.values()) / 1e6:>9.1f}")
-    return {"library": {k: v[0] for k, v in lib.items()}, "torch": dict(torch_rows)}
+    return {"library": {k: v[0] for k, v in lib.items()}, "torch": dict(torch_rows), "running": running}
 
 
 if __name__ == "__main__":

@@ -29,12 +29,25 @@ def test_classify_xla_counts_dot_flops_and_sorts_ops():
     assert sum(ns for ns, _ in out.values()) == 1_000_000 * len(names)
 
 
+def test_ops_running_shares_of_the_span():
+    """Ops a (0-10 ns), b (5-15), c (20-30): of the 30 ns span, 5 with none running, 20 with one, 5 with two."""
+    timing = load_bench("timing")
+    shares = timing.ops_running([(20, 30, "c"), (0, 10, "a"), (5, 15, "b")])
+    assert shares == pytest.approx({0: 5 / 30, 1: 20 / 30, 2: 5 / 30})
+    three = timing.ops_running([(0, 4, "a"), (1, 3, "b"), (2, 3, "c")])  # three at once counts as two or more
+    assert three == pytest.approx({0: 0.0, 1: 2 / 4, 2: 2 / 4})
+    assert timing.ops_running([]) == {}
+
+
 @pytest.mark.slow  # ~20 s: the script end to end in a subprocess at a toy size
 def test_train_profile_runs_end_to_end():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, str(BENCH / "train_profile.py"), "--d-model", "64", "--layers", "1",
-                          "--heads", "2", "--seq-len", "64", "--batch", "2", "--steps", "1", "--no-torch"],
+                          "--heads", "2", "--seq-len", "64", "--batch", "2", "--steps", "1", "--no-torch", "--parts", "1"],
                          capture_output=True, text=True, env=env, timeout=300, check=True).stdout
     assert "matmul, YNNPACK fusions" in out or "matmul, Eigen dots" in out, out
     total = float(re.search(r"^total\s+([\d.]+)", out, re.M)[1])
     assert total > 0, out
+    shares = re.search(r"^library: 1 part\(s\) a micro-batch; traced span [\d.]+ ms a step, with XLA ops running at "
+                       r"once: none ([\d.]+)%, one ([\d.]+)%, two or more ([\d.]+)%", out, re.M)
+    assert shares and abs(sum(float(x) for x in shares.groups()) - 100) < 0.2, out
