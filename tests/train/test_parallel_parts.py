@@ -111,6 +111,7 @@ def test_auto_parts_rule():
     assert auto_parts(m, 2 * (four - 4), 1, 128, 2, cpu=True) == 2  # the work is a device's: under 40 GFLOP each
     assert auto_parts(m, four - 4, 1, 128, 1, cpu=True) == 2  # under 40 GFLOP
     assert auto_parts(m, four + 2, 1, 128, 1, cpu=True) == 2  # rows that do not split in four
+
     def sized(d_model, n_layers):  # 4 rows of 128 tokens: >= 40 GFLOP at every size below
         model = presets.get("llama_tiny", vocab_size=264, d_model=d_model, n_layers=n_layers, max_seq_len=128)
         assert flops_per_token(model, 128) * 128 * 4 >= 40e9
