@@ -655,6 +655,11 @@ MUTATIONS = [
     Mutation("ops_running_off_by_one", "experiments/bench/timing.py",
              "busy[min(running, 2)] += t - last", "busy[min(running + 1, 2)] += t - last",
              ("tests/train/test_train_profile_bench.py",), "the train profile's busy shares count one op more than run"),
+    Mutation("train_profile_no_parts_arg", "experiments/bench/train_profile.py",
+             '    p.add_argument("--parts", type=int, '
+             'help="optimizer.parallel_parts (default \'auto\', as the library trains)")\n', "",
+             ("tests/train/test_train_profile_bench.py",),
+             "the train profile's parser lacks a field train_throughput.experiment reads (last stop's break)"),
     Mutation("serve_profile_decode_as_prefill", "experiments/bench/serve.py",
              'kind = f"decode B={rows}" if new <= rows else "with prefill"',
              'kind = f"decode B={rows}" if new < rows else "with prefill"',

@@ -128,7 +128,8 @@ def profile_torch(step, steps: int):
     return out, torch.get_num_threads()
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, with the fields ``train_throughput.experiment`` reads (fp32, XLA attention)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -140,6 +141,11 @@ def main(argv=None):
     p.add_argument("--parts", type=int, help="optimizer.parallel_parts (default 'auto', as the library trains)")
     args = p.parse_args(argv)
     args.dtype, args.attention = "float32", "xla"
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     cfg = tt.experiment(args)
     mesh = S.make_mesh(cfg.mesh)
     it = TrainIterator(build_corpus(C.DataConfig()), seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=0)

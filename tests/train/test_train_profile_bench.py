@@ -29,6 +29,15 @@ def test_classify_xla_counts_dot_flops_and_sorts_ops():
     assert sum(ns for ns, _ in out.values()) == 1_000_000 * len(names)
 
 
+def test_the_command_line_builds_the_throughput_benchs_experiment():
+    """The profile's arguments carry every field ``train_throughput.experiment`` reads (a field added there and not
+    here broke the script for a stop, unseen: its end-to-end test is slow-marked)."""
+    bench = load_bench("train_profile")
+    cfg = bench.tt.experiment(bench.parse_args(["--d-model", "64", "--layers", "1", "--parts", "2"]))
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.optimizer.parallel_parts) == (64, 1, 2)
+    assert bench.tt.experiment(bench.parse_args([])).optimizer.parallel_parts == "auto"
+
+
 def test_ops_running_shares_of_the_span():
     """Ops a (0-10 ns), b (5-15), c (20-30): of the 30 ns span, 5 with none running, 20 with one, 5 with two."""
     timing = load_bench("timing")
