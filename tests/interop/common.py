@@ -40,3 +40,21 @@ def max_diff(ours, theirs, mask=None) -> float:
     if mask is not None:
         diff = diff[np.asarray(mask).astype(bool)]
     return float(diff.max())
+
+
+REGEN_RTOL = 1e-5
+"""A regenerated fixture's float arrays against the committed ones: within this fraction of each array's largest
+entry. torch's CPU kernels differ by ISA (AVX2 / AVX-512) and build, and the differences grow through the layers:
+bert's logits 1.6e-6 apart and a LoRA adapter's 2.0e-6 of 4.1 regenerated on an AVX2-only Zen 2 with torch 2.14.1
+against fixtures made with 2.13.0; a changed generator or config moves them by orders of magnitude more."""
+
+
+def assert_regenerated(fresh: dict[str, np.ndarray], committed: dict[str, np.ndarray], where: str) -> None:
+    """The same arrays: integers exactly, floats within :data:`REGEN_RTOL` of each array's largest entry."""
+    assert fresh.keys() == committed.keys(), where
+    for k in committed:
+        if not np.issubdtype(committed[k].dtype, np.floating):
+            np.testing.assert_array_equal(fresh[k], committed[k], err_msg=f"{where}/{k}")
+            continue
+        scale = float(np.abs(committed[k]).max()) or 1.0
+        np.testing.assert_allclose(fresh[k], committed[k], rtol=0, atol=REGEN_RTOL * scale, err_msg=f"{where}/{k}")

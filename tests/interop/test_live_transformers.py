@@ -28,7 +28,7 @@ from jaxformer.interop import save_pretrained  # noqa: E402
 from jaxformer.model import ModelConfig  # noqa: E402
 from jaxformer.model.functional import apply  # noqa: E402
 from tests.interop import decoder_checks as dc  # noqa: E402
-from tests.interop.common import ATOL, FIXTURES, fixture, max_diff  # noqa: E402
+from tests.interop.common import ATOL, FIXTURES, assert_regenerated, fixture, max_diff  # noqa: E402
 
 D = dict(vocab_size=80, d_model=32, n_heads=4, max_seq_len=64)
 CONFIGS = {
@@ -68,9 +68,7 @@ def test_fixtures_regenerate_identically(tmp_path):
         _, committed, _ = fixture(d.name)
         with np.load(tmp_path / d.name / "expected.npz") as z:
             fresh = {k: z[k] for k in z.files}
-        assert fresh.keys() == committed.keys(), d.name
-        for k in committed:
-            np.testing.assert_allclose(fresh[k], committed[k], rtol=0, atol=1e-6, err_msg=f"{d.name}/{k}")
+        assert_regenerated(fresh, committed, d.name)
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))

@@ -74,7 +74,8 @@ def test_torch_twin_matches_the_library_where_torch_is_installed():
     from jaxformer.train.pipeline import TrainIterator
     from jaxformer.train.step import make_trainer
 
-    args = SimpleNamespace(batch=2, seq_len=64, d_model=64, layers=2, heads=None, dtype="float32", attention="xla")
+    args = SimpleNamespace(batch=2, seq_len=64, d_model=64, layers=2, heads=None, dtype="float32", attention="xla",
+                           parts=None)
     cfg = bench.experiment(args)
     mesh = S.make_mesh(cfg.mesh)
     trainer = make_trainer(cfg, mesh)
