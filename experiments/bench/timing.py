@@ -70,10 +70,15 @@ def xla_op_events(trace_dir: str) -> list[tuple[int, int, str]]:
 def xla_op_ns(trace_dir: str, steps: int) -> dict[str, float]:
     """Nanoseconds per step of each XLA CPU op in a ``jax.profiler.trace(trace_dir)`` of ``steps`` steps run
     with ``--xla_cpu_enable_xprof_traceme=true``: ops by HLO instruction name, summed over XLA's threads."""
+    return op_ns_per_step(xla_op_events(trace_dir), steps)
+
+
+def op_ns_per_step(events: list[tuple[int, int, str]], steps: int) -> dict[str, float]:
+    """Nanoseconds per step of each op name in ``events`` (:func:`xla_op_events`) of ``steps`` steps."""
     import collections
 
     op_ns = collections.Counter()
-    for start, end, name in xla_op_events(trace_dir):
+    for start, end, name in events:
         op_ns[name] += (end - start) / steps
     return op_ns
 

@@ -40,7 +40,7 @@ from jaxformer.train import sharding as S  # noqa: E402
 from jaxformer.train.corpus import build_corpus  # noqa: E402
 from jaxformer.train.pipeline import TrainIterator  # noqa: E402
 from jaxformer.train.step import make_trainer  # noqa: E402
-from timing import cpu_line, ops_running, xla_op_events  # noqa: E402
+from timing import cpu_line, op_ns_per_step, ops_running, xla_op_events  # noqa: E402
 
 def _shapes(hlo: str) -> dict[str, list[int]]:
     return {m[1]: [int(d) for d in m[2].split(",") if d] for m in re.finditer(r"%([\w.\-]+) = \w+\[([\d,]*)\]", hlo)}
@@ -95,11 +95,8 @@ def profile_library(cfg, mesh, batch, steps: int):
                 state, m = compiled(state, batch)
             jax.block_until_ready(state)
         events = xla_op_events(d)
-    op_ns = collections.Counter()
-    for start, end, name in events:
-        op_ns[name] += (end - start) / steps
     span = (max(e for _, e, _ in events) - min(s for s, _, _ in events)) / steps
-    return classify_xla(op_ns, compiled.as_text()), ops_running(events), span, trainer.spec.optimizer.parallel_parts
+    return classify_xla(op_ns_per_step(events, steps), compiled.as_text()), ops_running(events), span, trainer.spec.optimizer.parallel_parts
 
 
 def profile_torch(step, steps: int):

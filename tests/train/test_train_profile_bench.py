@@ -48,6 +48,12 @@ def test_ops_running_shares_of_the_span():
     assert timing.ops_running([]) == {}
 
 
+def test_op_ns_per_step_sums_each_name_over_threads_and_steps():
+    timing = load_bench("timing")
+    ns = timing.op_ns_per_step([(0, 10, "dot"), (5, 9, "add"), (20, 40, "dot"), (12, 13, "add")], steps=2)
+    assert ns == {"dot": 15.0, "add": 2.5}
+
+
 @pytest.mark.slow  # ~20 s: the script end to end in a subprocess at a toy size
 def test_train_profile_runs_end_to_end():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH), os.environ.get("PYTHONPATH", "")])}
