@@ -83,6 +83,21 @@ def op_ns_per_step(events: list[tuple[int, int, str]], steps: int) -> dict[str, 
     return op_ns
 
 
+def ops_alone(events: list[tuple[int, int, str]]) -> dict[str, int]:
+    """Nanoseconds during which each op name was the only XLA op running (summed over its events): the ops that
+    hold a step to one thread (:func:`ops_running`'s "one" share, taken apart)."""
+    import collections
+
+    edges = sorted([(s, 1, i) for i, (s, _, _) in enumerate(events)] + [(e, -1, i) for i, (_, e, _) in enumerate(events)])
+    alone, running, last = collections.Counter(), set(), None
+    for t, step, i in edges:
+        if len(running) == 1 and last is not None:
+            alone[events[next(iter(running))][2]] += t - last
+        running.add(i) if step > 0 else running.discard(i)
+        last = t
+    return alone
+
+
 def ops_running(events: list[tuple[int, int, str]]) -> dict[int, float]:
     """Of the span from the first op's start to the last op's end, the fraction with ``k`` ops running at once
     (``{0: .., 1: .., 2: ..}``, 2 meaning two or more): how well a program keeps a CPU's threads busy. An op that

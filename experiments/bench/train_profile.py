@@ -17,7 +17,10 @@ A line above the table says how busy the step keeps the threads: of the traced s
 running, one, and two or more (``timing.ops_running``). Unpinned (XLA's 2-thread pool on 2 cores) that is where a
 step loses to two cores; the "none" share also holds the Eigen dots' contractions, which run in Eigen's pool
 outside their traced launch when XLA has more than one thread (their traced time at 2 threads is a fifth of their
-one-core time).
+one-core time). The "one" share is taken apart by op (``timing.ops_alone``): the ops that run with nothing else
+traced beside them, by class and the longest by name. A YNNPACK product may still hand part of its work to the
+other thread untraced (a lone ``[768, 128] x [128, 512]`` product runs 1.5x faster on 2 threads than on one, on
+a 2-core Zen 2), so time with one op running is not an idle core; it is where a step depends on one op at a time.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from jaxformer.train import sharding as S  # noqa: E402
 from jaxformer.train.corpus import build_corpus  # noqa: E402
 from jaxformer.train.pipeline import TrainIterator  # noqa: E402
 from jaxformer.train.step import make_trainer  # noqa: E402
-from timing import cpu_line, op_ns_per_step, ops_running, xla_op_events  # noqa: E402
+from timing import cpu_line, op_ns_per_step, ops_alone, ops_running, xla_op_events  # noqa: E402
 
 def _shapes(hlo: str) -> dict[str, list[int]]:
     return {m[1]: [int(d) for d in m[2].split(",") if d] for m in re.finditer(r"%([\w.\-]+) = \w+\[([\d,]*)\]", hlo)}
@@ -58,17 +61,23 @@ def _dot_flops(text: str, shapes) -> int:
     return total
 
 
-def classify_xla(op_ns: dict[str, int], hlo: str) -> dict[str, list[float]]:
-    """``{class: [ns, flops]}`` for the profiled ops of the compiled step ``hlo``."""
-    shapes = _shapes(hlo)
-    bodies = {m[1]: m[2] for m in re.finditer(r"\n%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S)}
-    out = collections.defaultdict(lambda: [0.0, 0.0])
-    for name, ns in op_ns.items():
-        m = re.search(r"\n\s*(?:ROOT )?%" + re.escape(name) + r" = ([^\n]*)", hlo)
-        line = m[1] if m else ""
+class HloIndex:
+    """A compiled step's optimised HLO, read once: each instruction's line, each computation's body, each value's shape."""
+
+    def __init__(self, hlo: str):
+        self.hlo, self.shapes = hlo, _shapes(hlo)
+        self.bodies = {m[1]: m[2] for m in re.finditer(r"\n%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S)}
+
+    def line(self, name: str) -> str:
+        m = re.search(r"\n\s*(?:ROOT )?%" + re.escape(name) + r" = ([^\n]*)", self.hlo)
+        return m[1] if m else ""
+
+    def classify(self, name: str) -> tuple[str, int]:
+        """``(class, flops)`` of the op ``name`` (an HLO instruction, maybe a fusion calling a computation)."""
+        line = self.line(name)
         called = re.search(r"calls=%?([\w.\-]+)", line)
-        body = bodies.get(called[1], "") if called else ""
-        flops = _dot_flops(body or "= " + line, shapes) if " dot(" in (body or line) else 0
+        body = self.bodies.get(called[1], "") if called else ""
+        flops = _dot_flops(body or "= " + line, self.shapes) if " dot(" in (body or line) else 0
         if flops:
             cls = "matmul, YNNPACK fusions" if name.startswith("ynn") else "matmul, Eigen dots"
         elif re.search(r"\b(transpose|copy)\(", body or line):
@@ -77,12 +86,35 @@ def classify_xla(op_ns: dict[str, int], hlo: str) -> dict[str, list[float]]:
             cls = "elementwise with exp/tanh/divide (softmax, GELU)"
         else:
             cls = "other elementwise and reductions"
+        return cls, flops
+
+
+def classify_xla(op_ns: dict[str, int], hlo: str) -> dict[str, list[float]]:
+    """``{class: [ns, flops]}`` for the profiled ops of the compiled step ``hlo``."""
+    index = HloIndex(hlo)
+    out = collections.defaultdict(lambda: [0.0, 0.0])
+    for name, ns in op_ns.items():
+        cls, flops = index.classify(name)
         out[cls][0] += ns
         out[cls][1] += flops
     return out
 
 
-def profile_library(cfg, mesh, batch, steps: int):
+def alone_rows(alone_ns: dict[str, float], hlo: str, top: int):
+    """``(rows, by_class)``: the ``top`` ops by time run alone as ``(name, class, output shape, ns)``, and the
+    time run alone summed by class over every op."""
+    index = HloIndex(hlo)
+    rows, by_class = [], collections.Counter()
+    for rank, (name, ns) in enumerate(sorted(alone_ns.items(), key=lambda kv: -kv[1])):
+        cls = index.classify(name)[0]
+        by_class[cls] += ns
+        if rank < top:
+            shape = re.match(r"\(?(\w+\[[\d,]*\])", index.line(name))
+            rows.append((name, cls, shape[1] if shape else "?", ns))
+    return rows, by_class
+
+
+def profile_library(cfg, mesh, batch, steps: int, top: int = 12):
     trainer = make_trainer(cfg, mesh)
     state = trainer.init_state()
     compiled = trainer.train_step.lower(state, batch).compile()
@@ -96,7 +128,10 @@ def profile_library(cfg, mesh, batch, steps: int):
             jax.block_until_ready(state)
         events = xla_op_events(d)
     span = (max(e for _, e, _ in events) - min(s for s, _, _ in events)) / steps
-    return classify_xla(op_ns_per_step(events, steps), compiled.as_text()), ops_running(events), span, trainer.spec.optimizer.parallel_parts
+    hlo = compiled.as_text()
+    alone = alone_rows({k: v / steps for k, v in ops_alone(events).items()}, hlo, top)
+    return (classify_xla(op_ns_per_step(events, steps), hlo), ops_running(events), span,
+            trainer.spec.optimizer.parallel_parts, alone)
 
 
 def profile_torch(step, steps: int):
@@ -135,6 +170,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=3, help="profiled steps (after 2 warm-up steps)")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--top", type=int, default=12, help="how many of the ops that run alone longest to list")
     p.add_argument("--parts", type=int, help="optimizer.parallel_parts (default 'auto', as the library trains)")
     args = p.parse_args(argv)
     args.dtype, args.attention = "float32", "xla"
@@ -147,7 +183,8 @@ def main(argv=None):
     mesh = S.make_mesh(cfg.mesh)
     it = TrainIterator(build_corpus(C.DataConfig()), seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=0)
     host = next(it)
-    lib, running, span, parts = profile_library(cfg, mesh, S.put_batch(host, mesh), args.steps)
+    lib, running, span, parts, (alone, alone_by_class) = profile_library(cfg, mesh, S.put_batch(host, mesh),
+                                                                          args.steps, args.top)
     torch_rows, threads = {}, None
     if not args.no_torch:
         state = make_trainer(cfg, mesh).init_state()
@@ -163,6 +200,11 @@ def main(argv=None):
     print(f"library: {parts} part(s) a micro-batch; traced span {span / 1e6:.1f} ms a step, with XLA ops running "
           f"at once: none {running[0]:.1%}, one {running[1]:.1%}, two or more {running[2]:.1%} (none: the runtime's "
           f"gaps, and Eigen dots' contractions, traced for their launch only when XLA has more than one thread)")
+    print("time with one XLA op running, by the op's class, ms a step: "
+          + ", ".join(f"{cls} {ns / 1e6:.1f}" for cls, ns in alone_by_class.most_common()))
+    print(f"the {len(alone)} ops the library runs alone longest, ms a step:")
+    for name, cls, shape, ns in alone:
+        print(f"  {ns / 1e6:>7.2f}  {name:<40} {shape:<24} {cls}")
     print(f"{'library op class (XLA)':<52}{'ms':>9}{'GFLOP/s':>9}")
     for cls, (ns, fl) in sorted(lib.items(), key=lambda kv: -kv[1][0]):
         print(f"{cls:<52}{ns / 1e6:>9.1f}{(f'{fl / ns:.0f}' if fl else '-'):>9}")
@@ -173,7 +215,8 @@ def main(argv=None):
         for cls, ns in sorted(torch_rows.items(), key=lambda kv: -kv[1]):
             print(f"{cls:<52}{ns / 1e6:>9.1f}")
         print(f"{'total':<52}{sum(torch_rows.values()) / 1e6:>9.1f}")
-    return {"library": {k: v[0] for k, v in lib.items()}, "torch": dict(torch_rows), "running": running}
+    return {"library": {k: v[0] for k, v in lib.items()}, "torch": dict(torch_rows), "running": running,
+            "alone": alone, "alone_by_class": dict(alone_by_class)}
 
 
 if __name__ == "__main__":

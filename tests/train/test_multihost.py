@@ -45,9 +45,23 @@ def test_two_processes_train_one_model(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     env.pop("XLA_FLAGS", None)
     run = tmp_path / "run"
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(cfg), str(run), str(i)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outs = [p.communicate(timeout=900) for p in procs]
+    # Output to files, not pipes: read one after the other, a worker's full pipe would block it mid-collective
+    # while the other waits on it (a deadlock); and a worker left behind is killed, never orphaned.
+    logs = [(tmp_path / f"out{i}.txt", tmp_path / f"err{i}.txt") for i in range(2)]
+    procs = []
+    try:
+        for i, (out, err) in enumerate(logs):
+            with open(out, "w") as fo, open(err, "w") as fe:
+                procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(cfg), str(run), str(i)], env=env,
+                                              stdout=fo, stderr=fe))
+        for p in procs:
+            p.wait(timeout=300)  # ~35 s on 2 cores
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outs = [(out.read_text(), err.read_text()) for out, err in logs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     losses = [float(line.split()[1]) for out, _ in outs for line in out.splitlines() if line.startswith("LOSS")]

@@ -48,6 +48,15 @@ def test_ops_running_shares_of_the_span():
     assert timing.ops_running([]) == {}
 
 
+def test_ops_alone_takes_the_one_op_share_apart():
+    """a (0-10), b (5-15), c (20-30), a again (32-34): a alone 0-5 and 32-34, b 10-15, c 20-30; overlaps count for none."""
+    timing = load_bench("timing")
+    events = [(20, 30, "c"), (0, 10, "a"), (5, 15, "b"), (32, 34, "a")]
+    assert timing.ops_alone(events) == {"a": 7, "b": 5, "c": 10}
+    assert sum(timing.ops_alone(events).values()) == pytest.approx(timing.ops_running(events)[1] * 34)
+    assert timing.ops_alone([(0, 4, "a"), (1, 3, "b"), (2, 3, "c")]) == {"a": 2}
+
+
 def test_op_ns_per_step_sums_each_name_over_threads_and_steps():
     timing = load_bench("timing")
     ns = timing.op_ns_per_step([(0, 10, "dot"), (5, 9, "add"), (20, 40, "dot"), (12, 13, "add")], steps=2)
@@ -66,3 +75,5 @@ def test_train_profile_runs_end_to_end():
     shares = re.search(r"^library: 1 part\(s\) a micro-batch; traced span [\d.]+ ms a step, with XLA ops running at "
                        r"once: none ([\d.]+)%, one ([\d.]+)%, two or more ([\d.]+)%", out, re.M)
     assert shares and abs(sum(float(x) for x in shares.groups()) - 100) < 0.2, out
+    alone = re.findall(r"^  +([\d.]+)  \S+ +\w+\[[\d,]*\] +(matmul|transposes|elementwise|other)", out, re.M)
+    assert alone and float(alone[0][0]) > 0, out  # the ops run alone are named, with their class
