@@ -294,9 +294,12 @@ def triton_python(explicit: str | None = None) -> str | None:
 
 
 def triton_version(python: str) -> str:
-    """``triton.__version__`` in interpreter ``python`` ('' where it cannot import triton)."""
-    return subprocess.run([python, "-c", "import triton; print(triton.__version__)"], capture_output=True,
-                          text=True, check=False).stdout.strip()
+    """``triton.__version__`` in interpreter ``python`` ('' where it cannot import triton or does not run)."""
+    try:
+        return subprocess.run([python, "-c", "import triton; print(triton.__version__)"], capture_output=True,
+                              text=True, check=False).stdout.strip()
+    except OSError:
+        return ""
 
 
 def _job_key(job: dict, salt: str) -> str:
@@ -642,13 +645,13 @@ def _short(r: dict | None) -> str:
     return f"{blocks}{r['warps']}/{r['stages']}: {what}"
 
 
-def write_report(rows: list[dict], path: str, cmd: str, triton_version: str, baseline: list[dict] | None = None,
+def write_report(rows: list[dict], path: str, cmd: str, tv: str, baseline: list[dict] | None = None,
                  baseline_note: str = "") -> None:
     bad = [r for r in rows if not ok(r)]
     with open(path, "w") as f:
         f.write("# Pallas GPU kernels compiled offline: shared memory, registers, spills\n\n")
         ptxas = sorted({str(r.get("ptxas", "?")) for r in rows})
-        f.write(f"`{cmd}`: triton {triton_version}, ptxas of CUDA {', '.join(ptxas)} (bundled with triton), on a CPU "
+        f.write(f"`{cmd}`: triton {tv}, ptxas of CUDA {', '.join(ptxas)} (bundled with triton), on a CPU "
                 "machine. The Triton in pip is a close proxy for the one inside jaxlib, not the truth. Blocks, warps "
                 "and stages are what the dispatcher takes from `pallas_kernels/block_table.py` on that "
                 "architecture. Limits: shared memory per block sm_90a 227 KiB, sm_80 163 KiB, sm_86 99 KiB; ok = no "

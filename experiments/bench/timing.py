@@ -88,10 +88,11 @@ def ops_alone(events: list[tuple[int, int, str]]) -> dict[str, int]:
     hold a step to one thread (:func:`ops_running`'s "one" share, taken apart)."""
     import collections
 
-    edges = sorted([(s, 1, i) for i, (s, _, _) in enumerate(events)] + [(e, -1, i) for i, (_, e, _) in enumerate(events)])
+    edges = sorted([(s, 1, i) for i, (s, _, _) in enumerate(events)] + [(e, -1, i) for i, (_, e, _) in enumerate(events)],
+                   key=lambda x: (x[0], -x[1]))  # starts first at equal times, as in ops_running
     alone, running, last = collections.Counter(), set(), None
     for t, step, i in edges:
-        if len(running) == 1 and last is not None:
+        if len(running) == 1 and last is not None and t > last:
             alone[events[next(iter(running))][2]] += t - last
         running.add(i) if step > 0 else running.discard(i)
         last = t
@@ -103,7 +104,8 @@ def ops_running(events: list[tuple[int, int, str]]) -> dict[int, float]:
     (``{0: .., 1: .., 2: ..}``, 2 meaning two or more): how well a program keeps a CPU's threads busy. An op that
     hands its work to another pool is traced for its launch only (XLA's Eigen dots, when XLA has more than one
     thread), so "0" holds that work as well as the runtime's gaps."""
-    edges = sorted([(s, 1) for s, _, _ in events] + [(e, -1) for _, e, _ in events])
+    # at equal times starts first: an op that ends when another starts, or takes no time, never counts negative
+    edges = sorted([(s, 1) for s, _, _ in events] + [(e, -1) for _, e, _ in events], key=lambda x: (x[0], -x[1]))
     if not edges:
         return {}
     span = edges[-1][0] - edges[0][0]

@@ -65,12 +65,19 @@ class HloIndex:
     """A compiled step's optimised HLO, read once: each instruction's line, each computation's body, each value's shape."""
 
     def __init__(self, hlo: str):
-        self.hlo, self.shapes = hlo, _shapes(hlo)
+        self.shapes = _shapes(hlo)
         self.bodies = {m[1]: m[2] for m in re.finditer(r"\n%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S)}
+        self.lines = {m[1]: m[2] for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$", hlo, re.M)}
 
     def line(self, name: str) -> str:
-        m = re.search(r"\n\s*(?:ROOT )?%" + re.escape(name) + r" = ([^\n]*)", self.hlo)
-        return m[1] if m else ""
+        return self.lines.get(name, "")
+
+    def output(self, name: str) -> str:
+        """The op's output shape, ``f32[768,512]``; a tuple's first element and an ellipsis, ``(f32[768,512], ...)``."""
+        m = re.match(r"(\()?(\w+\[[\d,]*\])", self.line(name))
+        if not m:
+            return "?"
+        return f"({m[2]}, ...)" if m[1] else m[2]
 
     def classify(self, name: str) -> tuple[str, int]:
         """``(class, flops)`` of the op ``name`` (an HLO instruction, maybe a fusion calling a computation)."""
@@ -89,9 +96,8 @@ class HloIndex:
         return cls, flops
 
 
-def classify_xla(op_ns: dict[str, int], hlo: str) -> dict[str, list[float]]:
-    """``{class: [ns, flops]}`` for the profiled ops of the compiled step ``hlo``."""
-    index = HloIndex(hlo)
+def classify_xla(op_ns: dict[str, int], index: HloIndex) -> dict[str, list[float]]:
+    """``{class: [ns, flops]}`` for the profiled ops of a compiled step (``index`` of its HLO)."""
     out = collections.defaultdict(lambda: [0.0, 0.0])
     for name, ns in op_ns.items():
         cls, flops = index.classify(name)
@@ -100,17 +106,15 @@ def classify_xla(op_ns: dict[str, int], hlo: str) -> dict[str, list[float]]:
     return out
 
 
-def alone_rows(alone_ns: dict[str, float], hlo: str, top: int):
+def alone_rows(alone_ns: dict[str, float], index: HloIndex, top: int):
     """``(rows, by_class)``: the ``top`` ops by time run alone as ``(name, class, output shape, ns)``, and the
     time run alone summed by class over every op."""
-    index = HloIndex(hlo)
     rows, by_class = [], collections.Counter()
     for rank, (name, ns) in enumerate(sorted(alone_ns.items(), key=lambda kv: -kv[1])):
         cls = index.classify(name)[0]
         by_class[cls] += ns
         if rank < top:
-            shape = re.match(r"\(?(\w+\[[\d,]*\])", index.line(name))
-            rows.append((name, cls, shape[1] if shape else "?", ns))
+            rows.append((name, cls, index.output(name), ns))
     return rows, by_class
 
 
@@ -128,9 +132,9 @@ def profile_library(cfg, mesh, batch, steps: int, top: int = 12):
             jax.block_until_ready(state)
         events = xla_op_events(d)
     span = (max(e for _, e, _ in events) - min(s for s, _, _ in events)) / steps
-    hlo = compiled.as_text()
-    alone = alone_rows({k: v / steps for k, v in ops_alone(events).items()}, hlo, top)
-    return (classify_xla(op_ns_per_step(events, steps), hlo), ops_running(events), span,
+    index = HloIndex(compiled.as_text())
+    alone = alone_rows({k: v / steps for k, v in ops_alone(events).items()}, index, top)
+    return (classify_xla(op_ns_per_step(events, steps), index), ops_running(events), span,
             trainer.spec.optimizer.parallel_parts, alone)
 
 

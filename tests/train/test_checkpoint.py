@@ -46,6 +46,17 @@ def test_fingerprint_is_each_leafs_sum_of_magnitudes_on_a_sharded_tree():
     assert fingerprint(tree) == pytest.approx(want, rel=1e-6)
 
 
+def test_fingerprint_runs_as_one_program(caplog):
+    """One compiled program for a tree never seen before, not one or two per leaf: on a mesh over several processes
+    eager per-leaf sums (each a small collective program) hung two training processes at a checkpoint
+    (``experiments/results/multihost.md``)."""
+    tree = {"a": jax.numpy.ones((37, 13)), "b": jax.numpy.ones((41,)), "c": jax.numpy.ones((3, 5, 7), "bfloat16")}
+    with caplog.at_level("WARNING", logger="jax"), jax.log_compiles():
+        fingerprint(tree)
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling ")]
+    assert len(compiled) == 1, compiled
+
+
 def test_corrupt_latest_checkpoint_warns_and_resumes_from_previous(corpus, tmp_path):
     run = tmp_path / "run"
     cfg = _cfg(corpus, steps=6)

@@ -23,10 +23,22 @@ def test_classify_xla_counts_dot_flops_and_sorts_ops():
     hlo = f.lower(jnp.ones((M, K)), jnp.ones((K, N))).compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):]  # the ops the profiler reports: the entry computation's, not fused ones
     names = re.findall(r"^\s*(?:ROOT )?%([\w.\-]+) = \S+ (?:fusion|dot|custom-call)\(", entry, re.M)
-    out = bench.classify_xla({n: 1_000_000 for n in names}, hlo)
+    index = bench.HloIndex(hlo)
+    out = bench.classify_xla({n: 1_000_000 for n in names}, index)
     matmul = {k: v for k, v in out.items() if k.startswith("matmul")}
     assert sum(fl for _, fl in matmul.values()) == 2 * M * K * N, (out, hlo)
     assert sum(ns for ns, _ in out.values()) == 1_000_000 * len(names)
+    assert f"f32[{N},{M}]" in {index.output(n) for n in names}  # the transposed copy's output
+
+
+def test_hlo_index_names_an_ops_output_and_a_tuples_first():
+    bench = load_bench("train_profile")
+    hlo = ("HloModule m\n\nENTRY %main (p: f32[4,8]) -> (f32[4,8], f32[8]) {\n"
+           "  %p = f32[4,8]{1,0} parameter(0)\n  %neg.1 = f32[4,8]{1,0} negate(%p)\n"
+           "  ROOT %fusion.2 = (f32[4,8]{1,0}, f32[8]{0}) fusion(%neg.1), kind=kLoop, calls=%f\n}\n")
+    index = bench.HloIndex(hlo)
+    assert (index.output("neg.1"), index.output("fusion.2"), index.output("missing")) == (
+        "f32[4,8]", "(f32[4,8], ...)", "?")
 
 
 def test_the_command_line_builds_the_throughput_benchs_experiment():
@@ -55,6 +67,10 @@ def test_ops_alone_takes_the_one_op_share_apart():
     assert timing.ops_alone(events) == {"a": 7, "b": 5, "c": 10}
     assert sum(timing.ops_alone(events).values()) == pytest.approx(timing.ops_running(events)[1] * 34)
     assert timing.ops_alone([(0, 4, "a"), (1, 3, "b"), (2, 3, "c")]) == {"a": 2}
+    # an op that takes no time, or ends as the next starts, changes nothing
+    assert timing.ops_alone([(0, 0, "z"), (5, 10, "a"), (10, 12, "b")]) == {"a": 5, "b": 2}
+    assert timing.ops_running([(0, 0, "z"), (5, 10, "a"), (10, 12, "b")]) == pytest.approx({0: 5 / 12, 1: 7 / 12,
+                                                                                          2: 0.0})
 
 
 def test_op_ns_per_step_sums_each_name_over_threads_and_steps():
@@ -75,5 +91,11 @@ def test_train_profile_runs_end_to_end():
     shares = re.search(r"^library: 1 part\(s\) a micro-batch; traced span [\d.]+ ms a step, with XLA ops running at "
                        r"once: none ([\d.]+)%, one ([\d.]+)%, two or more ([\d.]+)%", out, re.M)
     assert shares and abs(sum(float(x) for x in shares.groups()) - 100) < 0.2, out
-    alone = re.findall(r"^  +([\d.]+)  \S+ +\w+\[[\d,]*\] +(matmul|transposes|elementwise|other)", out, re.M)
+    alone = re.findall(r"^  +([\d.]+)  \S+ +\(?\w+\[[\d,]*\](?:, \.\.\.\))? +(matmul|transposes|elementwise|other)",
+                       out, re.M)
     assert alone and float(alone[0][0]) > 0, out  # the ops run alone are named, with their class
+    # the time with one op running, by class, adds up to the "one" share of the span (print rounding: 0.05 ms a class)
+    span = float(re.search(r"traced span ([\d.]+) ms a step", out)[1])
+    by_class = re.search(r"^time with one XLA op running, by the op's class, ms a step: (.*)$", out, re.M)[1]
+    total = sum(float(x) for x in re.findall(r" ([\d.]+)(?:,|$)", by_class))
+    assert total == pytest.approx(float(shares[2]) / 100 * span, abs=0.05 * 5 + 0.001 * span), out
