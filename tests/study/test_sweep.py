@@ -163,6 +163,31 @@ def test_sweep_writes_run_dirs_summary_report_and_plots(ran):
         assert (out / f"{plot}.png").stat().st_size > 1000
 
 
+def test_probe_plot_is_log_scaled_only_where_every_value_is_positive(ran, tmp_path):
+    """A probe that reads 0 (``order`` of a model without positions: ``positions_order``'s first quick point) is
+    drawn on a linear axis, without matplotlib's warning that log scale has nothing positive to show."""
+    import warnings
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jaxformer.study.plots import _plot_probes
+
+    path, out = ran
+    rows = [json.loads(line) for line in (out / "summary.jsonl").read_text().splitlines()]
+    for r in rows:
+        for when in ("init", "final"):
+            r["probes"][when]["qk_grad_norm"] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = _plot_probes(plt, load_sweep(path), tmp_path, rows)
+    scales = {ax.get_title(): ax.get_yscale() for ax in fig.axes if ax.get_visible()}
+    plt.close(fig)
+    assert scales["qk_grad_norm"] == "linear" and scales["logit_var"] == "log", scales
+
+
 def test_a_finished_sweep_is_skipped_point_by_point(ran, capsys):
     path, out = ran
     files = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.suffix != ".png"
