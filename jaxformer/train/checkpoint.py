@@ -50,7 +50,8 @@ def fingerprint(params) -> list[float]:
     One program for the whole tree. On a mesh over several processes a leaf's sum may be a collective; with
     eager ops per leaf (dozens of small programs) two CPU processes training together (gloo,
     tests/train/test_multihost.py) hung for good in 3 of 19 runs, always one process inside these sums and the other
-    in orbax's barrier program after them; as one program, 0 of 22 (the mechanism was not pinned down)."""
+    in orbax's barrier program after them; as one program, 0 of 37 (experiments/results/multihost.md; the mechanism
+    was not pinned down)."""
     return [float(s) for s in jax.device_get(_abs_sums(params))]
 
 
