@@ -94,7 +94,10 @@ def ops_alone(events: list[tuple[int, int, str]]) -> dict[str, int]:
     for t, step, i in edges:
         if len(running) == 1 and last is not None and t > last:
             alone[events[next(iter(running))][2]] += t - last
-        running.add(i) if step > 0 else running.discard(i)
+        if step > 0:
+            running.add(i)
+        else:
+            running.discard(i)
         last = t
     return alone
 
