@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import checkpoint_dir  # noqa: E402
-from timing import cpu_line, xla_op_ns  # noqa: E402
+from timing import cpu_line, hlo_outputs, xla_op_ns  # noqa: E402
 
 import jaxformer.decode.engine as eng  # noqa: E402
 from jaxformer.decode.sampling import SamplingParams  # noqa: E402
@@ -94,9 +94,7 @@ def profile(name: str, cfg, graphdef, state, chunk: int):
     shapes = [tuple(a[3].tokens.shape) + (a[3].tables.shape[1],) for a in calls]
     # one compiled step per shape; two modules may share an op name (then the first module's shape is shown)
     hlo = "\n".join({(id(a[0]), sh): real.lower(*a).compile().as_text() for a, sh in zip(calls, shapes)}.values())
-    out_shape = {}
-    for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+\[[\d,]*\])", hlo, re.M):
-        out_shape.setdefault(m[1], m[2])
+    out_shape = hlo_outputs(hlo)
     groups = collections.Counter()
     for op, ns in op_ns.items():
         kind = re.sub(r"[.\d]+$", "", op)

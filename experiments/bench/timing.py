@@ -83,22 +83,32 @@ def op_ns_per_step(events: list[tuple[int, int, str]], steps: int) -> dict[str, 
     return op_ns
 
 
-def ops_alone(events: list[tuple[int, int, str]]) -> dict[str, int]:
-    """Nanoseconds during which each op name was the only XLA op running (summed over its events): the ops that
-    hold a step to one thread (:func:`ops_running`'s "one" share, taken apart)."""
-    import collections
-
+def _intervals(events: list[tuple[int, int, str]]):
+    """``(ns, indices of the events running)`` for each stretch between consecutive starts and ends of ``events``
+    (:func:`xla_op_events`). At equal times starts come first, so an op that takes no time, or ends as another
+    starts, adds nothing and never counts below zero."""
     edges = sorted([(s, 1, i) for i, (s, _, _) in enumerate(events)] + [(e, -1, i) for i, (_, e, _) in enumerate(events)],
-                   key=lambda x: (x[0], -x[1]))  # starts first at equal times, as in ops_running
-    alone, running, last = collections.Counter(), set(), None
+                   key=lambda x: (x[0], -x[1]))
+    running, last = set(), None
     for t, step, i in edges:
-        if len(running) == 1 and last is not None and t > last:
-            alone[events[next(iter(running))][2]] += t - last
+        if last is not None and t > last:
+            yield t - last, running
         if step > 0:
             running.add(i)
         else:
             running.discard(i)
         last = t
+
+
+def ops_alone(events: list[tuple[int, int, str]]) -> dict[str, int]:
+    """Nanoseconds during which each op name was the only XLA op running (summed over its events): the ops that
+    hold a step to one thread (:func:`ops_running`'s "one" share, taken apart)."""
+    import collections
+
+    alone = collections.Counter()
+    for ns, running in _intervals(events):
+        if len(running) == 1:
+            alone[events[next(iter(running))][2]] += ns
     return alone
 
 
@@ -107,14 +117,19 @@ def ops_running(events: list[tuple[int, int, str]]) -> dict[int, float]:
     (``{0: .., 1: .., 2: ..}``, 2 meaning two or more): how well a program keeps a CPU's threads busy. An op that
     hands its work to another pool is traced for its launch only (XLA's Eigen dots, when XLA has more than one
     thread), so "0" holds that work as well as the runtime's gaps."""
-    # at equal times starts first: an op that ends when another starts, or takes no time, never counts negative
-    edges = sorted([(s, 1) for s, _, _ in events] + [(e, -1) for _, e, _ in events], key=lambda x: (x[0], -x[1]))
-    if not edges:
-        return {}
-    span = edges[-1][0] - edges[0][0]
     busy = {0: 0, 1: 0, 2: 0}
-    running, last = 0, edges[0][0]
-    for t, step in edges:
-        busy[min(running, 2)] += t - last
-        running, last = running + step, t
+    for ns, running in _intervals(events):
+        busy[min(len(running), 2)] += ns
+    span = sum(busy.values())
     return {k: v / span for k, v in busy.items()} if span else {}
+
+
+def hlo_outputs(hlo: str) -> dict[str, str]:
+    """Each instruction's output shape in an HLO text, by name: ``f32[768,512]``, a tuple as its first element and
+    an ellipsis, ``(f32[768,512], ...)``; where modules joined in one text share a name, the first's."""
+    import re
+
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\()?(\w+\[[\d,]*\])", hlo, re.M):
+        out.setdefault(m[1], f"({m[3]}, ...)" if m[2] else m[3])
+    return out

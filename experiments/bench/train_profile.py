@@ -43,7 +43,7 @@ from jaxformer.train import sharding as S  # noqa: E402
 from jaxformer.train.corpus import build_corpus  # noqa: E402
 from jaxformer.train.pipeline import TrainIterator  # noqa: E402
 from jaxformer.train.step import make_trainer  # noqa: E402
-from timing import cpu_line, op_ns_per_step, ops_alone, ops_running, xla_op_events  # noqa: E402
+from timing import cpu_line, hlo_outputs, op_ns_per_step, ops_alone, ops_running, xla_op_events  # noqa: E402
 
 def _shapes(hlo: str) -> dict[str, list[int]]:
     return {m[1]: [int(d) for d in m[2].split(",") if d] for m in re.finditer(r"%([\w.\-]+) = \w+\[([\d,]*)\]", hlo)}
@@ -68,16 +68,14 @@ class HloIndex:
         self.shapes = _shapes(hlo)
         self.bodies = {m[1]: m[2] for m in re.finditer(r"\n%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S)}
         self.lines = {m[1]: m[2] for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$", hlo, re.M)}
+        self.outputs = hlo_outputs(hlo)
 
     def line(self, name: str) -> str:
         return self.lines.get(name, "")
 
     def output(self, name: str) -> str:
-        """The op's output shape, ``f32[768,512]``; a tuple's first element and an ellipsis, ``(f32[768,512], ...)``."""
-        m = re.match(r"(\()?(\w+\[[\d,]*\])", self.line(name))
-        if not m:
-            return "?"
-        return f"({m[2]}, ...)" if m[1] else m[2]
+        """The op's output shape (:func:`timing.hlo_outputs`), '?' for a name not in the HLO."""
+        return self.outputs.get(name, "?")
 
     def classify(self, name: str) -> tuple[str, int]:
         """``(class, flops)`` of the op ``name`` (an HLO instruction, maybe a fusion calling a computation)."""

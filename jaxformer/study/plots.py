@@ -451,7 +451,7 @@ def _plot_probes(plt, sweep, out, rows):
                     entries.setdefault(name, line)
         ys = [y for line in ax.get_lines() for y in line.get_ydata()]
         if key == "dead_fraction":  # a fraction, often 0: linear, at least 0..0.1% so a lone unit reads as small
-            top = max([1e-3] + [line.get_ydata().max() * 1.2 for line in ax.get_lines()])
+            top = max([1e-3] + [y * 1.2 for y in ys])
             ax.set_ylim(-0.03 * top, top)
         elif ys and min(ys) > 0:  # norms and ratios span decades; a probe that reads 0 or less stays linear
             ax.set_yscale("log")
