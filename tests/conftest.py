@@ -72,6 +72,29 @@ def _no_typecheck(request):
         jaxtyping.config.update("jaxtyping_disable", False)
 
 
+# Every program a test process compiles keeps its machine code in memory mappings of its own (three a kernel), and
+# JAX keeps the programs: one xdist worker of the default run held 41,381 mappings at its peak, against Linux's
+# limit of 65,530 a process (vm.max_map_count), past which LLVM aborts the process mid-compile (the LoRA study's
+# slow test did: experiments/results/sweep_memory.md). Past MAPPINGS_CLEARED_ABOVE, a module's end drops JAX's
+# compiled programs (the next module compiles what it uses again; below it nothing is dropped, nothing recompiles).
+MAPPINGS_CLEARED_ABOVE = 20_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_compiled_programs():
+    yield
+    if _mappings() > MAPPINGS_CLEARED_ABOVE:
+        jax.clear_caches()
+
+
 def _xla_cpu_converts_fp16() -> bool:
     """XLA's CPU JIT converts float16 with F16C instructions; without them (an x86 CPU that lacks F16C, a
     virtual machine that hides it, or ``--xla_cpu_max_isa=SSE4_2``) it calls compiler-rt's

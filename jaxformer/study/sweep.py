@@ -555,6 +555,8 @@ def run_sweep(sweep: Sweep, out: str | Path, *, shard: tuple[int, int] = (0, 1),
     widened, or a tuning point ran again) has its run directory moved to ``out/superseded_points/`` and runs
     again at the new value; without it such a point is refused (``check_finished``), as is every other
     disagreement between a finished point and the sweep file."""
+    from jaxformer.train.loop import release_host_memory
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     mine = shard_points(sweep.tune_points + sweep.points, shard)  # tuning first: final points need it
@@ -602,6 +604,7 @@ def run_sweep(sweep: Sweep, out: str | Path, *, shard: tuple[int, int] = (0, 1),
             continue
         say(f"[{i}/{len(mine)}] {point.name}" + (f" at the tuned {point.tuned}" if point.tuned else ""))
         row = run_point(sweep, point, out / point.name, quick=quick)
+        release_host_memory()  # the run's freed arrays, before the next run allocates its own
         _write_json(out / point.name / POINT_FILE, row)
         metric = row.get(sweep.spec.report.metric)
         say(f"[{i}/{len(mine)}] {point.name}: " + ("diverged" if row["diverged"] else
