@@ -7,7 +7,7 @@ its ``release_host_memory`` between points (compiled programs kept, glibc's free
 compare; ``--points N`` stops after N points.
 Results: ``experiments/results/sweep_memory.md``.
 
-    python experiments/sweep_memory.py experiments/studies/lora.yaml --points 5 --no-release   # ~75 s a point
+    python experiments/sweep_memory.py experiments/studies/lora.yaml --points 5 --no-release   # 75-135 s a point here
     python experiments/sweep_memory.py experiments/studies/lora.yaml --points 5
 """
 
