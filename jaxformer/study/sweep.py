@@ -604,8 +604,8 @@ def run_sweep(sweep: Sweep, out: str | Path, *, shard: tuple[int, int] = (0, 1),
             continue
         say(f"[{i}/{len(mine)}] {point.name}" + (f" at the tuned {point.tuned}" if point.tuned else ""))
         row = run_point(sweep, point, out / point.name, quick=quick)
-        release_host_memory()  # the run's freed arrays, before the next run allocates its own
         _write_json(out / point.name / POINT_FILE, row)
+        release_host_memory()  # the run's compiled programs and freed heap, before the next run makes its own
         metric = row.get(sweep.spec.report.metric)
         say(f"[{i}/{len(mine)}] {point.name}: " + ("diverged" if row["diverged"] else
                                                     f"{sweep.spec.report.metric} {metric:.4f}" if metric is not None
