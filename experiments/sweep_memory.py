@@ -28,17 +28,11 @@ import jax  # noqa: E402
 
 import jaxformer.train.loop as loop  # noqa: E402
 from jaxformer.study.sweep import load_sweep, run_sweep  # noqa: E402
-from procmem import proc_kb  # noqa: E402
+from procmem import proc_kb, proc_maps  # noqa: E402
 
 
 class Enough(Exception):
     pass
-
-
-def mappings() -> int:
-    """This process's memory mappings (lines of ``/proc/self/maps``)."""
-    with open("/proc/self/maps") as f:
-        return sum(1 for _ in f)
 
 
 def max_map_count() -> str:
@@ -71,7 +65,7 @@ def main(argv=None) -> int:
         done.append(line)
         alive = jax.live_arrays()
         name = ran.group(1)
-        print(f"| {len(done)} {name} | {time.perf_counter() - t0:.0f} | {mappings():,} | {proc_kb('VmRSS') / 1e6:.2f} | "
+        print(f"| {len(done)} {name} | {time.perf_counter() - t0:.0f} | {proc_maps():,} | {proc_kb('VmRSS') / 1e6:.2f} | "
               f"{proc_kb('VmHWM') / 1e6:.2f} | {len(alive)} ({sum(a.nbytes for a in alive) / 1e6:.0f} MB) |",
               flush=True)
         if args.points is not None and len(done) >= args.points:

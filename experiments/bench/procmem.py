@@ -18,3 +18,9 @@ def reset_hwm() -> bool:
         return True
     except OSError:
         return False
+
+
+def proc_maps() -> int:
+    """This process's memory mappings (lines of ``/proc/self/maps``; Linux allows ``vm.max_map_count``)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
