@@ -38,6 +38,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_enable_x64", False)
 
 import pytest  # noqa: E402
+from tests.bench_scripts import load_bench  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Property tests. "jaxformer" (the default, what CI runs) is reproducible: derandomize=True derives
@@ -80,10 +81,12 @@ def _no_typecheck(request):
 MAPPINGS_CLEARED_ABOVE = 20_000
 
 
+_procmem = load_bench("procmem")
+
+
 def _mappings() -> int:
     try:
-        with open("/proc/self/maps") as f:
-            return sum(1 for _ in f)
+        return _procmem.proc_maps()
     except OSError:  # not Linux
         return 0
 

@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 
 from jaxformer.train.loop import release_host_memory
+from tests.bench_scripts import load_bench, load_script
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
+procmem = load_bench("procmem")
 
 
 def rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    return procmem.proc_kb("VmRSS") * 1024
 
 
 def glibc():
@@ -116,17 +117,13 @@ def test_without_glibc_it_says_so(monkeypatch):
 def test_sweep_memory_script_prints_a_row_per_point_and_stops_at_points(tmp_path, monkeypatch, capsys, release):
     """``experiments/sweep_memory.py`` on a tiny sweep of three points, stopped after two: one table row per point
     run, named, and ``--no-release`` runs the points without the release (the real one counted here)."""
-    import importlib.util
-
     import jaxformer.train.loop as loop
     from jaxformer.study.sweep import load_sweep
     from tests.study.test_sweep import write_sweep
 
     calls = []
     monkeypatch.setattr(loop, "release_host_memory", lambda: calls.append(1))  # restored after the test
-    spec = importlib.util.spec_from_file_location("sweep_memory", REPO / "experiments" / "sweep_memory.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script(REPO / "experiments" / "sweep_memory.py", "sweep_memory")
     path = write_sweep(tmp_path, {"axes": {"optimizer.lr": [1e-3, 3e-3, 1e-2]}})
     names = [p.name for p in load_sweep(path).points]
     assert mod.main([str(path), "--points", "2"] + ([] if release else ["--no-release"])) == 0
