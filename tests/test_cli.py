@@ -144,6 +144,8 @@ def _memory(out: str, row: str) -> float:
     return float(value.replace(",", "")) / (1024 if unit == "MiB" else 1)
 
 
+@pytest.mark.slow  # 11 s (llama_7b traced three times); tests/train/test_info.py's fsdp / devices-alone tests plan the
+# same numbers, test_info_on_a_config_plans_devices_and_overrides prints a planned mesh: default-run tests
 def test_info_plans_a_preset_on_devices_with_a_mesh(capsys):
     assert main(["info", "llama_7b", "--devices", "1"]) == 0
     one = capsys.readouterr().out
@@ -161,7 +163,9 @@ def test_info_plans_a_preset_on_devices_with_a_mesh(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["mesh.data=2", "mesh.fsdp=8"], "mesh data=2 fsdp=8 tensor=1 needs 16 devices, --devices 8"),
-    (["mesh.fsdp=8", "batch_size=4"], "batch_size=4 not divisible by data*fsdp=8 on mesh data=1 fsdp=8 tensor=1"),
+    pytest.param(["mesh.fsdp=8", "batch_size=4"], "batch_size=4 not divisible by data*fsdp=8 on mesh data=1 fsdp=8 "
+                 "tensor=1", marks=pytest.mark.slow),  # 3 s (llama_7b traced first): this refusal through `info`
+    # (test_info_on_a_config_plans_devices_and_overrides) and the message (tests/train/test_info.py) run by default
     (["model.mesh.fsdp=8"], "llama_7b: model.mesh: unknown key"),
 ])
 def test_info_refuses_impossible_layouts(argv, message, capsys):

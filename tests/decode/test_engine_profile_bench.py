@@ -14,11 +14,14 @@ def tiny():
     return (cfg, *init(cfg, jax.random.key(0)))
 
 
+# prefill and decode-1 slow (6 s): one sequence's prefill and decode steps, profiled by the same code as the
+# default-run batched-prefill's and decode's
 @pytest.mark.parametrize("scenario, shapes, steps", [
-    ("prefill", {(1, 256, 16), (1, 256, 32)}, 2),  # 512 tokens in two chunks of 256: the table 256, then 512 wide
+    # 512 tokens in two chunks of 256: the table 256, then 512 wide
+    pytest.param("prefill", {(1, 256, 16), (1, 256, 32)}, 2, marks=pytest.mark.slow),
     ("batched-prefill", {(16, 16, 16)}, 4),         # 16 rows x 16 tokens, a table of 256 positions
     ("decode", {(16, 1, 4)}, 8),                    # 16 rows of ~20 tokens: the batched decode floor, 64 positions
-    ("decode-1", {(1, 1, 16)}, 8),                  # one sequence: the batch-1 figure
+    pytest.param("decode-1", {(1, 1, 16)}, 8, marks=pytest.mark.slow),  # one sequence: the batch-1 figure
 ])
 def test_scenarios_profile_their_steps(tiny, scenario, shapes, steps):
     bench = load_bench("engine_profile")

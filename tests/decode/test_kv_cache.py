@@ -149,6 +149,9 @@ def test_windowed_model_teacher_forced_cached_logits_equal_full_forward(windowed
     np.testing.assert_allclose(jnp.concatenate(got, axis=1), full, atol=1e-4, rtol=1e-4)
 
 
+# slow (3 s): generate's caches are init_caches(cfg), the windowed caches whose logits at every position the test
+# above checks against the full forward; generate's own loop: test_generate_greedy_equals_full_recompute_...
+@pytest.mark.slow
 def test_generate_with_a_windowed_model_equals_full_recompute(windowed):
     cfg, graphdef, state = windowed
     prompts = [[5, 6, 7], [9, 3] * 5]

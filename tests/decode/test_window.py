@@ -87,7 +87,9 @@ def llama_banded_reference(llama):
     return greedy_reference(*banded(cfg, (graphdef, state)), PROMPTS, NEW, width=96)
 
 
-@pytest.mark.parametrize("model", ["llama", "bloom"])
+# llama (6 s): test_model_band_is_the_engine_window runs the same weights, prompts and window W through the engine
+# (the window from the config, not the argument; the same steps after check_window) against the same reference
+@pytest.mark.parametrize("model", [pytest.param("llama", marks=pytest.mark.slow), "bloom"])
 def test_window_equals_full_forward_with_band_mask(model, request, llama_banded_reference):
     """RoPE (GQA) and ALiBi, 2 layers, context 40: 90-token sequences through the engine with a
     22-token window equal full forwards under the band mask."""

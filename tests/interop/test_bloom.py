@@ -70,6 +70,8 @@ def test_float32_logits_match_transformers(bloom):
     assert max_diff(logits_of(graphdef, state, expected), expected["logits"], expected["attention_mask"]) < ATOL
 
 
+# slow case: 1 s; the bf16 load of bloom (and of every other family) runs by default
+@pytest.mark.parametrize("bloom", ["bloom", pytest.param("bloom_6heads", marks=pytest.mark.slow)], indirect=True)
 def test_bfloat16_load_is_close(bloom):
     d, expected, *_ = bloom
     _, graphdef, state = load_pretrained(d, dtype="bfloat16")
@@ -79,6 +81,9 @@ def test_bfloat16_load_is_close(bloom):
     assert max_diff(logits_of(graphdef, state, expected), expected["logits"], mask) < tol
 
 
+# slow case: 3 s; bloom's (ALiBi in both caches) runs by default, bloom_6heads' slopes in its logits test and
+# test_alibi_slopes_are_blooms
+@pytest.mark.parametrize("bloom", ["bloom", pytest.param("bloom_6heads", marks=pytest.mark.slow)], indirect=True)
 def test_kv_cache_decoding_matches_transformers(bloom):
     """Teacher-forced, token by token: the contiguous cache and the paged cache (as the engine calls it)
     give transformers' logits at every valid position and its logits at each greedy step."""
@@ -90,7 +95,7 @@ def test_kv_cache_decoding_matches_transformers(bloom):
 
 
 def test_greedy_generation_matches_transformers():
-    """Through the paged engine (``bloom`` only: ``bloom_6heads``' decoding is covered above)."""
+    """Through the paged engine (``bloom`` only: ``bloom_6heads``' decoding is the slow case of the test above)."""
     d, expected, _ = fixture("bloom")
     config, graphdef, state = load_pretrained(d)
     assert dc.trusted_steps(expected) == 6  # every step of this fixture has a clear winner

@@ -44,6 +44,9 @@ def _flat(tree) -> dict:
 # -- generate --hf
 
 def test_generate_hf_samples_through_the_engine_and_stops_at_eos(hf_llama_dir, tmp_path, capsys):
+    # one sequence at a time, both calls' engines of max_context 66 ("Hello" is 6 tokens, + 60; "The quick" 3, + 63):
+    # one prefill and one decode step compiled for both (batches of 4, 2 and 1 and a narrower table compiled six). The
+    # batched engine from --hf: test_gguf.py's real-model test; a batched --prompts-file: tests/test_cli.py's
     ckpt = with_likely_eos(hf_llama_dir, tmp_path / "eos")
     tok = load_tokenizer(ckpt)
     eos = token_id(ckpt, EOS)
@@ -51,7 +54,7 @@ def test_generate_hf_samples_through_the_engine_and_stops_at_eos(hf_llama_dir, t
     prompts.write_text("The quick\nA lazy dog\nHello\n", encoding="utf-8")
     out = tmp_path / "out.jsonl"
     assert main(["generate", "--hf", str(ckpt), "--prompts-file", str(prompts), "--output", str(out),
-                 "--max-new-tokens", "60", "--seed", "1", "--num-pages", "40"]) == 0
+                 "--max-new-tokens", "60", "--seed", "1", "--num-pages", "40", "--max-batch", "1"]) == 0
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert len(rows) == 3
     for r in rows:  # prompts encoded as the checkpoint's tokenizer does (BOS first); sampling ends at its EOS
@@ -60,19 +63,20 @@ def test_generate_hf_samples_through_the_engine_and_stops_at_eos(hf_llama_dir, t
         assert r["completion"] == tok.decode(r["tokens"][:-1])
     assert any(r["completion"] for r in rows)
     capsys.readouterr()
-    assert main(["generate", "--hf", str(ckpt), "--prompt", "The quick", "--max-new-tokens", "60", "--seed", "1",
-                 "--num-pages", "40"]) == 0  # the same pool: the compiled engine steps are reused
+    assert main(["generate", "--hf", str(ckpt), "--prompt", "The quick", "--max-new-tokens", "63", "--seed", "1",
+                 "--num-pages", "40", "--max-batch", "1"]) == 0  # the same engine sizes: its compiled steps are reused
     assert capsys.readouterr().out == "The quick" + rows[0]["completion"] + "\n"
 
 
 def test_generate_hf_notes_the_models_own_window_only_past_its_context(tmp_path, capsys):
-    """Mistral (a 4-token sliding window, a 64-token context): 5 new tokens stay inside the context, no note;
-    80 go past it, and the note says so once."""
+    """Mistral (a 4-token sliding window, a 64-token context): 50 new tokens after the 5-token prompt stay inside the
+    context, no note; 80 go past it, and the note says so once. Both engines hold 4 pages of 16 per sequence, so
+    the second reuses the first's compiled steps."""
     from tests.interop.common import FIXTURES
 
     capsys.readouterr()
     args = ["generate", "--hf", str(FIXTURES / "mistral"), "--prompt", "the cat", "--temperature", "0"]
-    assert main([*args, "--max-new-tokens", "5"]) == 0
+    assert main([*args, "--max-new-tokens", "50"]) == 0
     assert capsys.readouterr().err == ""
     assert main([*args, "--max-new-tokens", "80"]) == 0
     assert capsys.readouterr().err == ("note: generated past the model's 64-token context with a sliding 4-token "

@@ -406,8 +406,9 @@ def test_real_config_and_tokenizer_match_transformers(smollm2):
 
 def test_real_logits_and_greedy_continuations_match_transformers(smollm2):
     """Every position's logits (one right-padded batch), then the greedy continuations through
-    ``load_hf_decoder`` + ``run_prompts`` (``jaxformer generate --hf FILE --temperature 0``: its engine's
-    max_context is the longest prompt plus the new tokens, 53 here)."""
+    ``load_hf_decoder`` + ``run_prompts`` (``jaxformer generate --hf FILE --temperature 0``, its options: its
+    engine's max_context is the longest prompt plus the new tokens, 53 here; the four prompts prefill in one
+    step, so the engine compiles two programs, a prefill and a decode step)."""
     file, expected, meta = smollm2
     config, graphdef, state, tok = load_hf_decoder(str(file), dtype="float32", command="generate")
     rows = [expected[f"p{p}_ids"] for p in range(len(meta["prompts"]))]
@@ -423,9 +424,9 @@ def test_real_logits_and_greedy_continuations_match_transformers(smollm2):
         worst = max(worst, float((np.abs(at_top - expected[f"p{p}_top_values"]) / scale).max()),
                     float((np.abs(ref.summarize(ours) - summary) / scale).max()))
     assert worst < REAL_RTOL, worst
+    # generate's own sizes (chunks of 256, pages of 16, 8 rows); chunks of 16 compiled two more 30-layer programs
     records = run_prompts(graphdef, state, config, tok, [p["text"] for p in meta["prompts"]],
-                          GenerateOptions(max_new_tokens=ref.NEW_TOKENS, temperature=0.0, page_size=8, max_batch=4,
-                                          chunk_size=16))
+                          GenerateOptions(max_new_tokens=ref.NEW_TOKENS, temperature=0.0))
     for p, r in enumerate(records):
         assert r["error"] is None and r["num_prompt_tokens"] == len(rows[p])
         assert r["tokens"] == expected[f"p{p}_generated"].tolist(), (p, r["completion"], meta["prompts"][p])

@@ -9,6 +9,7 @@ import zlib
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.bench_scripts import load_bench
 
@@ -22,6 +23,8 @@ def _row(cells: list[str]) -> dict:
                 held_mb=float(held.replace(",", "")), params=params)
 
 
+@pytest.mark.slow  # 8 s: the benchmark script end to end (three fresh JAX processes); load_pretrained onto shardings
+# is the fine-tunes' load (tests/interop/test_cli.py, test_scanned.py: step 1's loss is the checkpoint's), by default
 def test_hf_load_bench_small(tmp_path, monkeypatch):
     from safetensors.numpy import load_file
 

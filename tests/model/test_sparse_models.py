@@ -41,7 +41,9 @@ def _inputs(cfg: ModelConfig):
     return toks, dict(segment_ids=jnp.asarray(seg))
 
 
-@pytest.mark.parametrize("name", ["longformer_tiny", "bigbird_tiny",
+# longformer_tiny slow, 5.5 s: BigBird's band + global tokens, with random blocks on top, take the same sparse path
+# in a model (and every pattern, forward and gradients, is tests/ops/test_sparse.py's), both default-run
+@pytest.mark.parametrize("name", [pytest.param("longformer_tiny", marks=pytest.mark.slow), "bigbird_tiny",
                                   pytest.param("llama_tiny_sparse", marks=pytest.mark.slow)])  # ~8 s of compiles
 def test_sparse_impl_equals_dense_forward_and_grad(name):
     cfg = _config(name)
@@ -68,7 +70,8 @@ def test_sparse_impl_equals_dense_forward_and_grad(name):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("name", ["longformer_tiny", "bigbird_tiny"])
+# longformer_tiny slow, 1 s: its band and global token are a subset of BigBird's pattern (default-run)
+@pytest.mark.parametrize("name", [pytest.param("longformer_tiny", marks=pytest.mark.slow), "bigbird_tiny"])
 def test_one_layer_output_sees_only_window_globals_and_random_blocks(name):
     """One layer, so an output depends on exactly the tokens its query may attend to (and itself)."""
     cfg = _config(name, n_layers=1, attention_impl="sparse")

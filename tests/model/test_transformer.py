@@ -107,7 +107,9 @@ def restack(cfg_scanned, state):
 @pytest.mark.parametrize("name,scan,chunks", [
     ("llama_tiny", False, [(0, 5), (5, 6), (6, 8)]),
     ("bloom_tiny", True, [(0, 7), (7, 8)]),
-    ("vaswani_tiny", False, [(0, 7), (7, 8)]),
+    # slow, 2 s: the hook is the two cases above's; an encoder-decoder's cached decode against a reference is
+    # tests/interop/test_marian.py's generation (default-run)
+    pytest.param("vaswani_tiny", False, [(0, 7), (7, 8)], marks=pytest.mark.slow),
 ])
 def test_kv_cache_hook_chunk_by_chunk_equals_full_forward(name, scan, chunks, tiny_models, japply):
     """RoPE + GQA (llama: prefill, one token, two tokens), ALiBi with a scanned stack (bloom),
@@ -149,6 +151,7 @@ def test_packed_sequences_equal_separate_sequences(tiny_models, japply):
     np.testing.assert_allclose(logits[0, 5:], alone[1, :3], rtol=0, atol=ATOL)
 
 
+@pytest.mark.slow  # 1 s; a padded source against the float64 oracle (its masked keys) is test_oracle's [vaswani]
 def test_encoder_decoder_ignores_padded_source(tiny_models, japply):
     cfg, gd, st = tiny_models["vaswani_tiny"]
     src, tgt = tokens(7), tokens(8)
@@ -278,7 +281,9 @@ def test_q_init_scale_folds_the_logit_scale_into_w_q_as_t5_does():
         base.attention.model_validate({**base.attention.model_dump(), "q_init_scale": 0.0})
 
 
-@pytest.mark.parametrize("sharing", ["qk", "qkv"])
+# [qkv] slow, 1.5 s: shared projections through the cache are [qk]'s, and W_v = W_q (with attn_scale) against the
+# float64 oracle is test_oracle's [gpt2_shared_qkv] (default-run)
+@pytest.mark.parametrize("sharing", ["qk", pytest.param("qkv", marks=pytest.mark.slow)])
 def test_shared_projections_and_logit_scale_through_the_kv_cache(sharing, japply):
     """Shared W_q/W_k(/W_v) and attn_scale reach the cached path too: chunks equal the full forward."""
     cfg = presets.get("llama_tiny", n_kv_heads=None, qkv_sharing=sharing, attn_scale=0.5)
@@ -321,6 +326,9 @@ def test_checkpoint_option_parameters_names_shapes_and_axes():
     assert "bias" not in qwen["decoder"]["blocks"][0]["mlp_residual"]["norm"]
 
 
+# 3.5 s; token types given and defaulted against the float64 oracle (test_oracle's [bert], [bert_default_types]),
+# and encode's hidden states and the logits against transformers (tests/interop/test_bert.py) are default-run
+@pytest.mark.slow
 def test_token_types_default_zero_and_head_transform_only_in_logits(japply):
     cfg = ModelConfig(**BERT_TINY)
     gd, st = random_model(cfg, seed=4)

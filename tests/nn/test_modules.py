@@ -201,9 +201,22 @@ def test_mlp_matches_reference(activation):
     np.testing.assert_allclose(np.asarray(run(m, x)), want, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-@pytest.mark.parametrize("use_bias", [True, False])
-@pytest.mark.parametrize("shape", [(2, 3), (1, 2), (4, 8), (1, 1), (5, 8)])  # 6, 2, 32 rows; 1, 40: usual path
+FM_SHAPES = [(2, 3), (1, 2), (4, 8), (1, 1), (5, 8)]  # 6, 2, 32 rows; 1, 40: usual path
+
+
+def fm_cases(combos, default):
+    """``(shape, *combo)`` for every shape and combination, ids ``shape<i>-<combo>``; the cases for which
+    ``default(shape index, combo)`` is false are slow. Which rows run feature-major is one rule for every module
+    (``runs_feature_major``), so one combination takes the range's edges in the default run."""
+    return [pytest.param(shape, *c, id="-".join([f"shape{i}", *map(str, c)]),
+                         marks=() if default(i, c) else pytest.mark.slow)
+            for i, shape in enumerate(FM_SHAPES) for c in combos]
+
+
+# slow, 4.5 s: the other combinations at 2, 32, 1 and 40 rows (every shape of the GELU one with biases, and 6 rows of
+# each combination, are default-run)
+@pytest.mark.parametrize("shape, use_bias, activation", fm_cases(
+    [(True, "gelu"), (True, "swiglu"), (False, "gelu"), (False, "swiglu")], lambda i, c: i == 0 or c == (True, "gelu")))
 def test_feature_major_mlp_matches_reference_forward_and_grad(activation, use_bias, shape):
     """An MLP given transposed copies of its projections (the decode engine's feature-major calls, 2-32
     rows) against the float64 reference forward, and its gradient in ``x`` against the usual path's; the
@@ -282,8 +295,11 @@ def test_feature_major_copies_skip_adapted_mlps(activation, target):
     np.testing.assert_array_equal(np.asarray(run(m, x)), want)
 
 
-@pytest.mark.parametrize("share, bias, qkv_bias", [("none", True, None), ("none", False, True), ("qk", False, None)])
-@pytest.mark.parametrize("shape", [(2, 3), (1, 2), (4, 8), (1, 1), (5, 8)])  # 6, 2, 32 rows; 1, 40: usual path
+# slow, 17 s: all but 6 rows (every combination) and 1 row (GQA with biases); the rows rule's edges are the MLP
+# test's above, the heads' below (default-run)
+@pytest.mark.parametrize("shape, share, bias, qkv_bias", fm_cases(
+    [("none", True, None), ("none", False, True), ("qk", False, None)],
+    lambda i, c: i == 0 or (i == 3 and c == ("none", True, None))))
 def test_feature_major_attention_matches_reference_forward_and_grad(share, bias, qkv_bias, shape):
     """Attention given transposed copies of its projections (the decode engine's feature-major calls, 2-32 rows:
     ``[N, H, D]`` / ``[K, H, D]`` / ``[D, N, H]``) against the float64 reference forward (GQA, RoPE, causal,

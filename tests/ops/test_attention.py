@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxformer.ops import MaskSpec, dot_product_attention
@@ -42,8 +42,12 @@ def rand(shape, seed):
 
 # fp32 attention vs float64 numpy: errors are O(1e-6); 2e-5 leaves room for accumulation order.
 TOL = dict(rtol=2e-5, atol=2e-5)
+# Each draw compiles new shapes (~0.6 s): the pinned examples turn every feature on, plus a quarter of the
+# profile's draws (3 in the default run, 50 nightly, 1 in tests/test_cpu_isa_matrix.py's cells).
+DRAWS = settings(max_examples=max(1, settings.default.max_examples // 4))
 
 
+@DRAWS  # 12 -> 3 draws: 5 s
 @example(B=2, T=7, S=9, K=2, G=3, H=8, causal=True, window=(3, 0), use_seg=True, use_len=True, use_alibi=True,
          softcap=5.0, seed=1)  # every feature at once
 @example(B=1, T=9, S=5, K=1, G=3, H=4, causal=False, window=(None, 1), use_seg=False, use_len=True, use_alibi=True,
@@ -128,6 +132,9 @@ def test_permutation_equivariance_without_positions():
     np.testing.assert_allclose(out_p, out[:, perm], atol=1e-6)
 
 
+# 1 s; the same claim read off the library's logits (test_unit_variance_...) and the 1/sqrt(H) of the float64
+# references (test_forward_matches_float64) are default-run tests
+@pytest.mark.slow
 def test_scaling_keeps_score_variance_near_one():
     """q, k ~ N(0, 1): q.k has variance H; the default 1/sqrt(H) scaling brings it to ~1."""
     H = 64
@@ -163,6 +170,7 @@ def test_gqa_equals_mha_with_repeated_kv():
     np.testing.assert_allclose(gqa, mha, atol=1e-6)
 
 
+@pytest.mark.slow  # 2 s; the same path (GQA, causal) against float64 numpy is test_forward_matches_float64
 def test_matches_jax_nn_dot_product_attention():
     """A second, external oracle: JAX's own reference implementation."""
     q, k, v = rand((2, 7, 4, 16), 0), rand((2, 7, 2, 16), 1), rand((2, 7, 2, 16), 2)
@@ -275,7 +283,8 @@ def numpy_logit_stats(q, k, allowed, *, scale):
             "max_weight": np.mean(wmax)}
 
 
-@pytest.mark.parametrize("scale", [None, 1.0])
+# [None] slow, 1 s: the default scale's statistics are test_unit_variance_...'s (default-run)
+@pytest.mark.parametrize("scale", [pytest.param(None, marks=pytest.mark.slow), 1.0])
 def test_logit_stats_match_a_float64_row_by_row_reference(scale):
     from jaxformer.ops.attention import attention_logit_stats
 
@@ -324,8 +333,11 @@ def test_logit_stats_leave_padding_rows_out():
 @pytest.mark.parametrize("T,S,causal,window,seg,q_offset", [
     (256, 256, True, None, True, None),     # the training shape: 4 causal chunks of 64 rows
     (200, 256, True, (50, 0), False, None),  # uneven chunks, queries at the end of the keys, a window
-    (128, 160, True, None, True, 0),         # offset 0 with extra keys: chunks still skip the future
-    (130, 130, False, None, True, None),     # no causality: one chunk over every key
+    # slow, 5 s: chunk bounds past an offset are the case above's, and one chunk over every key is the traced
+    # offset of test_dense_training_path_every_mask_feature (both default-run)
+    pytest.param(128, 160, True, None, True, 0,  # offset 0 with extra keys: chunks still skip the future
+                 marks=pytest.mark.slow),
+    pytest.param(130, 130, False, None, True, None, marks=pytest.mark.slow),  # no causality: one chunk over every key
 ])
 def test_dense_training_path_matches_reference_values_and_gradients(T, S, causal, window, seg, q_offset):
     """impl="xla" runs dense_attention (hand-written backward, causal chunks): xla_attention's values and

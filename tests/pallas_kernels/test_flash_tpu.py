@@ -130,10 +130,10 @@ def test_padding_rows_never_reach_dk_dv():
     assert_all_close(got, want, **TOL_F32)
 
 
-# 3 drawn examples: each runs the Mosaic kernel in TPU interpret mode (seconds). Every feature is
-# pinned by CASES above (causal, windows, offsets, segments, lengths, ALiBi, softcap, GQA, bf16,
-# fp16); the slow test below draws 30.
-@settings(max_examples=3)
+# 1 drawn example (hypothesis's simplest: one query, one key): each runs the Mosaic kernel in TPU
+# interpret mode (seconds). Every feature is pinned by CASES above (causal, windows, offsets, segments,
+# lengths, ALiBi, softcap, GQA, bf16, fp16); the slow test below draws 30.
+@settings(max_examples=1)
 @given(data=st.data())
 def test_hypothesis_shapes_and_masks(data):
     _check_drawn(data)

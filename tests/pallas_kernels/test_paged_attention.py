@@ -73,8 +73,14 @@ def test_kernel_mqa_one_split_and_unused_pages_never_read(backend):
     np.testing.assert_allclose(got, want, **TOL32)
 
 
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
-def test_kernel_sliding_window_with_dropped_leading_pages(backend):
+@pytest.mark.parametrize("backend, windows", [
+    ("gpu", (1, 6, 8, 30)),
+    ("tpu", (8,)),
+    # 9 s (TPU interpret mode); window 8 alone cuts on a page boundary (length 20), inside a page (13, 9) and is
+    # wider than a sequence (3); the default-run GPU case takes all four windows
+    pytest.param("tpu", (1, 6, 30), marks=pytest.mark.slow),
+], ids=["gpu", "tpu", "tpu-more-windows"])
+def test_kernel_sliding_window_with_dropped_leading_pages(backend, windows):
     """A sliding window W: the kernel on a table whose pages wholly behind the window were dropped
     (lengths shifted by the dropped tokens) equals the reference on the full table: only
     distances enter the logits (ALiBi included). Windows: 1, not page-aligned, page-aligned,
@@ -82,7 +88,7 @@ def test_kernel_sliding_window_with_dropped_leading_pages(backend):
     L, M = 4, 5
     q, kp, vp, tables, _, slopes = make_case(21, L=L, M=M)
     lengths = jnp.asarray([20, 13, 9, 3], jnp.int32)
-    for window in (1, 6, 8, 30):
+    for window in windows:
         want = paged_attention_reference(q, kp, vp, tables, lengths, alibi_slopes=slopes, softcap=3.0,
                                          window=window)
         drop = np.maximum(np.asarray(lengths) - window, 0) // L  # pages wholly behind the window
@@ -136,9 +142,7 @@ def random_case(seed, B, K, G, L, M, alibi, *, slopes_shape):
     return q, kp, vp, tables, lengths, slopes
 
 
-@settings(max_examples=5)  # each example compiles new shapes; the pinned one turns every feature on
-@example(seed=3, B=3, K=2, G=3, L=4, M=4, alibi=True, softcap=2.0, window=6)
-@given(
+DENSE_DRAWS = dict(
     seed=st.integers(0, 2**16),
     B=st.integers(1, 3),
     K=st.sampled_from([1, 2]),
@@ -149,9 +153,26 @@ def random_case(seed, B, K, G, L, M, alibi, *, slopes_shape):
     softcap=st.sampled_from([None, 2.0]),
     window=st.sampled_from([None, 1, 3, 6]),
 )
+
+
+# 2 drawn examples (each compiles new shapes); the pinned one turns every feature on; the slow test below draws 5
+@settings(max_examples=2)
+@example(seed=3, B=3, K=2, G=3, L=4, M=4, alibi=True, softcap=2.0, window=6)
+@given(**DENSE_DRAWS)
 def test_reference_matches_dense_attention_on_gathered_cache(seed, B, K, G, L, M, alibi, softcap, window):
     """Independent check of the reference: the query at position length-1 under
     MaskSpec(causal, window=(W-1, 0), q_offset=length-1, kv_lengths=length) in xla_attention."""
+    _check_reference_against_dense(seed, B, K, G, L, M, alibi, softcap, window)
+
+
+@pytest.mark.slow  # 12 s: 5 draws; the test above draws 2 (beside its pinned all-features example) by default
+@settings(max_examples=5)
+@given(**DENSE_DRAWS)
+def test_reference_matches_dense_attention_on_gathered_cache_many(seed, B, K, G, L, M, alibi, softcap, window):
+    _check_reference_against_dense(seed, B, K, G, L, M, alibi, softcap, window)
+
+
+def _check_reference_against_dense(seed, B, K, G, L, M, alibi, softcap, window):
     q, kp, vp, tables, lengths, slopes = random_case(seed, B, K, G, L, M, alibi, slopes_shape="heads")
     got = paged_attention_reference(q, kp, vp, tables, lengths, alibi_slopes=slopes, softcap=softcap,
                                     window=window)
@@ -310,16 +331,31 @@ def test_table_entries_past_the_length_are_never_used(impl):
                                                 slopes=slopes), atol=1e-5, rtol=1e-5)
 
 
-@settings(max_examples=6, deadline=None)  # each example compiles new shapes; the pinned one turns every feature on
+XLA_DRAWS = dict(seed=st.integers(0, 2**16), B=st.integers(1, 4), K=st.sampled_from([1, 3]),
+                 G=st.sampled_from([1, 3]), L=st.sampled_from([1, 4, 16]), M=st.integers(1, 6), alibi=st.booleans(),
+                 softcap=st.sampled_from([None, 2.0]), window=st.sampled_from([None, 1, 5]))
+
+
+# 2 drawn examples (each compiles new shapes); the pinned one turns every feature on; the slow test below draws 6
+@settings(max_examples=2, deadline=None)
 @example(seed=3, B=3, K=2, G=3, L=4, M=4, alibi=True, softcap=2.0, window=6)
-@given(seed=st.integers(0, 2**16), B=st.integers(1, 4), K=st.sampled_from([1, 3]), G=st.sampled_from([1, 3]),
-       L=st.sampled_from([1, 4, 16]), M=st.integers(1, 6), alibi=st.booleans(), softcap=st.sampled_from([None, 2.0]),
-       window=st.sampled_from([None, 1, 5]))
+@given(**XLA_DRAWS)
 def test_xla_form_matches_reference(seed, B, K, G, L, M, alibi, softcap, window):
     """The CPU's long-context form (its own gather and logit layout; the softcap / ALiBi / mask / softmax rules
     are the reference's ``decode_weights``, which the tests above check against dense attention and float64
     numpy) against the reference: every feature, random tables over shuffled pages, lengths 1..M*L; fp32 sums
     in another order, 1e-5."""
+    _check_xla_form(seed, B, K, G, L, M, alibi, softcap, window)
+
+
+@pytest.mark.slow  # 11 s: 6 draws; the test above draws 2 (beside its pinned all-features example) by default
+@settings(max_examples=6, deadline=None)
+@given(**XLA_DRAWS)
+def test_xla_form_matches_reference_many(seed, B, K, G, L, M, alibi, softcap, window):
+    _check_xla_form(seed, B, K, G, L, M, alibi, softcap, window)
+
+
+def _check_xla_form(seed, B, K, G, L, M, alibi, softcap, window):
     q, kp, vp, tables, lengths, slopes = random_case(seed, B, K, G, L, M, alibi, slopes_shape="rows")
     kw = dict(alibi_slopes=slopes, softcap=softcap, window=window, scale=0.4)
     got = jax.jit(lambda *a: paged_attention_xla(*a, **kw))(q, kp, vp, tables, lengths)

@@ -452,11 +452,10 @@ def test_eval_beyond_the_trained_length_via_the_cli(trained, capsys):
         f"{first['from']}-{first['to']}", f"{first['tokens']:,}", f"{first['loss']:.4f}", f"{first['bpb']:.4f}"]
 
 
-def test_learned_positions_beyond_their_table_are_a_clear_error(tmp_path, capsys):
-    cfg = write_config(tmp_path / "cfg.yaml", tiny_raw(make_corpus(tmp_path / "corpus"), steps=1, model={
-        "preset": "gpt2_tiny", "vocab_size": 264, "max_seq_len": 32}))
-    run = tmp_path / "run"
-    assert main(["train", str(cfg), "--run-dir", str(run)]) == 0
+def test_learned_positions_beyond_their_table_are_a_clear_error(ran, capsys):
+    path, out = ran  # the module sweep's learned-positions point (a table of 32), trained there
+    [run] = [out / p.name for p in load_sweep(path).points if p.values["model.position"] == "learned"]
+    assert C.load(run / "config.yaml").model.max_seq_len == 32
     capsys.readouterr()
     assert main(["eval", str(run), "--seq-len", "64"]) == 2
     err = capsys.readouterr().err
@@ -525,12 +524,13 @@ def _quick_one(study: Path, tmp: Path, shard: str):
 
 
 # A quick point (2 steps, then --report) of a study file takes 8-35 s on 2 Zen 2 cores (LoRA's, fine-tuning
-# SmolLM2-135M, 123 s): the default run trains the two that between them use every sweep feature (`positions`:
-# `eval_lengths` and `tune:`; `activations`: `probes:` and `tune:`) and slow-marks the rest (`pytest -m slow -k
-# runs_quick`). Every study file still parses, expands and meets the review's rules in the default run (the two
-# tests above), each probe has its own tests (test_probes.py), and each arm's model is built and trained in its
-# own unit tests (tests/model, tests/nn).
-DEFAULT_QUICK = ("positions", "activations")
+# SmolLM2-135M, 123 s): the default run trains one committed study file end to end, `activations` (`probes:` and
+# `tune:`, 20 s on a Zen 3), and slow-marks the rest (`pytest -m slow -k runs_quick`), `positions` (33 s) among
+# them: its one feature beyond those, `eval_lengths`, runs through the CLI in the module sweep above (`ran`) and
+# in the evaluation-length tests below, and `tune:` in test_sweep_tune.py. Every study file still parses, expands
+# and meets the review's rules in the default run (the two tests above), each probe has its own tests
+# (test_probes.py), and each arm's model is built and trained in its own unit tests (tests/model, tests/nn).
+DEFAULT_QUICK = ("activations",)
 assert set(DEFAULT_QUICK) <= {s.stem for s in STUDIES}, DEFAULT_QUICK  # a renamed study must not drop out unseen
 QUICK_STUDIES = [s if s.stem in DEFAULT_QUICK else pytest.param(s, marks=pytest.mark.slow) for s in STUDIES]
 

@@ -70,6 +70,8 @@ def test_corrupt_latest_checkpoint_warns_and_resumes_from_previous(corpus, tmp_p
         train(cfg, run)  # resumes at 4 and redoes 5, 6
     got = _losses(run)
     assert got == ref  # bit-identical replay of steps 5 and 6
+    # the rows the first run wrote after step 4 were dropped: 5 and 6 once each
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
     assert (run / "checkpoints" / "6.corrupt").is_dir() and 6 in _steps(run)
 
 

@@ -49,33 +49,36 @@ def _losses(cfg, batches, mesh_cfg, devices=None, init=None):
     return np.asarray(losses), state, mesh
 
 
-def test_meshes_match_one_device(setup):
+# (8, 1, 1) and (2, 4, 1): 6 s (a step compiled and run each); (2, 2, 2) shards over data, fsdp and tensor at once
+# in the default run, a data-parallel step matching one device is also test_parallel_parts.py's, and specs on mesh
+# axes of size 1 (left out) are test_rules_table_and_fallbacks's
+@pytest.mark.parametrize("shape", [pytest.param((8, 1, 1), marks=pytest.mark.slow),
+                                   pytest.param((2, 4, 1), marks=pytest.mark.slow), (2, 2, 2)])
+def test_meshes_match_one_device(setup, shape):
     cfg, batches = setup
     assert jax.device_count() == 8
     one = make_trainer(cfg, S.make_mesh(C.MeshConfig(data=1), jax.devices()[:1]))
     init = jax.device_get(one.init_state())
     ref, _, _ = _losses(cfg, batches, C.MeshConfig(data=1), jax.devices()[:1], init=init)
-    for shape in [(8, 1, 1), (2, 4, 1), (2, 2, 2)]:
-        got, state, mesh = _losses(cfg, batches, C.MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2]),
-                                   init=init)
-        # fp32 reductions split across devices: equal to 1e-5 relative for 4 steps
-        np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=f"mesh {shape}")
-        specs = {k: v.sharding.spec for k, v in (
-            ("w_q", state["params"]["decoder"]["blocks"][0]["self_attn"]["w_q"]),
-            ("w_up", state["params"]["decoder"]["blocks"][0]["mlp"]["w_up"]),
-            ("embed", state["params"]["embed"]["embedding"]))}
-        mu = state["opt_state"][1][0].mu["decoder"]["blocks"][0]["mlp"]["w_up"]
-        if shape == (2, 2, 2):
-            # the sharded initialisation draws the same parameters as one device
-            again = make_trainer(cfg, mesh).init_state(0)
-            for x, y in zip(jax.tree.leaves(init), jax.tree.leaves(again)):
-                np.testing.assert_array_equal(np.asarray(x), np.asarray(jax.device_get(y)))
-            assert specs == {"w_q": P("fsdp", "tensor", None), "w_up": P("fsdp", "tensor"),
-                             "embed": P("tensor", "fsdp")}
-            assert mu.sharding.spec == P("fsdp", "tensor")  # optimiser state sharded like the params
-            w = state["params"]["decoder"]["blocks"][0]["mlp"]["w_up"]
-            assert w.addressable_shards[0].data.shape == (32, w.shape[1] // 2)
-        if shape == (2, 4, 1):
-            assert specs["w_up"] == P("fsdp", None) and mu.sharding.spec == P("fsdp", None)
-        if shape == (8, 1, 1):
-            assert all(s == P(None, None) or s == P(None, None, None) for s in specs.values())
+    got, state, mesh = _losses(cfg, batches, C.MeshConfig(data=shape[0], fsdp=shape[1], tensor=shape[2]), init=init)
+    # fp32 reductions split across devices: equal to 1e-5 relative for 4 steps
+    np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=f"mesh {shape}")
+    specs = {k: v.sharding.spec for k, v in (
+        ("w_q", state["params"]["decoder"]["blocks"][0]["self_attn"]["w_q"]),
+        ("w_up", state["params"]["decoder"]["blocks"][0]["mlp"]["w_up"]),
+        ("embed", state["params"]["embed"]["embedding"]))}
+    mu = state["opt_state"][1][0].mu["decoder"]["blocks"][0]["mlp"]["w_up"]
+    if shape == (2, 2, 2):
+        # the sharded initialisation draws the same parameters as one device
+        again = make_trainer(cfg, mesh).init_state(0)
+        for x, y in zip(jax.tree.leaves(init), jax.tree.leaves(again)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(jax.device_get(y)))
+        assert specs == {"w_q": P("fsdp", "tensor", None), "w_up": P("fsdp", "tensor"),
+                         "embed": P("tensor", "fsdp")}
+        assert mu.sharding.spec == P("fsdp", "tensor")  # optimiser state sharded like the params
+        w = state["params"]["decoder"]["blocks"][0]["mlp"]["w_up"]
+        assert w.addressable_shards[0].data.shape == (32, w.shape[1] // 2)
+    if shape == (2, 4, 1):
+        assert specs["w_up"] == P("fsdp", None) and mu.sharding.spec == P("fsdp", None)
+    if shape == (8, 1, 1):
+        assert all(s == P(None, None) or s == P(None, None, None) for s in specs.values())
