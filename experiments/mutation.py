@@ -847,7 +847,8 @@ MUTATIONS = [
     # -- jaxformer serve: the real server process, driven over HTTP (tests/serve)
     Mutation("serve_utf8_split", "jaxformer/serve/text.py",
              "while end > start and full[end - 1] == REPLACEMENT:", "while False and full[end - 1] == REPLACEMENT:",
-             ("tests/serve/test_run_dir.py",), "streamed deltas emit half a UTF-8 character (U+FFFD, never retracted)"),
+             ("tests/serve/test_text.py", "tests/serve/test_run_dir.py"),
+             "streamed deltas emit half a UTF-8 character (U+FFFD, never retracted)"),
     Mutation("serve_stop_returned", "jaxformer/serve/text.py",
              "return self._emit(full[:cut])", "return self._emit(full)",
              ("tests/serve/test_server.py",), "the stop string (and what follows it) is returned"),

@@ -75,7 +75,9 @@ def test_paired_steps_time_the_decode_steps_of_both_engines(bench, llama):
     order = [((4, 1), (1, 1)) if i % 2 == 0 else ((1, 1), (4, 1)) for i in range(2, 22)]
     assert [(s["B"], s["T"]) for s in rec.steps[4:]] == [p for pair in order for p in pair]
     tok = bench.IdTokenizer()
-    for prompts, got in ((one, r["tokens"][0]), (many, r["tokens"][1])):
+    # each run_prompts engine as large as the paired engine of its prompts (max_batch 8 and 4): the same pools, so
+    # the same compiled steps
+    for prompts, got, rows in ((one, r["tokens"][0], 8), (many, r["tokens"][1], len(many))):
         recs = run_prompts(graphdef, state, cfg, tok, [" ".join(map(str, p)) for p in prompts],
-                           GenerateOptions(max_new_tokens=22, temperature=0.0, page_size=16, max_batch=8))
+                           GenerateOptions(max_new_tokens=22, temperature=0.0, page_size=16, max_batch=rows))
         assert [x["tokens"] for x in recs] == got and all(len(t) == 22 for t in got)

@@ -39,7 +39,11 @@ def test_attend_writes_at_each_length_and_matches_dense_attention():
         np.testing.assert_allclose(out[b], want[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("preset", ["llama_tiny", "bloom_tiny"])
+# llama_tiny slow (2.5 s): the same weights through the same contiguous caches (RoPE, prefill then one token at a
+# time, logits at every position against apply() on the whole sequence) are default-run with a band added in
+# test_windowed_model_teacher_forced_cached_logits_equal_full_forward, the caches without a band in [bloom_tiny], and
+# greedy generation through them against full recomputes in test_generate_greedy_equals_full_recompute_...
+@pytest.mark.parametrize("preset", [pytest.param("llama_tiny", marks=pytest.mark.slow), "bloom_tiny"])
 def test_teacher_forced_cached_logits_equal_full_forward(preset, llama):
     """Prefill 5 tokens then feed 4 one at a time: logits at every position equal apply() on all 9."""
     if preset == "llama_tiny":

@@ -125,6 +125,11 @@ def test_window_under_preemption_recomputes_past_the_context(llama, llama_banded
     assert e.manager.num_free == 12
 
 
+# slow (5.4 s): this oracle checks what the band (W-1, 0) means, and MaskSpec's band is checked against its loop
+# definition in tests/ops/test_masks.py::test_dense_matches_definition; the engine against the banded full forward
+# (RoPE angles past the context included) is default-run: [bloom], test_model_band_is_the_engine_window,
+# test_window_under_preemption_recomputes_past_the_context
+@pytest.mark.slow
 def test_one_layer_window_equals_recompute_on_the_last_w_tokens():
     """One layer: the keys in the window depend only on their own tokens, so the windowed engine
     equals running the model on just the last W tokens at their absolute positions (RoPE angles

@@ -46,7 +46,7 @@ def _flat(tree) -> dict:
 def test_generate_hf_samples_through_the_engine_and_stops_at_eos(hf_llama_dir, tmp_path, capsys):
     # one sequence at a time, both calls' engines of max_context 66 ("Hello" is 6 tokens, + 60; "The quick" 3, + 63):
     # one prefill and one decode step compiled for both (batches of 4, 2 and 1 and a narrower table compiled six). The
-    # batched engine from --hf: test_gguf.py's real-model test; a batched --prompts-file: tests/test_cli.py's
+    # batched engine after the same run_prompts: tests/test_cli.py's --prompts-file and two-prompt generate tests
     ckpt = with_likely_eos(hf_llama_dir, tmp_path / "eos")
     tok = load_tokenizer(ckpt)
     eos = token_id(ckpt, EOS)

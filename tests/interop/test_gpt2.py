@@ -50,6 +50,8 @@ def test_float32_logits_match_transformers(gpt2):
     assert max_diff(logits_of(graphdef, state, expected), expected["logits"], expected["attention_mask"]) < ATOL
 
 
+@pytest.mark.slow  # 2.5 s; the same rounding and bf16 compute run by default on llama, mistral, bloom (LayerNorm,
+# biases), bert (learned positions) and marian: test_llama.py's, test_bloom.py's, test_bert.py's, test_marian.py's
 def test_bfloat16_load_is_close(gpt2):
     d, expected, *_ = gpt2
     config, graphdef, state = load_pretrained(d, dtype="bfloat16")

@@ -27,10 +27,11 @@ from jaxformer.interop.hf import config_from_hf, read_config
 from jaxformer.interop.marian import MarianFamily, marian_sinusoids, translation_kwargs
 from jaxformer.model import presets
 from jaxformer.model.config import ModelConfig
-from jaxformer.model.functional import abstract_init, init
+from jaxformer.model.functional import abstract_init
 from jaxformer.model.transformer import Transformer
 from jaxformer.ops.positional import sinusoidal_positions
 from tests.interop.common import ATOL, BF16_RTOL, fixture, max_diff
+from tests.interop.decoder_checks import random_state
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +160,7 @@ def test_untied_unscaled_round_trip(tmp_path):
                          n_heads=2, d_ff=24, activation="gelu", norm="layernorm", norm_position="post",
                          position="sinusoidal", sinusoidal_layout="halves", max_seq_len=32, scale_embeddings=False,
                          tie_embeddings=False, use_bias=True, head_bias=True)
-    _, state = init(config, jax.random.key(1))
+    _, state = random_state(config, seed=1)  # numpy normals: no init compiled op by op
     out = save_pretrained(tmp_path / "m", config, state)
     hf = read_config(out)
     assert (hf["pad_token_id"], hf["decoder_start_token_id"], hf["eos_token_id"]) == (49, 49, 0)
@@ -274,7 +275,7 @@ def test_translation_config_refuses_bad_settings(marian):
         TranslationConfig(start_id=0, eos_id=1, max_new_tokens=0)
     d, expected, _, config, graphdef, state = marian
     model = nnx.merge(graphdef, state)
-    src = expected["input_ids"]
+    src, lengths = expected["input_ids"], expected["attention_mask"].sum(1)
     unset = TranslationConfig(**translation_kwargs(d))
     with pytest.raises(ValueError, match="max_new_tokens is unset"):
         greedy_translate(model, src, config=unset)
@@ -282,9 +283,11 @@ def test_translation_config_refuses_bad_settings(marian):
         greedy_translate(model, src, config=unset.replace(max_new_tokens=2, num_beams=3))
     with pytest.raises(TypeError, match="must be a jaxformer.decode.TranslationConfig; got dict"):
         beam_translate(model, src, config=translation_kwargs(d))
-    # translate() searches with beams exactly when num_beams > 1
+    # translate() searches with beams exactly when num_beams > 1; the greedy / beam test's sizes (its compiled steps
+    # serve), where greedy and 3 beams find different translations (the fixture's generated_ids and beam_ids)
     from jaxformer.decode.translate import translate
 
     for beams, search in ((1, greedy_translate), (3, beam_translate)):
-        settings = unset.replace(max_new_tokens=3, num_beams=beams)
-        np.testing.assert_array_equal(translate(model, src, config=settings), search(model, src, config=settings))
+        settings = unset.replace(max_new_tokens=expected["generated_ids"].shape[1] - 1, num_beams=beams)
+        np.testing.assert_array_equal(translate(model, src, lengths, config=settings),
+                                      search(model, src, lengths, config=settings))

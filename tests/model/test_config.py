@@ -164,9 +164,9 @@ def test_hf_checkpoint_param_count_formula_tree_and_published(name):
 def test_big_preset_param_count_formula_tree_and_published(name):
     cfg = presets.get(name)
     assert count_params(cfg) == PUBLISHED[name]
-    # Deep stacks are built scanned (one abstract block, much faster to trace); the
-    # hypothesis test below checks scanned and unscanned trees count alike.
-    assert n_leaves(presets.get(name, scan_layers=cfg.n_layers > 12)) == PUBLISHED[name]
+    # Built scanned (one abstract block, much faster to trace: 2.7 s for the 6- and 12-layer ones unscanned), as
+    # the checkpoints above are; the hypothesis test below checks scanned and unscanned trees count alike.
+    assert n_leaves(presets.get(name, scan_layers=True)) == PUBLISHED[name]
 
 
 def test_scanned_stack_has_layers_axis_and_same_count():

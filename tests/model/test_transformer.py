@@ -50,7 +50,11 @@ def test_causal_output_at_t_ignores_later_tokens(name, tiny_models, japply):
     assert float(jnp.abs(logits[0, t + 1:] - logits[1, t + 1:]).max()) > 1e-4
 
 
-@pytest.mark.parametrize("position", ["none", "rope", "sinusoidal", "learned"])
+# [rope], [sinusoidal], [learned] slow, 1.4 s: each position scheme against the float64 oracle is test_oracle's
+# (llama*, vaswani* / gpt2_deepnorm_sinusoidal, gpt2* and bert), a model that ignored its positions would fail there,
+# and the equivariance itself is [none]'s (default-run)
+@pytest.mark.parametrize("position", ["none", *(pytest.param(p, marks=pytest.mark.slow)
+                                                for p in ("rope", "sinusoidal", "learned"))])
 def test_encoder_permutation_equivariance_only_without_positions(position, japply):
     cfg = ModelConfig(kind="encoder", vocab_size=64, d_model=32, n_layers=2, n_heads=4, position=position,
                       max_seq_len=16, norm_position="pre", logits_softcap=3.0)
@@ -105,7 +109,10 @@ def restack(cfg_scanned, state):
 
 
 @pytest.mark.parametrize("name,scan,chunks", [
-    ("llama_tiny", False, [(0, 5), (5, 6), (6, 8)]),
+    # slow, 1.4 s: the hook is [bloom_tiny]'s and test_shared_projections_..._through_the_kv_cache[qk]'s (RoPE, chunks
+    # of 6 and 2), and RoPE + GQA prefill then one-token steps through it are tests/decode/test_kv_cache.py's
+    # test_teacher_forced_cached_logits_equal_full_forward[llama_tiny] (default-run)
+    pytest.param("llama_tiny", False, [(0, 5), (5, 6), (6, 8)], marks=pytest.mark.slow),
     ("bloom_tiny", True, [(0, 7), (7, 8)]),
     # slow, 2 s: the hook is the two cases above's; an encoder-decoder's cached decode against a reference is
     # tests/interop/test_marian.py's generation (default-run)
@@ -136,6 +143,9 @@ def test_kv_cache_hook_chunk_by_chunk_equals_full_forward(name, scan, chunks, ti
     assert len(caches) == cfg.n_layers and caches[0].k.shape[1] == T
 
 
+# 0.7 s; packed documents (segment ids, restarting positions) against the float64 oracle are test_oracle's
+# [llama_packed], [mistral_window_packed], [bloom_6heads_packed], [encoder_rope_packed] (default-run)
+@pytest.mark.slow
 def test_packed_sequences_equal_separate_sequences(tiny_models, japply):
     """Two documents packed in one row with segment ids and restarting positions give the
     logits each document gets alone (right padding after a document cannot leak back)."""

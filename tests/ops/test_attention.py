@@ -42,12 +42,12 @@ def rand(shape, seed):
 
 # fp32 attention vs float64 numpy: errors are O(1e-6); 2e-5 leaves room for accumulation order.
 TOL = dict(rtol=2e-5, atol=2e-5)
-# Each draw compiles new shapes (~0.6 s): the pinned examples turn every feature on, plus a quarter of the
-# profile's draws (3 in the default run, 50 nightly, 1 in tests/test_cpu_isa_matrix.py's cells).
-DRAWS = settings(max_examples=max(1, settings.default.max_examples // 4))
+# Each draw compiles new shapes (~0.6 s): the pinned examples turn every feature on, plus one draw in the default
+# run and in tests/test_cpu_isa_matrix.py's cells, and a quarter of a larger profile's (50 nightly).
+DRAWS = settings(max_examples=1 if settings.default.max_examples <= 12 else settings.default.max_examples // 4)
 
 
-@DRAWS  # 12 -> 3 draws: 5 s
+@DRAWS  # 12 -> 1 draw: 6 s
 @example(B=2, T=7, S=9, K=2, G=3, H=8, causal=True, window=(3, 0), use_seg=True, use_len=True, use_alibi=True,
          softcap=5.0, seed=1)  # every feature at once
 @example(B=1, T=9, S=5, K=1, G=3, H=4, causal=False, window=(None, 1), use_seg=False, use_len=True, use_alibi=True,
@@ -123,6 +123,9 @@ def test_softmax_rows_sum_to_one():
     np.testing.assert_allclose(np.asarray(w).sum(-1), 1.0, atol=1e-6)
 
 
+# 0.8 s; the same property of the same (dense) path through a model is test_transformer's
+# test_encoder_permutation_equivariance_only_without_positions[none] (default-run)
+@pytest.mark.slow
 def test_permutation_equivariance_without_positions():
     """Swapping two tokens (queries and keys together) swaps the outputs: attention has no notion of order."""
     x = rand((1, 6, 2, 8), 0)
@@ -151,6 +154,9 @@ def test_scaling_keeps_score_variance_near_one():
     assert float(jnp.var(raw - raw.mean(-1, keepdims=True))) / ours == pytest.approx(H, rel=1e-3)
 
 
+# 0.8 s; the same property through the models' attention is test_transformer's
+# test_causal_output_at_t_ignores_later_tokens, and causal masks against float64 are this file's (default-run)
+@pytest.mark.slow
 def test_causal_output_ignores_future_tokens():
     q, k, v = rand((1, 8, 2, 4), 0), rand((1, 8, 2, 4), 1), rand((1, 8, 2, 4), 2)
     t = 4
@@ -163,6 +169,10 @@ def test_causal_output_ignores_future_tokens():
     assert not np.allclose(a[:, t + 1:], b[:, t + 1:])
 
 
+# 1 s; the same comparison through the attention module is tests/nn/test_modules.py's
+# test_gqa_with_k_equal_n_is_mha_and_gqa_equals_mha_with_repeated_kv_weights, and GQA against float64 with K/V
+# repeated is test_forward_matches_float64's and test_gradients_match_float64_reference's (default-run)
+@pytest.mark.slow
 def test_gqa_equals_mha_with_repeated_kv():
     q, k, v = rand((2, 5, 6, 8), 0), rand((2, 5, 2, 8), 1), rand((2, 5, 2, 8), 2)
     gqa = dot_product_attention(q, k, v, mask=MaskSpec(causal=True))
@@ -179,6 +189,9 @@ def test_matches_jax_nn_dot_product_attention():
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
 
 
+# 0.7 s; the bias path equals the float64-checked ALiBi path in tests/ops/test_positional.py's
+# test_alibi_bias_agrees_with_attention_alibi (default-run)
+@pytest.mark.slow
 def test_bias_is_added_to_logits():
     q, k, v = rand((1, 3, 2, 4), 0), rand((1, 5, 2, 4), 1), rand((1, 5, 2, 4), 2)
     bias = np.asarray(rand((1, 2, 3, 5), 3))
@@ -226,6 +239,10 @@ def test_bad_mask_and_impl():
         dot_product_attention(q, k, v, bias=np.ones((3, 3)))
 
 
+# 1 s; xla_attention under per-head random blocks against the float64-checked sparse path (forward and gradients)
+# is tests/ops/test_sparse.py's test_bigbird_ragged_batch_with_an_empty_sequence, the dense path's is
+# test_dense_training_path_every_mask_feature (default-run)
+@pytest.mark.slow
 def test_per_head_random_blocks_mask_each_head():
     """xla_attention reads MaskSpec.dense_heads: with per-head random blocks each head has its own mask."""
     from jaxformer.ops.masks import RandomBlocks
@@ -322,7 +339,9 @@ def test_logit_stats_leave_padding_rows_out():
     T, H = 8, 16
     q, k = rand((2, T, 2, H), 5), rand((2, T, 2, H), 6)
     seg = jnp.array([[1] * T, [1] * 5 + [0] * 3])
-    got = attention_logit_stats(q, k, mask=MaskSpec(causal=True, q_segment_ids=seg), scale=1.0)
+    # one jitted program (eager dispatch compiles every op)
+    got = jax.jit(lambda q, k: attention_logit_stats(q, k, mask=MaskSpec(causal=True, q_segment_ids=seg), scale=1.0))(
+        q, k)
     allowed = np.asarray(MaskSpec(causal=True, q_segment_ids=seg).dense(T, T))
     allowed = allowed & (np.asarray(seg) > 0)[:, :, None]  # the reference drops padding rows outright
     want = numpy_logit_stats(q, k, allowed, scale=1.0)
@@ -379,15 +398,18 @@ def test_dense_training_path_bf16_and_refusals():
 
     q, k, v = (rand((2, 128, 2, 16), i).astype(jnp.bfloat16) for i in range(3))
     mask = MaskSpec(causal=True)
-    out = dense_attention(q, k, v, mask=mask)
+
+    def forward(fn):  # jitted, as the train step runs it (eager dispatch would compile every op on its own)
+        return jax.jit(lambda q, k, v: fn(q, k, v, mask=mask))(q, k, v)
+
+    out = forward(dense_attention)
     assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(xla_attention(q, k, v, mask=mask), np.float32),
-                               atol=2e-2)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(forward(xla_attention), np.float32), atol=2e-2)
     ct = rand((2, 128, 2, 16), 7)
 
     def grads(fn):
-        return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, mask=mask).astype(jnp.float32) * ct), argnums=(0, 1, 2))(
-            q, k, v)
+        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, mask=mask).astype(jnp.float32) * ct),
+                                argnums=(0, 1, 2)))(q, k, v)
 
     got, want = grads(dense_attention), grads(xla_attention)
     # both round the same float32 math to bf16 at their outputs; |g| ~ 1, so 3e-2 is a few bf16 ulps (2^-7 each)
@@ -435,8 +457,9 @@ def test_dense_training_path_traced_scale_falls_back():
 
     q, k, v, ct = (rand((1, 64, 2, 8), i) for i in range(4))
     mask = MaskSpec(causal=True)
-    ds = jax.grad(lambda s: jnp.sum(dot_product_attention(q, k, v, mask=mask, scale=s, impl="xla") * ct))(0.3)
-    ds_ref = jax.grad(lambda s: jnp.sum(xla_attention(q, k, v, mask=mask, scale=s) * ct))(0.3)
+    # jitted (eager dispatch compiles every op); the scale is traced either way: it is what jax.grad differentiates
+    ds = jax.jit(jax.grad(lambda s: jnp.sum(dot_product_attention(q, k, v, mask=mask, scale=s, impl="xla") * ct)))(0.3)
+    ds_ref = jax.jit(jax.grad(lambda s: jnp.sum(xla_attention(q, k, v, mask=mask, scale=s) * ct)))(0.3)
     np.testing.assert_allclose(ds, ds_ref, rtol=1e-5)
 
 

@@ -231,8 +231,9 @@ def test_random_blocks_draw():
 def test_pattern_is_the_same_for_a_chunk_with_an_offset():
     """Absolute positions: a query chunk at q_offset sees exactly the rows of the full mask."""
     spec = dict(causal=True, window=(3, 0), global_tokens=[2, 13], random_blocks=RandomBlocks(2, 4, seed=5))
-    full = np.asarray(MaskSpec(**spec).dense(20, 20)[0])
-    chunk = np.asarray(MaskSpec(**spec, q_offset=8).dense(5, 20)[0])
+    # one jitted program each (eager op-by-op dispatch compiles every op); the specs are constants of the program
+    full = np.asarray(jax.jit(lambda: MaskSpec(**spec).dense(20, 20))()[0])
+    chunk = np.asarray(jax.jit(lambda: MaskSpec(**spec, q_offset=8).dense(5, 20))()[0])
     np.testing.assert_array_equal(chunk, full[8:13])
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from jaxformer.ops import MaskSpec, xla_attention
@@ -77,6 +77,10 @@ class FlashGpuBase:
     def test_plain_gqa_unaligned_lengths(self):
         self.run((2, 37, 45, 4, 2, 24), block_sizes=MIXED)
 
+    # slow (1.2 s): causal tiles are default-run in test_segments_lengths_and_empty_rows, test_low_precision and the
+    # first pinned example of test_drawn (causal, GQA 2x3, 37 x 29), MQA (one kv head) in test_drawn's second pinned
+    # example, test_length_one and test_cross_lengths_and_offsets
+    @pytest.mark.slow
     def test_causal_mqa(self):
         self.run((1, 40, 40, 3, 1, 16), dict(causal=True))
 
@@ -87,7 +91,10 @@ class FlashGpuBase:
 
     @pytest.mark.parametrize("T, S, kw", [
         (19, 41, dict(window=(5, 3), q_offset=7)),        # two-sided window, explicit offset
-        (5, 29, dict(causal=True, alibi_slopes=jnp.array([0.3, 0.7]))),  # chunked prefill: bottom-right
+        # chunked prefill: bottom-right. Slow (1.4 s): the default offset S - T under causal is default-run in
+        # test_length_one[1-29], several query rows under a causal offset in test_drawn's first pinned example, ALiBi
+        # with an offset in its second
+        pytest.param(5, 29, dict(causal=True, alibi_slopes=jnp.array([0.3, 0.7])), marks=pytest.mark.slow),
     ])
     def test_cross_lengths_and_offsets(self, T, S, kw):
         self.run((2, T, S, 2, 1, 16), kw)
@@ -150,11 +157,10 @@ class FlashGpuBase:
                  use_seg=st.booleans(), use_len=st.booleans(), use_alibi=st.booleans(),
                  softcap=st.sampled_from([None, 4.0]), blocks=st.sampled_from([SMALL, MIXED]), seed=st.integers(0, 99))
 
-    # 1 drawn example (hypothesis's simplest: one query, one key): each runs the kernel in interpret mode
-    # (seconds). The pinned examples reach every feature at once (causal + window + offset + segments +
-    # lengths + ALiBi + softcap + GQA) and a non-causal two-sided window with ALiBi, so coverage does not
-    # hang on the draw; the slow test below draws 3.
-    @settings(max_examples=1)
+    # The pinned examples alone (each runs the kernel in interpret mode, seconds): they reach every feature at once
+    # (causal + window + offset + segments + lengths + ALiBi + softcap + GQA) and a non-causal window with ALiBi,
+    # so coverage does not hang on a draw; the slow test below draws 3.
+    @settings(phases=[Phase.explicit])
     @example(B=2, T=37, S=29, K=2, G=3, H=16, causal=True, window=(6, 2), offset=-3, use_seg=True, use_len=True,
              use_alibi=True, softcap=4.0, blocks=MIXED, seed=1)
     @example(B=1, T=21, S=40, K=1, G=3, H=20, causal=False, window=(4, None), offset=5, use_seg=False,
@@ -164,7 +170,7 @@ class FlashGpuBase:
                    seed):
         self._drawn(B, T, S, K, G, H, causal, window, offset, use_seg, use_len, use_alibi, softcap, blocks, seed)
 
-    @pytest.mark.slow  # 6 s in interpret mode: 3 draws; the test above draws 1 beside its two pinned examples
+    @pytest.mark.slow  # 6 s in interpret mode: 3 draws; the test above runs its two pinned examples alone
     @settings(max_examples=3)
     @given(**DRAWS)
     def test_drawn_many(self, B, T, S, K, G, H, causal, window, offset, use_seg, use_len, use_alibi, softcap,

@@ -64,15 +64,21 @@ def _plan(name, overrides, devices):
     return describe_experiment(preset_config(name, overrides, devices), devices)
 
 
+# llama_7b built scanned (one abstract block: ~2.5 s a plan less than tracing 32 blocks, three plans here): the same
+# leaves stacked, so the same bytes on every mesh (a "layers" axis is never sharded) and the same activation formula;
+# an unscanned large plan is tests/train/test_lora.py::test_info_plans_the_frozen_base_and_the_adapter's llama3_1b
+SCANNED = ["scan_layers=true"]
+
+
 @pytest.fixture(scope="module")
 def llama_7b_one():
-    """llama_7b planned for one device (seconds a plan), the baseline of the two tests below."""
-    return _plan("llama_7b", [], 1)
+    """llama_7b planned for one device, the baseline of the two tests below."""
+    return _plan("llama_7b", SCANNED, 1)
 
 
 def test_fsdp_divides_parameter_and_optimizer_memory_by_its_size(llama_7b_one):
     one = llama_7b_one
-    fsdp = _plan("llama_7b", ["mesh.fsdp=8"], 8)
+    fsdp = _plan("llama_7b", ["mesh.fsdp=8", *SCANNED], 8)
     assert one["mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
     assert fsdp["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
     # fp32 llama_7b: 4 bytes per parameter on one device; every leaf has a d_model=4096 dim for fsdp
@@ -95,7 +101,7 @@ def test_devices_alone_plans_data_parallel_as_training_would():
 
 def test_tensor_parallel_shards_weights_and_activations(llama_7b_one):
     one = llama_7b_one
-    tp = _plan("llama_7b", ["mesh.tensor=8"], 8)
+    tp = _plan("llama_7b", ["mesh.tensor=8", *SCANNED], 8)
     assert tp["mesh"] == {"data": 1, "fsdp": 1, "tensor": 8}
     # every matrix splits 8 ways; only the 65 RMSNorm scales (d_model each) stay whole
     norms = 4 * 4096 * (2 * 32 + 1)

@@ -62,6 +62,14 @@ def lora_run(tmp_path_factory):
                 digest=base_digest(base))
 
 
+@pytest.fixture(scope="module")
+def peft(lora_run, tmp_path_factory):
+    """The run's adapter, exported once (``export --peft``) for the tests that start from it: its directory."""
+    out = tmp_path_factory.mktemp("peft") / "peft"
+    assert main(["export", str(lora_run["run"]), "--peft", str(out)]) == 0
+    return out
+
+
 def test_step_zero_is_the_base_model_exactly(lora_run):
     cfg = lora_run["cfg"]
     trainer = make_trainer(cfg, S.make_mesh(cfg.mesh, jax.devices()[:1]))
@@ -151,36 +159,34 @@ def test_exports_give_back_the_trained_model(lora_run, tmp_path, capsys):
     assert "give --hf OUT" in capsys.readouterr().err
 
 
-def test_training_continues_from_a_peft_adapter(lora_run, tmp_path):
-    assert main(["export", str(lora_run["run"]), "--peft", str(tmp_path / "peft")]) == 0
+def test_training_continues_from_a_peft_adapter(lora_run, peft):
     raw = lora_raw(lora_run["base"], lora_run["corpus"])
     raw["model"] = {"hf": str(lora_run["base"]), "adapter": "peft"}  # relative to the YAML file
-    cfg = C.load(write_config(tmp_path / "cont.yaml", raw))
-    assert cfg.adapter_source == str(tmp_path / "peft") and cfg.model.lora == lora_run["cfg"].model.lora
+    cfg = C.load(write_config(peft.parent / "cont.yaml", raw))
+    assert cfg.adapter_source == str(peft) and cfg.model.lora == lora_run["cfg"].model.lora
     trainer = make_trainer(cfg, S.make_mesh(cfg.mesh, jax.devices()[:1]))
     state = initial_state(cfg, trainer)
     config, graphdef, base = load_pretrained(lora_run["base"])
-    _, lg, ls = apply_adapter(tmp_path / "peft", config, base)
+    _, lg, ls = apply_adapter(peft, config, base)
     np.testing.assert_array_equal(japply(trainer.graphdef, trainer.model_params(state), TOKENS),
                                   japply(lg, ls, TOKENS))
     raw["model"]["lora"] = {"rank": 2}
     with pytest.raises(C.ConfigError, match="give lora .* or adapter .*, not both"):
-        C.from_dict(raw, "<test>", base_dir=tmp_path)
+        C.from_dict(raw, "<test>", base_dir=peft.parent)
 
 
-def test_scanned_layers_train_the_same_adapter(lora_run, tmp_path):
+def test_scanned_layers_train_the_same_adapter(lora_run, peft):
     """The same adapter (the run's, exported) trained one step on the same batch per layer and with
     ``scan_layers``: the same dropout masks, the same loss and gradient norm, the same adapter written out."""
     from jaxformer.interop.peft import adapter_tensors
     from jaxformer.train.packing import model_batch
 
-    assert main(["export", str(lora_run["run"]), "--peft", str(tmp_path / "peft")]) == 0
     rows = np.random.default_rng(0).integers(3, 300, (4, 33))
     batch = S.put_batch(model_batch(rows, np.ones_like(rows), 0), S.make_mesh(C.MeshConfig(data=1)))
     out = {}
     for scan in (False, True):
         raw = lora_raw(lora_run["base"], lora_run["corpus"])
-        raw["model"] = {"hf": str(lora_run["base"]), "adapter": str(tmp_path / "peft"), "scan_layers": scan}
+        raw["model"] = {"hf": str(lora_run["base"]), "adapter": str(peft), "scan_layers": scan}
         # AdamW's first step is lr * g / (|g| + eps): at the default eps 1e-8 an element whose gradient is near
         # 0 moves by lr * sign(g), so float rounding between the two layouts (the same sums in another order)
         # can move it by up to lr (seen: 8.5e-5 on one element of 128 under other XLA CPU emitters). eps 1e-3
@@ -252,10 +258,12 @@ def test_info_plans_the_frozen_base_and_the_adapter(lora_run):
     assert d["bytes_base"] == 4 * count_params(cfg.model.base) and d["bytes_params"] == d["bytes_base"] + 4 * n
     text = format_info("x", d)
     assert f"trainable         {n:,}  (" in text and "LoRA rank 4, alpha 8 (alpha/rank)" in text
-    # a 1B-shaped plan: the base in bfloat16, the adapter's gradients and moments a rounding error beside it
-    full = describe_experiment(preset_config("llama3_1b", ["seq_len=256"], 1), 1)
-    lora = describe_experiment(preset_config("llama3_1b", ["seq_len=256", "param_dtype=bfloat16", "lora.rank=16"],
-                                             1), 1)
+    # a 1B-shaped plan: the base in bfloat16, the adapter's gradients and moments a rounding error beside it. Built
+    # scanned (one abstract block, not 16: ~2 s less; the same leaves stacked, the same bytes); the unscanned plan
+    # of a LoRA model is the tiny run's above
+    full = describe_experiment(preset_config("llama3_1b", ["seq_len=256", "scan_layers=true"], 1), 1)
+    lora = describe_experiment(preset_config("llama3_1b", ["seq_len=256", "scan_layers=true", "param_dtype=bfloat16",
+                                                           "lora.rank=16"], 1), 1)
     assert lora["bytes_base"] * 2 == full["bytes_params"] and lora["trainable"] / lora["params"] < 0.01
     assert lora["bytes_total"] < 0.25 * full["bytes_total"]
 

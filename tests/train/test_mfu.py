@@ -68,9 +68,11 @@ def test_progress_line_shows_mfu():
 
 def test_metrics_rows_carry_mfu(corpus, tmp_path):
     """Every train row has mfu = flops_per_token x tokens_per_s / peak (the peak given here, so the check is
-    exact); the first row, with no tokens/s yet, has mfu None; the start and progress lines say it."""
+    exact); the first row, with no tokens/s yet, has mfu None; the start and progress lines say it. Without
+    ``logging.layer_grad_norms`` (tests/study/test_probes.py's flag) no row carries per-block norms."""
     cfg = C.from_dict(tiny_raw(corpus, steps=3, logging={"peak_tflops": 0.01}), "<test>")
     train(cfg, tmp_path / "run")
+    assert all("grad_norm_layers" not in r for r in read_metrics(tmp_path / "run"))
     rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     fpt = flops_per_token(cfg.model, cfg.seq_len)
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["mfu"] is None

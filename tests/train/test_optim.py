@@ -217,7 +217,12 @@ def test_muon_trains_on_a_sharded_mesh_like_one_device(tmp_path):
     runs = {}
     for name, mesh in (("one", one), ("2x2x2", S.make_mesh(C.MeshConfig(data=2, fsdp=2, tensor=2)))):
         tr = make_trainer(cfg, mesh)
-        state = jax.device_put(init, tr.state_shardings)
+        if name == "one":
+            state = jax.device_put(init, tr.state_shardings)
+        else:  # the sharded initialisation draws the same parameters (and optimiser state) as one device
+            state = tr.init_state()
+            for x, y in zip(jax.tree.leaves(init), jax.tree.leaves(state), strict=True):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(jax.device_get(y)))
         runs[name] = []
         for b in batches:
             state, m = tr.train_step(state, S.put_batch(b, mesh))
@@ -230,6 +235,9 @@ def test_muon_trains_on_a_sharded_mesh_like_one_device(tmp_path):
     P = jax.sharding.PartitionSpec
     w_up = state["params"]["decoder"]["blocks"][0]["mlp"]["w_up"]
     assert w_up.sharding.spec == P("fsdp", "tensor")
+    assert w_up.addressable_shards[0].data.shape == (32, w_up.shape[1] // 2)  # d_model 64 over fsdp=2
+    assert state["params"]["decoder"]["blocks"][0]["self_attn"]["w_q"].sharding.spec == P("fsdp", "tensor", None)
+    assert state["params"]["embed"]["embedding"].sharding.spec == P("tensor", "fsdp")
     specs = {jax.tree_util.keystr(p): x.sharding.spec for p, x in
              jax.tree_util.tree_leaves_with_path(state["opt_state"])}
     muon_mu = [v for k, v in specs.items() if k.endswith("['decoder']['blocks'][0]['mlp']['w_up']") and ".mu" in k]

@@ -49,11 +49,14 @@ def _losses(cfg, batches, mesh_cfg, devices=None, init=None):
     return np.asarray(losses), state, mesh
 
 
-# (8, 1, 1) and (2, 4, 1): 6 s (a step compiled and run each); (2, 2, 2) shards over data, fsdp and tensor at once
-# in the default run, a data-parallel step matching one device is also test_parallel_parts.py's, and specs on mesh
-# axes of size 1 (left out) are test_rules_table_and_fallbacks's
+# (8, 1, 1) and (2, 4, 1): 6 s (a step compiled and run each); a data-parallel step matching one device is
+# test_parallel_parts.py's, and specs on mesh axes of size 1 (left out) are test_rules_table_and_fallbacks's.
+# (2, 2, 2): 8 s; the same model on the same data x fsdp x tensor mesh against one device is the default run's
+# tests/train/test_optim.py::test_muon_trains_on_a_sharded_mesh_like_one_device (Muon on the matrices, AdamW on the
+# embedding and norms), which checks this case's sharded initialisation, parameter specs, shard shape and moments too
 @pytest.mark.parametrize("shape", [pytest.param((8, 1, 1), marks=pytest.mark.slow),
-                                   pytest.param((2, 4, 1), marks=pytest.mark.slow), (2, 2, 2)])
+                                   pytest.param((2, 4, 1), marks=pytest.mark.slow),
+                                   pytest.param((2, 2, 2), marks=pytest.mark.slow)])
 def test_meshes_match_one_device(setup, shape):
     cfg, batches = setup
     assert jax.device_count() == 8
