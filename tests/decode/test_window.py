@@ -23,7 +23,7 @@ from jaxformer.decode import engine as eng
 from jaxformer.decode.block_manager import BlockManager
 from jaxformer.decode.paged_cache import PagedKVCache, init_page_pools
 from jaxformer.decode.sampling import SamplingParams
-from jaxformer.model import ModelConfig, apply, init, presets
+from jaxformer.model import apply, init, presets
 
 L, W, NEW = 4, 22, 60  # page size, window (not page-aligned), new tokens: 30 + 60 tokens, > 2 contexts of 40
 RNG = np.random.default_rng(1)
