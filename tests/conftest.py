@@ -129,7 +129,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-
 class _WholeFiles:
     """``-n``'s default distribution sends a file's tests to both workers, so each compiles the programs the
     file's tests share and runs its module fixtures (the sweep, the trained runs, the servers) once more; whole

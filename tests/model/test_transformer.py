@@ -109,10 +109,9 @@ def restack(cfg_scanned, state):
 
 
 @pytest.mark.parametrize("name,scan,chunks", [
-    # slow, 1.4 s: the hook is [bloom_tiny]'s and test_shared_projections_..._through_the_kv_cache[qk]'s (RoPE, chunks
-    # of 6 and 2), and RoPE + GQA prefill then one-token steps through it are tests/decode/test_kv_cache.py's
-    # test_teacher_forced_cached_logits_equal_full_forward[llama_tiny] (default-run)
-    pytest.param("llama_tiny", False, [(0, 5), (5, 6), (6, 8)], marks=pytest.mark.slow),
+    # default-run: RoPE + GQA prefill, then one- and two-token chunks through the contiguous cache (the decode
+    # tests' llama_tiny twin, tests/decode/test_kv_cache.py's [llama_tiny], is slow)
+    ("llama_tiny", False, [(0, 5), (5, 6), (6, 8)]),
     ("bloom_tiny", True, [(0, 7), (7, 8)]),
     # slow, 2 s: the hook is the two cases above's; an encoder-decoder's cached decode against a reference is
     # tests/interop/test_marian.py's generation (default-run)

@@ -66,7 +66,8 @@ def _plan(name, overrides, devices):
 
 # llama_7b built scanned (one abstract block: ~2.5 s a plan less than tracing 32 blocks, three plans here): the same
 # leaves stacked, so the same bytes on every mesh (a "layers" axis is never sharded) and the same activation formula;
-# an unscanned large plan is tests/train/test_lora.py::test_info_plans_the_frozen_base_and_the_adapter's llama3_1b
+# unscanned plans are llama_tiny's here (test_devices_alone_..., the estimates against a real trainer above), and a
+# scanned stack holds the unscanned one's parameters (tests/model/test_config.py's scanned-stack and count tests)
 SCANNED = ["scan_layers=true"]
 
 
