@@ -170,7 +170,7 @@ def _tables_apart(t: Float[Array, "*B K"]) -> Float[Array, "*B K"]:
 
     A product is what that backend does not fuse into a loop (``optimization_barrier`` is removed before its
     fusion pass). The main job's train step (``llama_tiny``, 4 heads) spent 6.3% of its op time in those fusions
-    and 0.5% with the tables apart: 1.06x the steps a second (``experiments/results/train_throughput.md``).
+    and 0.5% with the tables apart: 1.07x the steps a second (``experiments/results/train_throughput.md``).
     """
     return jnp.matmul(t, jnp.eye(t.shape[-1], dtype=t.dtype), precision=jax.lax.Precision.HIGHEST)
 

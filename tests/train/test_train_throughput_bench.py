@@ -89,3 +89,16 @@ def test_torch_twin_matches_the_library_where_torch_is_installed():
     for _ in range(2):
         state, m = trainer.train_step(state, S.put_batch(batch, mesh))
     assert losses[-1] == pytest.approx(float(m["loss"]), rel=1e-3)  # same optimiser, same schedule, same batch
+
+
+@pytest.mark.slow  # 10 s: the main job's config (RoPE) at one layer, its step compiled twice
+def test_rope_fused_variant_times_the_main_jobs_step_before_the_tables_went_apart(capsys):
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "stdlib_bpe.yaml"
+    rows = _bench().main(["--config", str(config), "--set", "model.n_layers=1", "--parts", "1", "--steps", "1",
+                          "--rounds", "1", "--rope-fused"])
+    out = capsys.readouterr().out
+    assert set(rows) == {"library", "library rope fused"} and all(v > 0 for v in rows.values())
+    assert "compiled programs differ: library, library rope fused" in out and "(agree within" in out
+    assert "ratio library / library rope fused tokens/s" in out
