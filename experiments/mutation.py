@@ -261,7 +261,7 @@ MUTATIONS = [
              "exponent = np.arange(2, H + 2, 2, dtype=np.float64) / H",
              ("tests/ops/test_positional.py", *MODEL), "RoPE frequency exponent one step off"),
     Mutation("rope_tables_fused", "jaxformer/ops/positional.py",
-             "cos, sin = _tables_apart(cos), _tables_apart(sin)", "pass",
+             "cpu=lambda c, s: (_unfusable_copy(c), _unfusable_copy(s))", "cpu=lambda c, s: (c, s)",
              ("tests/ops/test_positional.py",),
              "RoPE's cos / sin left to XLA's CPU fusion: recomputed for every rotated element"),
     Mutation("sinusoid_swap", "jaxformer/ops/positional.py",

@@ -16,7 +16,7 @@ the same warmup + cosine schedule. ``--before`` adds the library's step as it wa
 (attention differentiated by plain autodiff through ``xla_attention``), ``--no-chunks`` the step
 without causal attention chunks and ``--einsum`` the step with its projections as einsums over the
 ``[B, T, ...]`` activations (before issue 23) and ``--rope-fused`` the step with RoPE's cos / sin tables left to
-XLA's fusion (before 2026-12-07: recomputed for every rotated element on the CPU; RoPE models only, e.g.
+XLA's fusion (before ``aac4be8``: recomputed for every rotated element on the CPU; RoPE models only, e.g.
 ``--config experiments/configs/stdlib_bpe.yaml``), each compiled in the same process. Where the library's step
 computes each batch in more than one part side by side (``optimizer.parallel_parts``: "auto", 4 or 2 on the CPU
 by the micro-batch's work and the model's size, or ``--parts N``), the one-part step is timed beside it ("library
@@ -246,7 +246,7 @@ def variant_step(name: str, cfg: C.ExperimentConfig, mesh, state, batch, frozen=
     issue 16); ``"no chunks"``: the hand-written derivative over every key (no causal chunks); ``"einsum"``:
     every projection an einsum over the ``[B, T, ...]`` activations (the library before issue 23's 2-D
     products, ``jaxformer.nn.params.project``); ``"rope fused"``: RoPE's cos / sin tables fused into the rotation
-    (``jaxformer.ops.positional._tables_apart`` skipped: the library before 2026-12-07)."""
+    (``jaxformer.ops.positional._unfusable_copy`` skipped: the library before ``aac4be8``)."""
     import contextlib
     from unittest import mock
 
@@ -275,7 +275,7 @@ def variant_step(name: str, cfg: C.ExperimentConfig, mesh, state, batch, frozen=
     elif name == "no chunks":
         patch.enter_context(mock.patch.object(A, "_CHUNK", 1 << 30))
     elif name == "rope fused":
-        patch.enter_context(mock.patch.object(P, "_tables_apart", lambda t: t))
+        patch.enter_context(mock.patch.object(P, "_unfusable_copy", lambda t: t))
     else:
         for module in (NA, NE, NM):
             patch.enter_context(mock.patch.object(module, "project", einsum_project))
@@ -341,13 +341,15 @@ def main(argv=None):
     p.add_argument("--einsum", action="store_true",
                    help="also time the library's step with every projection an einsum over [B, T, ...] (before issue 23)")
     p.add_argument("--rope-fused", action="store_true",
-                   help="also time the library's step with RoPE's cos/sin fused into the rotation (before 2026-12-07)")
+                   help="also time the library's step with RoPE's cos/sin fused into the rotation (the library "
+                        "before aac4be8); RoPE configs only, e.g. --config experiments/configs/stdlib_bpe.yaml")
     p.add_argument("--no-chunks", action="store_true",
                    help="also time the library's step without causal attention chunks")
     p.add_argument("--scan-remat", action="store_true",
                    help="add the library's step with model.scan_layers and model.remat on (same parameters)")
     p.add_argument("--config", help="time this experiment config's step instead (e.g. experiments/configs/"
-                   "stdlib_bytes.yaml, the main job); only the library and its --before / --no-chunks / --einsum / --rope-fused variants")
+                   "stdlib_bytes.yaml, the main job); only the library and its --before / --no-chunks / --einsum / "
+                   "--rope-fused variants")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="with --config: an override, as on jaxformer's command line (e.g. 'model.lora={rank: 16, "
                         "alpha: 32}': a LoRA fine-tune's step, its frozen base read from the config's model source)")
@@ -411,7 +413,7 @@ def main(argv=None):
     variants = {f"library {n}": [variant_step(n, cfg, mesh, state, batches[0], trainer.frozen),
                                  jax.tree.map(jnp.copy, state)]
                 for n, on in (("before", args.before), ("no chunks", args.no_chunks), ("einsum", args.einsum),
-                                     ("rope fused", args.rope_fused)) if on}
+                              ("rope fused", args.rope_fused)) if on}
     if args.scan_remat:
         variants["library scan+remat"] = scan_remat_step(cfg, mesh, state, batches[0])
     ran = trainer.spec.optimizer.parallel_parts  # "auto" resolved

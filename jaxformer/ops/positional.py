@@ -163,14 +163,14 @@ def rope_frequencies(head_dim: int, *, base: float = 10000.0,
     return jnp.asarray(inv_freq, jnp.float32), attention_factor
 
 
-def _tables_apart(t: Float[Array, "*B K"]) -> Float[Array, "*B K"]:
-    """``t`` itself, as ``t @ I`` (exact: each entry times 1 plus zeros): computed once, where XLA's CPU backend
-    would fuse RoPE's ``cos`` / ``sin`` table ``[..., T, 1, H/2]`` into the rotation it feeds and recompute it for
-    every element of ``[..., T, N, H]`` (N times the transcendentals, in every layer, forward and backward).
+def _unfusable_copy(t: Float[Array, "*B K"]) -> Float[Array, "*B K"]:
+    """``t`` itself, as the product ``t @ I``: exact for the finite, normal values RoPE's tables hold (each entry
+    times 1 plus zeros; ``precision=HIGHEST``), and a product, which XLA's CPU backend does not fuse into a loop.
 
-    A product is what that backend does not fuse into a loop (``optimization_barrier`` is removed before its
-    fusion pass). The main job's train step (``llama_tiny``, 4 heads) spent 6.3% of its op time in those fusions
-    and 0.5% with the tables apart: 1.07x the steps a second (``experiments/results/train_throughput.md``).
+    Left to fuse, that backend folds RoPE's ``cos`` / ``sin`` tables ``[..., T, 1, H/2]`` into the rotation they
+    feed (the gradient's, in every layer) and evaluates them for every element it writes, ``[..., T, N, H]``: 2N
+    times the transcendentals. ``optimization_barrier`` does not stop it (the CPU pipeline removes barriers before
+    fusing); the product does (``experiments/results/train_throughput.md``, "RoPE's tables computed once").
     """
     return jnp.matmul(t, jnp.eye(t.shape[-1], dtype=t.dtype), precision=jax.lax.Precision.HIGHEST)
 
@@ -215,8 +215,9 @@ def apply_rope(x: Float[ArrayLike, "*B T N H"], positions: Integer[ArrayLike, "*
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
-    if jax.default_backend() == "cpu":
-        cos, sin = _tables_apart(cos), _tables_apart(sin)
+    # the copies on the CPU only (decided where the program is lowered); other backends take the tables as they are
+    cos, sin = jax.lax.platform_dependent(cos, sin, cpu=lambda c, s: (_unfusable_copy(c), _unfusable_copy(s)),
+                                          default=lambda c, s: (c, s))
     xf = x.astype(jnp.float32)
     if interleaved:
         pairs = xf.reshape(x.shape[:-1] + (H // 2, 2))
