@@ -8,17 +8,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from jaxformer.nn.params import project
+from tests.draws import few_draws
 
 # fp32 products of O(1) values over <= 27 terms (x w: <= 16; the weight gradient sums over <= 27 rows) against
 # float64: a few ulps of accumulated rounding on the CPU.
 RTOL, ATOL = 1e-5, 1e-5
-# Each draw compiles new shapes: the pinned examples (the model's projection shapes), plus one draw in the
-# default run and a quarter of a larger profile's (50 nightly).
-DRAWS = settings(max_examples=1 if settings.default.max_examples <= 12 else settings.default.max_examples // 4)
+# Each draw compiles new shapes; the pinned examples are the model's projection shapes.
+DRAWS = few_draws()
 
 
 def _spec(x_ndim, w_ndim, n_in):

@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from jaxformer.ops import MaskSpec, dot_product_attention
+from tests.draws import few_draws
 
 
 def numpy_attention(q, k, v, allowed, *, scale=None, slopes=None, softcap=None, q_pos=None):
@@ -42,9 +43,8 @@ def rand(shape, seed):
 
 # fp32 attention vs float64 numpy: errors are O(1e-6); 2e-5 leaves room for accumulation order.
 TOL = dict(rtol=2e-5, atol=2e-5)
-# Each draw compiles new shapes (~0.6 s): the pinned examples turn every feature on, plus one draw in the default
-# run and in tests/test_cpu_isa_matrix.py's cells, and a quarter of a larger profile's (50 nightly).
-DRAWS = settings(max_examples=1 if settings.default.max_examples <= 12 else settings.default.max_examples // 4)
+# Each draw compiles new shapes (~0.6 s); the pinned examples turn every feature on.
+DRAWS = few_draws()
 
 
 @DRAWS  # 12 -> 1 draw: 6 s

@@ -9,13 +9,14 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from jaxformer.ops import MaskSpec, xla_attention
 from jaxformer.ops.blockwise import blockwise_attention
 from tests.attention_helpers import assert_close as _close
 from tests.attention_helpers import attention_inputs as _inputs
+from tests.draws import few_draws
 
 # Tolerances relative to max(1, max|want|). fp32: same math as the dense path, different summation
 # order -> 1e-5 forward, 1e-4 gradients. bf16: p is rounded to bf16 before p @ v and the output is
@@ -164,11 +165,10 @@ def test_no_t_by_s_matrix_forward_or_backward():
     assert max(int(np.prod(s)) for _, s in _all_shapes(dense.jaxpr)) >= T * S
 
 
-# Each drawn example compiles a custom-VJP program (~1 s): one in the default run (it was 4: 2.5 s), a quarter of a
-# larger profile's (50 nightly); the pinned examples reach every feature at once (causal + window + offset + segments
+# Each drawn example compiles a custom-VJP program (~1 s); the pinned examples reach every feature at once (causal + window + offset + segments
 # + lengths + ALiBi + softcap + GQA 3:1), the two-sided window with cross lengths and a traced per-sequence offset,
 # so coverage does not hang on the draw.
-@settings(max_examples=1 if settings.default.max_examples <= 12 else settings.default.max_examples // 4)
+@few_draws()
 @example(B=2, T=29, S=23, K=2, G=3, causal=True, window=(6, 2), offset=-3, use_seg=True, use_len=True,
          use_alibi=True, softcap=4.0, block_k=7, block_q=3, traced=False, seed=5)
 @example(B=1, T=17, S=30, K=1, G=1, causal=False, window=(4, None), offset=5, use_seg=False, use_len=True,

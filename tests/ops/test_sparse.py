@@ -8,21 +8,20 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from jaxformer.ops import MaskSpec, dot_product_attention, xla_attention
 from jaxformer.ops.masks import RandomBlocks
 from jaxformer.ops.sparse import global_query_rows, sparse_attention
+from tests.draws import few_draws
 
 # fp32 on both sides, only the summation order differs: errors ~1e-6.
 TOL = dict(rtol=1e-5, atol=1e-5)
 # fp32 against float64: errors ~1e-6, a few times more through the backward pass.
 TOL64 = dict(rtol=2e-5, atol=2e-5)
-# Each draw compiles a forward + backward program (~0.9 s): the pinned examples turn every feature on, plus one
-# draw in the default run and in tests/test_cpu_isa_matrix.py's cells, and a quarter of a larger profile's (50
-# nightly).
-DRAWS = settings(max_examples=1 if settings.default.max_examples <= 12 else settings.default.max_examples // 4)
+# Each draw compiles a forward + backward program (~0.9 s); the pinned examples turn every feature on.
+DRAWS = few_draws()
 
 
 def rand(shape, seed):
