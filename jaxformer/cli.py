@@ -158,5 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The ``jaxformer`` command (and ``python -m jaxformer.cli``): :func:`main`, in a process started again
+    first where glibc's malloc should ask for huge pages (:func:`jaxformer.train.host_memory.restart_with_huge_pages`:
+    a CPU train step 1.2-1.3x faster)."""
+    from jaxformer.train.host_memory import restart_with_huge_pages
+
+    restart_with_huge_pages()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from timing import cpu_line, median_seconds, timed  # cpu_line: the CPU model, ISA flags, cores, load
+from jaxformer.train.host_memory import restart_with_huge_pages
 
 from jaxformer.decode.block_manager import BlockManager, OutOfPages
 from jaxformer.decode.engine import Engine
@@ -791,4 +792,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    restart_with_huge_pages()  # as the jaxformer command runs (JAXFORMER_HUGE_PAGES=0: glibc's defaults)
     sys.exit(main())

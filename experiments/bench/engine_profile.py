@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
+TRACEME = "--xla_cpu_enable_xprof_traceme=true"
+if TRACEME not in os.environ.get("XLA_FLAGS", "").split():  # once: a restart with huge pages imports this again
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TRACEME}".strip()
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
@@ -36,6 +38,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import checkpoint_dir  # noqa: E402
 from timing import cpu_line, hlo_outputs, xla_op_ns  # noqa: E402
+from jaxformer.train.host_memory import restart_with_huge_pages  # noqa: E402
 
 import jaxformer.decode.engine as eng  # noqa: E402
 from jaxformer.decode.sampling import SamplingParams  # noqa: E402
@@ -125,4 +128,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    restart_with_huge_pages()  # as the jaxformer command runs (JAXFORMER_HUGE_PAGES=0: glibc's defaults)
     raise SystemExit(main())

@@ -12,6 +12,7 @@ import statistics
 import time
 
 import jax
+from jaxformer.train.host_memory import TUNABLE
 
 
 def timed(fn, *args):
@@ -37,7 +38,9 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni",
 
 
 def cpu_line() -> str:
-    """The CPU model, its vector ISA flags, the cores and the load average, for every table."""
+    """The CPU model, its vector ISA flags, the cores, the load average and whether glibc's malloc asks for huge
+    pages (``jaxformer.train.host_memory``: the benchmarks that time whole steps restart with them, as the
+    ``jaxformer`` command does), for every table."""
     model, flags = "unknown CPU", set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -49,8 +52,10 @@ def cpu_line() -> str:
     except OSError:
         pass
     isa = " ".join(f for f in ISA_FLAGS if f in flags) or "none of " + " ".join(ISA_FLAGS)
+    huge = TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")
     return (f"CPU: {model}, {os.cpu_count()} cores, ISA {isa}; load average "
-            f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1 / 5 / 15 min)")
+            f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1 / 5 / 15 min); malloc "
+            f"{'huge pages' if huge else 'defaults'}")
 
 
 XLA_RUNTIME_SPANS = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener", "end: ")  # the executor's own

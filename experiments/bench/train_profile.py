@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
+TRACEME = "--xla_cpu_enable_xprof_traceme=true"
+if TRACEME not in os.environ.get("XLA_FLAGS", "").split():  # once: a restart with huge pages imports this again
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TRACEME}".strip()
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
@@ -44,6 +46,7 @@ from jaxformer.train.corpus import build_corpus  # noqa: E402
 from jaxformer.train.pipeline import TrainIterator  # noqa: E402
 from jaxformer.train.step import make_trainer  # noqa: E402
 from timing import cpu_line, hlo_outputs, op_ns_per_step, ops_alone, ops_running, xla_op_events  # noqa: E402
+from jaxformer.train.host_memory import restart_with_huge_pages  # noqa: E402
 
 def _shapes(hlo: str) -> dict[str, list[int]]:
     return {m[1]: [int(d) for d in m[2].split(",") if d] for m in re.finditer(r"%([\w.\-]+) = \w+\[([\d,]*)\]", hlo)}
@@ -222,4 +225,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    restart_with_huge_pages()  # as the jaxformer command runs (JAXFORMER_HUGE_PAGES=0: glibc's defaults)
     main()

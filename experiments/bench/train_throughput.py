@@ -22,6 +22,10 @@ computes each batch in more than one part side by side (``optimizer.parallel_par
 by the micro-batch's work and the model's size, or ``--parts N``), the one-part step is timed beside it ("library
 one part"); ``--also-parts N ...`` times other part counts beside them ("library N parts").
 
+Run as a script it first starts itself again with glibc's malloc asking for huge pages, as the ``jaxformer``
+command does (``jaxformer.train.host_memory``; ``JAXFORMER_HUGE_PAGES=0``: glibc's defaults; the CPU line says
+which), so every contender in the process runs under it; the A/B of the two is two processes.
+
 The script checks that every contender's first loss agrees with the library's, then times them in
 alternating rounds (``--steps`` steps per round) so a busy machine slows each alike; the table shows
 the median wall ms/step, tokens/s, MFU and the process CPU time per step of each, and the ratios. MFU =
@@ -55,6 +59,7 @@ from jaxformer.train.optim import decay_mask, make_schedule
 from jaxformer.train.pipeline import TrainIterator
 from jaxformer.train.step import make_trainer
 from timing import cpu_line  # the CPU model, its ISA flags, the cores and the load average
+from jaxformer.train.host_memory import restart_with_huge_pages
 
 
 def experiment(args) -> C.ExperimentConfig:
@@ -529,4 +534,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    restart_with_huge_pages()  # as the jaxformer command runs (JAXFORMER_HUGE_PAGES=0: glibc's defaults)
     main()
