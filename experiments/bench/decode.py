@@ -63,7 +63,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from timing import cpu_line, median_seconds, timed  # cpu_line: the CPU model, ISA flags, cores, load
-from jaxformer.train.host_memory import restart_with_huge_pages
 
 from jaxformer.decode.block_manager import BlockManager, OutOfPages
 from jaxformer.decode.engine import Engine
@@ -792,5 +791,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    restart_with_huge_pages()  # as the jaxformer command runs (JAXFORMER_HUGE_PAGES=0: glibc's defaults)
     sys.exit(main())

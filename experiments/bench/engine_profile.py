@@ -38,7 +38,6 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import checkpoint_dir  # noqa: E402
 from timing import cpu_line, hlo_outputs, xla_op_ns  # noqa: E402
-from jaxformer.train.host_memory import restart_with_huge_pages  # noqa: E402
 
 import jaxformer.decode.engine as eng  # noqa: E402
 from jaxformer.decode.sampling import SamplingParams  # noqa: E402
@@ -128,5 +127,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    restart_with_huge_pages()  # as the jaxformer command runs (JAXFORMER_HUGE_PAGES=0: glibc's defaults)
     raise SystemExit(main())

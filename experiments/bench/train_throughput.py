@@ -534,5 +534,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    restart_with_huge_pages()  # as the jaxformer command runs (JAXFORMER_HUGE_PAGES=0: glibc's defaults)
+    restart_with_huge_pages()  # as jaxformer train runs (JAXFORMER_HUGE_PAGES=0: glibc's defaults)
     main()

@@ -6,12 +6,14 @@ execution ends. glibc serves a block that large with a fresh ``mmap`` and unmaps
 faults in every 4 KiB page of its buffer anew: in the main job's GPT-2-shaped twin (108 MB), 26,000 page faults
 and ~90 ms of kernel CPU time a step beside ~250 ms of the step's own, on 2 EPYC cores. With glibc's tunable
 ``glibc.malloc.hugetlb=1`` (glibc 2.35 and later) malloc asks the kernel for transparent huge pages on those
-mappings: 2 MiB pages, 512 times fewer faults, the memory still handed back at every ``free``, and the twin's step
-1.27-1.36x faster, where a PyTorch step timed in the same processes does not move (its blocks are smaller, and
+mappings (where the kernel's mode is ``[madvise]``, the usual default; ``[always]`` gives them unasked): 2 MiB
+pages, 250-430 faults a step instead of 26,300, the memory still handed back at every ``free``, and the twin's step
+1.21-1.36x faster (a PyTorch step timed in the same processes moved by -1.5 to +4.7%; its blocks are smaller, and
 glibc's heap recycles them): ``experiments/results/train_throughput.md``.
 
 A tunable is read once, when the process starts: :func:`restart_with_huge_pages` starts the process again with it
-(the ``jaxformer`` command does, before anything else); from your own script, set it in the environment::
+(``jaxformer train`` does, before anything else: the one command measured with it so far); from your own script,
+set it in the environment (a child process inherits it)::
 
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python my_script.py
 
@@ -32,6 +34,9 @@ TUNABLE = "glibc.malloc.hugetlb=1"
 """glibc's malloc tunable: ``madvise(MADV_HUGEPAGE)`` on the memory it maps (glibc 2.35 and later)."""
 OPT_OUT = "JAXFORMER_HUGE_PAGES"
 """Set to ``0``: :func:`restart_with_huge_pages` leaves the process as it is."""
+RESTARTED = "JAXFORMER_HUGE_PAGES_RESTARTED"
+"""Set by :func:`restart_with_huge_pages` in the process it starts: never a second restart (glibc drops tunables
+from the environment of a setuid or file-capability interpreter, so the tunable itself cannot say so)."""
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -44,8 +49,11 @@ def glibc_version() -> tuple[int, int] | None:
     except (OSError, AttributeError, TypeError):
         return None
     version.restype = ctypes.c_char_p
-    major, minor, *_ = version().decode().split(".") + ["0"]
-    return int(major), int(minor)
+    try:
+        major, minor, *_ = version().decode().split(".") + ["0"]
+        return int(major), int(minor)
+    except ValueError:  # a version string of another shape: not a glibc to rely on
+        return None
 
 
 def runs_on_the_cpu() -> bool:
@@ -60,18 +68,23 @@ def runs_on_the_cpu() -> bool:
     return not plugins and importlib.util.find_spec("libtpu") is None
 
 
-def huge_pages_would_help() -> str | None:
-    """None where :func:`restart_with_huge_pages` would restart this process; else why not, in a few words."""
+def why_no_huge_pages() -> str | None:
+    """Why :func:`restart_with_huge_pages` would leave this process as it is, in a few words; None where it would
+    start it again with huge pages."""
     if os.environ.get(OPT_OUT) == "0":
         return f"{OPT_OUT}=0"
-    if TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":"):
-        return "set already"
+    if os.environ.get(RESTARTED):
+        return "restarted already"
+    if any(t.startswith("glibc.malloc.hugetlb=") for t in os.environ.get("GLIBC_TUNABLES", "").split(":")):
+        return "glibc.malloc.hugetlb set already"  # the user's value, whatever it is, stands
+    if sys.flags.interactive or hasattr(sys, "ps1") or "ipykernel" in sys.modules or len(sys.orig_argv) < 2:
+        return "an interactive session (its state would be lost)"
     version = glibc_version()
     if version is None or version < (2, 35):
         return "not glibc 2.35 or later"
     try:
-        if "[never]" in THP.read_text():
-            return "transparent huge pages off in this kernel"
+        if "[madvise]" not in THP.read_text():
+            return "the kernel's transparent huge pages are not in madvise mode (always: given unasked; never: off)"
     except OSError:
         return "no transparent huge pages in this kernel"
     if not runs_on_the_cpu():
@@ -81,19 +94,27 @@ def huge_pages_would_help() -> str | None:
 
 def restart_with_huge_pages() -> None:
     """Start this process again, as it was started (``os.execv``: the same PID, arguments and environment), with
-    :data:`TUNABLE` added to ``GLIBC_TUNABLES``; return at once, changing nothing, where
-    :func:`huge_pages_would_help` says why not (already set, ``JAXFORMER_HUGE_PAGES=0``, not glibc 2.35+, no
-    transparent huge pages, JAX on an accelerator). Call it first thing: whatever ran before it runs again."""
-    if huge_pages_would_help() is not None:
+    :data:`TUNABLE` added to ``GLIBC_TUNABLES``; return at once, changing nothing, where :func:`why_no_huge_pages`
+    says why not (``JAXFORMER_HUGE_PAGES=0``, restarted or set already, an interactive session, not glibc 2.35+,
+    transparent huge pages not in madvise mode, JAX on an accelerator). Call it first thing: whatever ran before
+    it runs again."""
+    if why_no_huge_pages() is not None or not sys.executable:
         return
-    tunables = os.environ.get("GLIBC_TUNABLES")
+    before = {k: os.environ.get(k) for k in ("GLIBC_TUNABLES", RESTARTED)}
+    tunables = before["GLIBC_TUNABLES"]
     os.environ["GLIBC_TUNABLES"] = f"{tunables}:{TUNABLE}" if tunables else TUNABLE
-    sys.stdout.flush()
-    sys.stderr.flush()
+    os.environ[RESTARTED] = "1"
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
     try:
         os.execv(sys.executable, sys.orig_argv)
-    except OSError:  # no interpreter to start again (a frozen or embedded Python): go on as it is
-        if tunables is None:
-            del os.environ["GLIBC_TUNABLES"]
-        else:
-            os.environ["GLIBC_TUNABLES"] = tunables
+    except (OSError, ValueError):  # no interpreter to start again (a frozen or embedded Python): go on as it is
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
