@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 
 TRACEME = "--xla_cpu_enable_xprof_traceme=true"
-if TRACEME not in os.environ.get("XLA_FLAGS", "").split():  # once: a restart with huge pages imports this again
+if TRACEME not in os.environ.get("XLA_FLAGS", "").split():  # once, however often this is imported (tests)
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TRACEME}".strip()
 
 import argparse  # noqa: E402

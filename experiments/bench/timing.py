@@ -39,8 +39,8 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni",
 
 def cpu_line() -> str:
     """The CPU model, its vector ISA flags, the cores, the load average and whether glibc's malloc asks for huge
-    pages (``jaxformer.train.host_memory``: the benchmarks that time whole steps restart with them, as the
-    ``jaxformer`` command does), for every table."""
+    pages (``jaxformer.train.host_memory``: the train-step benchmarks restart with them, as ``jaxformer train``
+    does), for every table."""
     model, flags = "unknown CPU", set()
     try:
         with open("/proc/cpuinfo") as f:

@@ -22,8 +22,8 @@ computes each batch in more than one part side by side (``optimizer.parallel_par
 by the micro-batch's work and the model's size, or ``--parts N``), the one-part step is timed beside it ("library
 one part"); ``--also-parts N ...`` times other part counts beside them ("library N parts").
 
-Run as a script it first starts itself again with glibc's malloc asking for huge pages, as the ``jaxformer``
-command does (``jaxformer.train.host_memory``; ``JAXFORMER_HUGE_PAGES=0``: glibc's defaults; the CPU line says
+Run as a script it first starts itself again with glibc's malloc asking for huge pages, as ``jaxformer train``
+does (``jaxformer.train.host_memory``; ``JAXFORMER_HUGE_PAGES=0``: glibc's defaults; the CPU line says
 which), so every contender in the process runs under it; the A/B of the two is two processes.
 
 The script checks that every contender's first loss agrees with the library's, then times them in
