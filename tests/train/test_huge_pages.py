@@ -101,7 +101,7 @@ def execs(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setattr(hm, "glibc_version", lambda: (2, 36))
-    monkeypatch.setattr(hm, "THP", type("T", (), {"read_text": lambda self: "always [madvise] never\n"})())
+    monkeypatch.setattr(hm, "THP", SimpleNamespace(read_text=lambda: "always [madvise] never\n"))
     return calls
 
 
@@ -137,7 +137,7 @@ def test_no_restart_where_huge_pages_would_not_help(execs, monkeypatch, case):
         monkeypatch.setattr(hm, "glibc_version", lambda: None if case == "not glibc" else (2, 34))
     elif case in ("THP never", "THP always"):
         mode = "always madvise [never]" if case == "THP never" else "[always] madvise never"
-        monkeypatch.setattr(hm, "THP", type("T", (), {"read_text": lambda self: mode + "\n"})())
+        monkeypatch.setattr(hm, "THP", SimpleNamespace(read_text=lambda: mode + "\n"))
     elif case == "no THP":
         monkeypatch.setattr(hm, "THP", Path("/nonexistent/transparent_hugepage/enabled"))
     else:
