@@ -21,6 +21,13 @@ one-core time). The "one" share is taken apart by op (``timing.ops_alone``): the
 traced beside them, by class and the longest by name. A YNNPACK product may still hand part of its work to the
 other thread untraced (a lone ``[768, 128] x [128, 512]`` product runs 1.5x faster on 2 threads than on one, on
 a 2-core Zen 2), so time with one op running is not an idle core; it is where a step depends on one op at a time.
+
+Pinned to one core, with torch, a last block bounds what any change to the library's step could give against
+torch's (``--goal``, the ratio a goal asks for): the matmul peak of this core is measured in the same run (the
+best of XLA's and torch's ``[2048, 2048]`` product and the model's widest projection), the library's products
+are costed at that peak, and the block prints the library / torch ratio the step would reach if every product ran
+at the peak and nothing else took time, the ratio with its other ops as measured, and how little time the other
+ops would have to take to reach the goal (:func:`bound`). A bound, not an estimate: no kernel outruns the peak.
 """
 
 from __future__ import annotations
@@ -165,6 +172,54 @@ def profile_torch(step, steps: int):
     return out, torch.get_num_threads()
 
 
+def matmul_peak(shapes=((2048, 2048, 2048),), calls: int = 7) -> tuple[float, dict[str, float]]:
+    """``(best FLOP/s, {who [M,K]x[K,N]: FLOP/s})`` of fp32 products ``[M, K] x [K, N]`` for each of ``shapes``, by
+    XLA (jitted) and by torch where importable, each the best of ``calls`` timed calls after a warm-up, at the
+    threads this process runs with (pinned to one core: one)."""
+    import time
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    rates = {}
+    f = jax.jit(lambda a, b: a @ b)
+    for m, k, n in shapes:
+        a = np.random.default_rng(0).random((m, k), np.float32)
+        b = np.random.default_rng(1).random((k, n), np.float32)
+        ja, jb = jnp.asarray(a), jnp.asarray(b)
+        runs = {"xla": lambda: jax.block_until_ready(f(ja, jb))}
+        if torch is not None:
+            ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+            runs["torch"] = lambda: torch.mm(ta, tb)
+        for who, run in runs.items():
+            run()
+            best = math.inf
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                run()
+                best = min(best, time.perf_counter() - t0)
+            rates[f"{who} [{m},{k}]x[{k},{n}]"] = 2.0 * m * k * n / best
+    return max(rates.values()), rates
+
+
+def bound(lib: dict[str, tuple[float, float]], torch_ns: float, peak: float, goal: float) -> dict[str, float]:
+    """What the library's step could reach against torch's on one core, from its op classes ``lib`` (``{class:
+    (ns, FLOPs)}`` a step, :func:`classify_xla`), torch's step ``torch_ns`` and the core's matmul ``peak`` (FLOP/s):
+    ``products_at_peak_ms`` (the products' FLOPs at the peak), ``other_ms`` (every op without a product, as
+    measured), ``best`` (torch's time over the products' at the peak: the ratio if nothing else took time),
+    ``best_with_other`` (the same with the other ops as measured) and ``other_budget_ms`` (what the other ops may
+    take for library / torch to reach ``goal`` with every product at the peak; negative: not even then)."""
+    flops = sum(fl for _, fl in lib.values())
+    other = sum(ns for ns, fl in lib.values() if not fl)
+    at_peak = flops / peak * 1e9
+    return {"products_at_peak_ms": at_peak / 1e6, "other_ms": other / 1e6, "best": torch_ns / at_peak,
+            "best_with_other": torch_ns / (at_peak + other), "other_budget_ms": (torch_ns / goal - at_peak) / 1e6}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, with the fields ``train_throughput.experiment`` reads (fp32, XLA attention)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -177,6 +232,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--top", type=int, default=12, help="how many of the ops that run alone longest to list")
     p.add_argument("--parts", type=int, help="optimizer.parallel_parts (default 'auto', as the library trains)")
+    p.add_argument("--goal", type=float, default=1.3,
+                   help="the library / torch ratio the bound block asks after (issue 23: 1.3 at nanoGPT's shape, "
+                        "1.1 at the main job's); the block is printed pinned to one core, with torch")
     args = p.parse_args(argv)
     args.dtype, args.attention = "float32", "xla"
     return args
@@ -190,7 +248,7 @@ def main(argv=None):
     host = next(it)
     lib, running, span, parts, (alone, alone_by_class) = profile_library(cfg, mesh, S.put_batch(host, mesh),
                                                                           args.steps, args.top)
-    torch_rows, threads = {}, None
+    torch_rows, threads, b = {}, None, None
     if not args.no_torch:
         state = make_trainer(cfg, mesh).init_state()
         twin = tt.torch_twin(cfg, jax.device_get(state["params"]), [host])
@@ -220,8 +278,23 @@ def main(argv=None):
         for cls, ns in sorted(torch_rows.items(), key=lambda kv: -kv[1]):
             print(f"{cls:<52}{ns / 1e6:>9.1f}")
         print(f"{'total':<52}{sum(torch_rows.values()) / 1e6:>9.1f}")
+        d, m, k = args.d_model, cfg.batch_size * cfg.seq_len, 4 * args.d_model
+        peak, rates = matmul_peak(((2048, 2048, 2048), (m, d, k)))
+        cores = len(os.sched_getaffinity(0))
+        print(f"matmul peak on {cores} core(s): {peak / 1e9:.1f} GFLOP/s ("
+              + ", ".join(f"{who} {r / 1e9:.1f}" for who, r in rates.items()) + ")")
+        if cores == 1:
+            b = bound(lib, sum(torch_rows.values()), peak, args.goal)
+            print(f"bound (one core): the library's products at the peak {b['products_at_peak_ms']:.1f} ms, its other "
+                  f"ops {b['other_ms']:.1f} ms a step; library / torch at most {b['best']:.2f} if nothing but "
+                  f"products took time, {b['best_with_other']:.2f} with the other ops as measured; for "
+                  f"{args.goal:.2f} the other ops "
+                  + (f"may take at most {b['other_budget_ms']:.1f} ms" if b["other_budget_ms"] > 0 else
+                     "could take no time at all and still not reach it"))
+        else:
+            print("bound: pin the run to one core (taskset -c 1) for the bound against the matmul peak")
     return {"library": {k: v[0] for k, v in lib.items()}, "torch": dict(torch_rows), "running": running,
-            "alone": alone, "alone_by_class": dict(alone_by_class)}
+            "alone": alone, "alone_by_class": dict(alone_by_class), "bound": b}
 
 
 if __name__ == "__main__":

@@ -31,6 +31,26 @@ def test_classify_xla_counts_dot_flops_and_sorts_ops():
     assert f"f32[{N},{M}]" in {index.output(n) for n in names}  # the transposed copy's output
 
 
+def test_bound_costs_the_products_at_the_peak():
+    """78 GFLOP of products at a 78 GFLOP/s peak take 1,000 ms; with 400 ms of other ops against torch's 1,500 ms the
+    library could reach at most 1.5x (products alone) and 1,500 / 1,400 with the rest; 1.3x leaves the other ops
+    1,500 / 1.3 - 1,000 = 153.8 ms, and 1.6x is out of reach even with no other op (937.5 - 1,000 ms)."""
+    bench = load_bench("train_profile")
+    lib = {"matmul, YNNPACK fusions": (600e6, 46.8e9), "matmul, Eigen dots": (500e6, 31.2e9),
+           "transposes and copies": (250e6, 0), "other elementwise and reductions": (150e6, 0)}
+    b = bench.bound(lib, 1500e6, 78e9, 1.3)
+    assert b == pytest.approx({"products_at_peak_ms": 1000.0, "other_ms": 400.0, "best": 1.5,
+                               "best_with_other": 1500 / 1400, "other_budget_ms": 1500 / 1.3 - 1000})
+    assert bench.bound(lib, 1500e6, 78e9, 1.6)["other_budget_ms"] == pytest.approx(-62.5)
+
+
+def test_matmul_peak_is_the_best_product_rate():
+    bench = load_bench("train_profile")
+    peak, rates = bench.matmul_peak(((64, 32, 48), (16, 16, 16)), calls=2)
+    assert {k.split(" ", 1)[1] for k in rates} == {"[64,32]x[32,48]", "[16,16]x[16,16]"}
+    assert "xla [64,32]x[32,48]" in rates and peak == max(rates.values()) > 0
+
+
 def test_hlo_index_names_an_ops_output_and_a_tuples_first():
     bench = load_bench("train_profile")
     hlo = ("HloModule m\n\nENTRY %main (p: f32[4,8]) -> (f32[4,8], f32[8]) {\n"
