@@ -22,8 +22,8 @@ traced beside them, by class and the longest by name. A YNNPACK product may stil
 other thread untraced (a lone ``[768, 128] x [128, 512]`` product runs 1.5x faster on 2 threads than on one, on
 a 2-core Zen 2), so time with one op running is not an idle core; it is where a step depends on one op at a time.
 
-Pinned to one core, with torch, a last block bounds what any change to the library's step could give against
-torch's (``--goal``, the ratio a goal asks for): the matmul peak of this core is measured in the same run (the
+Pinned to one core, with torch, a last block bounds what a change to the library's step that keeps its products'
+FLOPs could give against torch's (``--goal``, the ratio a goal asks for): the matmul peak of this core is measured in the same run (the
 best of XLA's and torch's ``[2048, 2048]`` product and the model's widest projection), the library's products
 are costed at that peak, and the block prints the library / torch ratio the step would reach if every product ran
 at the peak and nothing else took time, the ratio with its other ops as measured, and how little time the other
