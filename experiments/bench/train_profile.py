@@ -28,6 +28,10 @@ best of XLA's and torch's ``[2048, 2048]`` product and the model's widest projec
 are costed at that peak, and the block prints the library / torch ratio the step would reach if every product ran
 at the peak and nothing else took time, the ratio with its other ops as measured, and how little time the other
 ops would have to take to reach the goal (:func:`bound`). A bound, not an estimate: no kernel outruns the peak.
+
+``--products`` times the model's projections alone, at one part's rows, in XLA and torch side by side: each in
+its forward, input-gradient and weight-gradient form (:data:`FORMS`). Run pinned and unpinned, it says which
+products gain less from the second thread in one framework than in the other.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ if TRACEME not in os.environ.get("XLA_FLAGS", "").split():  # once, however ofte
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import functools  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
@@ -172,10 +177,21 @@ def profile_torch(step, steps: int):
     return out, torch.get_num_threads()
 
 
-def matmul_peak(shapes=((2048, 2048, 2048),), calls: int = 7) -> tuple[float, dict[str, float]]:
-    """``(best FLOP/s, {who [M,K]x[K,N]: FLOP/s})`` of fp32 products ``[M, K] x [K, N]`` for each of ``shapes``, by
-    XLA (jitted) and by torch where importable, each the best of ``calls`` timed calls after a warm-up, at the
-    threads this process runs with (pinned to one core: one)."""
+FORMS = {
+    "x @ w": ("[{m},{k}] x [{k},{n}]", lambda jnp, a, b: a @ b, lambda a, b: a.mm(b)),
+    "dy @ w^T": ("[{m},{k}] x [{n},{k}]^T", lambda jnp, a, b: a @ b.T, lambda a, b: a.mm(b.t())),
+    "x^T @ dy": ("[{m},{k}]^T x [{m},{n}]", lambda jnp, a, b: a.T @ b, lambda a, b: a.t().mm(b)),
+}
+"""A 2-D product's forms in a train step, ``(label, XLA's, torch's)``: the forward ``x @ w``, the input gradient
+``dy @ w^T`` and the weight gradient ``x^T @ dy`` (contracting the rows of both operands: XLA's CPU backend
+leaves it to Eigen, YNNPACK taking only a row-major left operand contracted over its last axis). Each is
+``2 m k n`` FLOPs for the ``(m, k, n)`` it is given with."""
+
+
+def product_rates(products, calls: int = 7) -> dict[str, float]:
+    """``{"who label": FLOP/s}`` of fp32 products ``(form, m, k, n)`` (:data:`FORMS`; operands ``[m, k]`` and
+    ``[k, n]``, ``[n, k]`` or ``[m, n]``), by XLA (jitted) and by torch where importable, each the best of ``calls``
+    timed calls after a warm-up, at the threads this process runs with (pinned to one core: one)."""
     import time
 
     import jax.numpy as jnp
@@ -186,15 +202,17 @@ def matmul_peak(shapes=((2048, 2048, 2048),), calls: int = 7) -> tuple[float, di
     except ImportError:
         torch = None
     rates = {}
-    f = jax.jit(lambda a, b: a @ b)
-    for m, k, n in shapes:
+    for form, m, k, n in products:
+        label, xla_fn, torch_fn = FORMS[form]
+        second = {"x @ w": (k, n), "dy @ w^T": (n, k), "x^T @ dy": (m, n)}[form]
         a = np.random.default_rng(0).random((m, k), np.float32)
-        b = np.random.default_rng(1).random((k, n), np.float32)
+        b = np.random.default_rng(1).random(second, np.float32)
+        f = jax.jit(functools.partial(xla_fn, jnp))
         ja, jb = jnp.asarray(a), jnp.asarray(b)
         runs = {"xla": lambda: jax.block_until_ready(f(ja, jb))}
         if torch is not None:
             ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-            runs["torch"] = lambda: torch.mm(ta, tb)
+            runs["torch"] = lambda: torch_fn(ta, tb)
         for who, run in runs.items():
             run()
             best = math.inf
@@ -202,8 +220,26 @@ def matmul_peak(shapes=((2048, 2048, 2048),), calls: int = 7) -> tuple[float, di
                 t0 = time.perf_counter()
                 run()
                 best = min(best, time.perf_counter() - t0)
-            rates[f"{who} [{m},{k}]x[{k},{n}]"] = 2.0 * m * k * n / best
+            rates[f"{who} {label.format(m=m, k=k, n=n)}"] = 2.0 * m * k * n / best
+    return rates
+
+
+def matmul_peak(shapes=((2048, 2048, 2048),), calls: int = 7) -> tuple[float, dict[str, float]]:
+    """``(best FLOP/s, rates)``: :func:`product_rates` of the forward products ``[M, K] x [K, N]`` of ``shapes``."""
+    rates = product_rates([("x @ w", *shape) for shape in shapes], calls)
     return max(rates.values()), rates
+
+
+def model_products(d_model: int, rows: int) -> list[tuple[str, tuple[str, int, int, int]]]:
+    """``(name, (form, m, k, n))`` for the projections of a GPT-2 block of width ``d_model`` over ``rows`` tokens
+    (QKV, attention output, MLP up and down), each in the three forms of :data:`FORMS`."""
+    d = d_model
+    out = []
+    for name, (i, o) in (("qkv", (d, 3 * d)), ("attention out", (d, d)), ("mlp up", (d, 4 * d)),
+                         ("mlp down", (4 * d, d))):
+        out += [(f"{name} forward", ("x @ w", rows, i, o)), (f"{name} input gradient", ("dy @ w^T", rows, o, i)),
+                (f"{name} weight gradient", ("x^T @ dy", rows, i, o))]
+    return out
 
 
 def bound(lib: dict[str, tuple[float, float]], torch_ns: float, peak: float, goal: float) -> dict[str, float]:
@@ -232,6 +268,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--top", type=int, default=12, help="how many of the ops that run alone longest to list")
     p.add_argument("--parts", type=int, help="optimizer.parallel_parts (default 'auto', as the library trains)")
+    p.add_argument("--products", action="store_true",
+                   help="also time the model's projections alone (forward, input and weight gradient, one part's "
+                        "rows) in XLA and torch at this run's threads: run it pinned and unpinned for each one's "
+                        "gain from the second thread")
     p.add_argument("--goal", type=float, default=1.3,
                    help="the library / torch ratio the bound block asks after (issue 23: 1.3 at nanoGPT's shape, "
                         "1.1 at the main job's); the block is printed pinned to one core, with torch")
@@ -293,6 +333,17 @@ def main(argv=None):
                      "could take no time at all and still not reach it"))
         else:
             print("bound: pin the run to one core (taskset -c 1) for the bound against the matmul peak")
+    if args.products:
+        rows = cfg.batch_size * cfg.seq_len // parts
+        products = model_products(args.d_model, rows)
+        rates = product_rates([p for _, p in products], calls=25)
+        print(f"the model's products alone ({rows} rows: one part's), GFLOP/s at "
+              f"{len(os.sched_getaffinity(0))} core(s):")
+        print(f"{'product':<30}{'shape':<28}{'XLA':>8}{'torch':>8}{'XLA / torch':>13}")
+        for name, (form, m, k, n) in products:
+            label = FORMS[form][0].format(m=m, k=k, n=n)
+            x, t = rates[f"xla {label}"], rates.get(f"torch {label}")
+            print(f"{name:<30}{label:<28}{x / 1e9:>8.1f}" + (f"{t / 1e9:>8.1f}{x / t:>13.2f}" if t else ""))
     return {"library": {k: v[0] for k, v in lib.items()}, "torch": dict(torch_rows), "running": running,
             "alone": alone, "alone_by_class": dict(alone_by_class), "bound": b}
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 
@@ -47,8 +48,42 @@ def test_bound_costs_the_products_at_the_peak():
 def test_matmul_peak_is_the_best_product_rate():
     bench = load_bench("train_profile")
     peak, rates = bench.matmul_peak(((64, 32, 48), (16, 16, 16)), calls=2)
-    assert {k.split(" ", 1)[1] for k in rates} == {"[64,32]x[32,48]", "[16,16]x[16,16]"}
-    assert "xla [64,32]x[32,48]" in rates and peak == max(rates.values()) > 0
+    assert {k.split(" ", 1)[1] for k in rates} == {"[64,32] x [32,48]", "[16,16] x [16,16]"}
+    assert "xla [64,32] x [32,48]" in rates and peak == max(rates.values()) > 0
+
+
+def test_product_forms_compute_what_they_name():
+    """Each form's XLA function against numpy's product of the same operands (shapes as ``product_rates`` makes
+    them: ``[m, k]`` and ``[k, n]`` / ``[n, k]`` / ``[m, n]``); the model's products name each projection's three
+    forms with the widths of a GPT-2 block."""
+    bench = load_bench("train_profile")
+    rng = np.random.default_rng(0)
+    m, k, n = 6, 4, 5
+    a = rng.random((m, k), np.float32)
+    for form, b, want in (("x @ w", rng.random((k, n), np.float32), lambda a, b: a @ b),
+                          ("dy @ w^T", rng.random((n, k), np.float32), lambda a, b: a @ b.T),
+                          ("x^T @ dy", rng.random((m, n), np.float32), lambda a, b: a.T @ b)):
+        got = bench.FORMS[form][1](jnp, jnp.asarray(a), jnp.asarray(b))
+        np.testing.assert_allclose(np.asarray(got), want(a.astype(np.float64), b.astype(np.float64)), rtol=1e-5)
+    products = dict(bench.model_products(8, 4))
+    assert products["mlp down weight gradient"] == ("x^T @ dy", 4, 32, 8)
+    assert products["qkv input gradient"] == ("dy @ w^T", 4, 24, 8)
+    assert products["attention out forward"] == ("x @ w", 4, 8, 8) and len(products) == 12
+    rates = bench.product_rates([("x^T @ dy", 16, 8, 4)], calls=1)
+    assert "xla [16,8]^T x [16,4]" in rates
+
+
+def test_product_forms_torch_side():
+    """Where torch is importable (a bench venv; never a dependency): its form of each product against numpy's."""
+    torch = pytest.importorskip("torch")
+    bench = load_bench("train_profile")
+    rng = np.random.default_rng(1)
+    a = rng.random((6, 4), np.float32)
+    for form, b, want in (("x @ w", rng.random((4, 5), np.float32), lambda a, b: a @ b),
+                          ("dy @ w^T", rng.random((5, 4), np.float32), lambda a, b: a @ b.T),
+                          ("x^T @ dy", rng.random((6, 5), np.float32), lambda a, b: a.T @ b)):
+        got = bench.FORMS[form][2](torch.from_numpy(a), torch.from_numpy(b)).numpy()
+        np.testing.assert_allclose(got, want(a.astype(np.float64), b.astype(np.float64)), rtol=1e-5)
 
 
 def test_hlo_index_names_an_ops_output_and_a_tuples_first():
