@@ -22,12 +22,13 @@ traced beside them, by class and the longest by name. A YNNPACK product may stil
 other thread untraced (a lone ``[768, 128] x [128, 512]`` product runs 1.5x faster on 2 threads than on one, on
 a 2-core Zen 2), so time with one op running is not an idle core; it is where a step depends on one op at a time.
 
-Pinned to one core, with torch, a last block bounds what a change to the library's step that keeps its products'
-FLOPs could give against torch's (``--goal``, the ratio a goal asks for): the matmul peak of this core is measured in the same run (the
-best of XLA's and torch's ``[2048, 2048]`` product and the model's widest projection), the library's products
-are costed at that peak, and the block prints the library / torch ratio the step would reach if every product ran
-at the peak and nothing else took time, the ratio with its other ops as measured, and how little time the other
-ops would have to take to reach the goal (:func:`bound`). A bound, not an estimate: no kernel outruns the peak.
+Pinned to one core, with torch, a last block bounds what a change to the library's step could give against
+torch's (``--goal``, the ratio a goal asks for), its products' FLOPs as they are: every product is charged at the
+best product rate measured in the same run (XLA's and torch's ``[2048, 2048]`` product and the model's products in
+their three forms, :func:`model_products`), and the block prints the library / torch ratio the step would reach if
+nothing but products took time, the ratio with its other ops as measured, and how little time the other ops would
+have to take to reach the goal (:func:`bound`, which lists what it assumes). The rate is the best any kernel
+reached here, not the core's FMA limit: the bound says what the kernels at hand allow.
 
 ``--products`` times the model's projections alone, at one part's rows, in XLA and torch side by side: each in
 its forward, input-gradient and weight-gradient form (:data:`FORMS`). Run pinned and unpinned, it says which
@@ -178,35 +179,39 @@ def profile_torch(step, steps: int):
 
 
 FORMS = {
-    "x @ w": ("[{m},{k}] x [{k},{n}]", lambda jnp, a, b: a @ b, lambda a, b: a.mm(b)),
-    "dy @ w^T": ("[{m},{k}] x [{n},{k}]^T", lambda jnp, a, b: a @ b.T, lambda a, b: a.mm(b.t())),
-    "x^T @ dy": ("[{m},{k}]^T x [{m},{n}]", lambda jnp, a, b: a.T @ b, lambda a, b: a.t().mm(b)),
+    "x @ w": ("[{m},{k}] x [{k},{n}]", lambda m, k, n: (k, n), lambda jnp, a, b: a @ b, lambda a, b: a.mm(b)),
+    "dy @ w^T": ("[{m},{k}] x [{n},{k}]^T", lambda m, k, n: (n, k), lambda jnp, a, b: a @ b.T,
+                 lambda a, b: a.mm(b.t())),
+    "x^T @ dy": ("[{m},{k}]^T x [{m},{n}]", lambda m, k, n: (m, n), lambda jnp, a, b: a.T @ b,
+                 lambda a, b: a.t().mm(b)),
 }
-"""A 2-D product's forms in a train step, ``(label, XLA's, torch's)``: the forward ``x @ w``, the input gradient
-``dy @ w^T`` and the weight gradient ``x^T @ dy`` (contracting the rows of both operands: XLA's CPU backend
-leaves it to Eigen, YNNPACK taking only a row-major left operand contracted over its last axis). Each is
-``2 m k n`` FLOPs for the ``(m, k, n)`` it is given with."""
+"""A 2-D product's forms in a train step, ``(label, second operand's shape, XLA's, torch's)`` for a first operand
+``[m, k]``: the forward ``x @ w``, the input gradient ``dy @ w^T`` and the weight gradient ``x^T @ dy``
+(contracting the rows of both operands: XLA's CPU backend leaves it to Eigen, YNNPACK taking only a row-major left
+operand contracted over its last axis). Each is ``2 m k n`` FLOPs."""
 
 
-def product_rates(products, calls: int = 7) -> dict[str, float]:
-    """``{"who label": FLOP/s}`` of fp32 products ``(form, m, k, n)`` (:data:`FORMS`; operands ``[m, k]`` and
-    ``[k, n]``, ``[n, k]`` or ``[m, n]``), by XLA (jitted) and by torch where importable, each the best of ``calls``
-    timed calls after a warm-up, at the threads this process runs with (pinned to one core: one)."""
+def product_rates(products, calls: int = 7, with_torch: bool = True) -> dict[str, float]:
+    """``{"who label": FLOP/s}`` of fp32 products ``(form, m, k, n)`` (:data:`FORMS`), by XLA (jitted) and, with
+    ``with_torch`` where it is importable, by torch, each the best of ``calls`` timed calls after a warm-up, at the
+    threads this process runs with (pinned to one core: one). A call each: XLA's includes its dispatch (tens of
+    microseconds), which a product inside a compiled step does not pay."""
     import time
 
     import jax.numpy as jnp
     import numpy as np
 
-    try:
-        import torch
-    except ImportError:
-        torch = None
+    torch = None
+    if with_torch:
+        try:
+            import torch
+        except ImportError:
+            pass
     rates = {}
     for form, m, k, n in products:
-        label, xla_fn, torch_fn = FORMS[form]
-        second = {"x @ w": (k, n), "dy @ w^T": (n, k), "x^T @ dy": (m, n)}[form]
+        label, second, xla_fn, torch_fn = FORMS[form]
         a = np.random.default_rng(0).random((m, k), np.float32)
-        b = np.random.default_rng(1).random(second, np.float32)
+        b = np.random.default_rng(1).random(second(m, k, n), np.float32)
         f = jax.jit(functools.partial(xla_fn, jnp))
         ja, jb = jnp.asarray(a), jnp.asarray(b)
         runs = {"xla": lambda: jax.block_until_ready(f(ja, jb))}
@@ -224,10 +229,9 @@ def product_rates(products, calls: int = 7) -> dict[str, float]:
     return rates
 
 
-def matmul_peak(shapes=((2048, 2048, 2048),), calls: int = 7) -> tuple[float, dict[str, float]]:
-    """``(best FLOP/s, rates)``: :func:`product_rates` of the forward products ``[M, K] x [K, N]`` of ``shapes``."""
-    rates = product_rates([("x @ w", *shape) for shape in shapes], calls)
-    return max(rates.values()), rates
+def best_rate(rates: dict[str, float]) -> tuple[str, float]:
+    """``(name, FLOP/s)`` of the fastest product in ``rates``: the rate the bound charges every product at."""
+    return max(rates.items(), key=lambda kv: kv[1])
 
 
 def model_products(d_model: int, rows: int) -> list[tuple[str, tuple[str, int, int, int]]]:
@@ -248,12 +252,32 @@ def bound(lib: dict[str, tuple[float, float]], torch_ns: float, peak: float, goa
     ``products_at_peak_ms`` (the products' FLOPs at the peak), ``other_ms`` (every op without a product, as
     measured), ``best`` (torch's time over the products' at the peak: the ratio if nothing else took time),
     ``best_with_other`` (the same with the other ops as measured) and ``other_budget_ms`` (what the other ops may
-    take for library / torch to reach ``goal`` with every product at the peak; negative: not even then)."""
+    take for library / torch to reach ``goal`` with every product at the peak; negative: not even then).
+
+    Assumed, and printed with it: the products' FLOPs as the step has them (an op's dots counted once, as the
+    profile's op is; no dot in a loop); what a product's fusion does besides its dot counted as product time; op
+    time on one core as the step's time, torch's its profiled ops' total. The peak is the best product rate
+    measured in the run, not the core's FMA limit: a kernel faster than any measured would move the bound."""
     flops = sum(fl for _, fl in lib.values())
     other = sum(ns for ns, fl in lib.values() if not fl)
     at_peak = flops / peak * 1e9
     return {"products_at_peak_ms": at_peak / 1e6, "other_ms": other / 1e6, "best": torch_ns / at_peak,
             "best_with_other": torch_ns / (at_peak + other), "other_budget_ms": (torch_ns / goal - at_peak) / 1e6}
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity where the OS reports one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def products_table(products, rates: dict[str, float], rows: int, cores: int) -> None:
+    """Print ``products`` (:func:`model_products`) with their XLA and torch rates from ``rates``."""
+    print(f"the model's products alone ({rows} rows: one part's), GFLOP/s at {cores} core(s), the best of 25 calls each:")
+    print(f"{'product':<30}{'shape':<28}{'XLA':>8}{'torch':>8}{'XLA / torch':>13}")
+    for name, (form, m, k, n) in products:
+        label = FORMS[form][0].format(m=m, k=k, n=n)
+        x, t = rates[f"xla {label}"], rates.get(f"torch {label}")
+        print(f"{name:<30}{label:<28}{x / 1e9:>8.1f}" + (f"{t / 1e9:>8.1f}{x / t:>13.2f}" if t else ""))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -265,13 +289,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=3, help="profiled steps (after 2 warm-up steps)")
-    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--no-torch", action="store_true", help="no torch at all: neither its step nor its products")
     p.add_argument("--top", type=int, default=12, help="how many of the ops that run alone longest to list")
     p.add_argument("--parts", type=int, help="optimizer.parallel_parts (default 'auto', as the library trains)")
     p.add_argument("--products", action="store_true",
                    help="also time the model's projections alone (forward, input and weight gradient, one part's "
-                        "rows) in XLA and torch at this run's threads: run it pinned and unpinned for each one's "
-                        "gain from the second thread")
+                        "rows) in XLA and torch (unless --no-torch) at this run's threads: run it pinned and "
+                        "unpinned for each one's gain from the second thread")
     p.add_argument("--goal", type=float, default=1.3,
                    help="the library / torch ratio the bound block asks after (issue 23: 1.3 at nanoGPT's shape, "
                         "1.1 at the main job's); the block is printed pinned to one core, with torch")
@@ -318,32 +342,30 @@ def main(argv=None):
         for cls, ns in sorted(torch_rows.items(), key=lambda kv: -kv[1]):
             print(f"{cls:<52}{ns / 1e6:>9.1f}")
         print(f"{'total':<52}{sum(torch_rows.values()) / 1e6:>9.1f}")
-        d, m, k = args.d_model, cfg.batch_size * cfg.seq_len, 4 * args.d_model
-        peak, rates = matmul_peak(((2048, 2048, 2048), (m, d, k)))
-        cores = len(os.sched_getaffinity(0))
-        print(f"matmul peak on {cores} core(s): {peak / 1e9:.1f} GFLOP/s ("
-              + ", ".join(f"{who} {r / 1e9:.1f}" for who, r in rates.items()) + ")")
-        if cores == 1:
+        rows = cfg.batch_size * cfg.seq_len // parts
+        products = model_products(args.d_model, rows)
+        rates = product_rates([("x @ w", 2048, 2048, 2048)] + [p for _, p in products], calls=25)
+        best, peak = best_rate(rates)
+        cores = _cores()
+        print(f"matmul peak on {cores} core(s): {peak / 1e9:.1f} GFLOP/s, the best product rate measured here "
+              f"({best}; of XLA's and torch's [2048]^3 product and the model's {len(products)} products at {rows} rows)")
+        if cores == 1 and threads == 1:
             b = bound(lib, sum(torch_rows.values()), peak, args.goal)
-            print(f"bound (one core): the library's products at the peak {b['products_at_peak_ms']:.1f} ms, its other "
+            print(f"bound (one core): the library's products at that rate {b['products_at_peak_ms']:.1f} ms, its other "
                   f"ops {b['other_ms']:.1f} ms a step; library / torch at most {b['best']:.2f} if nothing but "
                   f"products took time, {b['best_with_other']:.2f} with the other ops as measured; for "
                   f"{args.goal:.2f} the other ops "
-                  + (f"may take at most {b['other_budget_ms']:.1f} ms" if b["other_budget_ms"] > 0 else
-                     "could take no time at all and still not reach it"))
+                  + (f"may take at most {b['other_budget_ms']:.1f} ms" if b["other_budget_ms"] >= 0 else
+                     "could take no time at all and still not reach it")
+                  + " (op time on one core; the products' FLOPs as compiled; not the core's FMA limit)")
         else:
-            print("bound: pin the run to one core (taskset -c 1) for the bound against the matmul peak")
-    if args.products:
+            print("bound: pin the run to one core (taskset -c 1) for the bound against the measured peak")
+        if args.products:
+            products_table(products, rates, rows, cores)
+    elif args.products:
         rows = cfg.batch_size * cfg.seq_len // parts
         products = model_products(args.d_model, rows)
-        rates = product_rates([p for _, p in products], calls=25)
-        print(f"the model's products alone ({rows} rows: one part's), GFLOP/s at "
-              f"{len(os.sched_getaffinity(0))} core(s):")
-        print(f"{'product':<30}{'shape':<28}{'XLA':>8}{'torch':>8}{'XLA / torch':>13}")
-        for name, (form, m, k, n) in products:
-            label = FORMS[form][0].format(m=m, k=k, n=n)
-            x, t = rates[f"xla {label}"], rates.get(f"torch {label}")
-            print(f"{name:<30}{label:<28}{x / 1e9:>8.1f}" + (f"{t / 1e9:>8.1f}{x / t:>13.2f}" if t else ""))
+        products_table(products, product_rates([p for _, p in products], calls=25, with_torch=False), rows, _cores())
     return {"library": {k: v[0] for k, v in lib.items()}, "torch": dict(torch_rows), "running": running,
             "alone": alone, "alone_by_class": dict(alone_by_class), "bound": b}
 
