@@ -58,7 +58,7 @@ from jaxformer.train import sharding as S  # noqa: E402
 from jaxformer.train.corpus import build_corpus  # noqa: E402
 from jaxformer.train.pipeline import TrainIterator  # noqa: E402
 from jaxformer.train.step import make_trainer  # noqa: E402
-from timing import cpu_line, hlo_outputs, op_ns_per_step, ops_alone, ops_running, xla_op_events  # noqa: E402
+from timing import cpu_line, hlo_outputs, op_ns_per_step, ops_alone, ops_running, wall_times, xla_op_events  # noqa: E402
 from jaxformer.train.host_memory import restart_with_huge_pages  # noqa: E402
 
 def _shapes(hlo: str) -> dict[str, list[int]]:
@@ -193,11 +193,9 @@ operand contracted over its last axis). Each is ``2 m k n`` FLOPs."""
 
 def product_rates(products, calls: int = 7, with_torch: bool = True) -> dict[str, float]:
     """``{"who label": FLOP/s}`` of fp32 products ``(form, m, k, n)`` (:data:`FORMS`), by XLA (jitted) and, with
-    ``with_torch`` where it is importable, by torch, each the best of ``calls`` timed calls after a warm-up, at the
-    threads this process runs with (pinned to one core: one). A call each: XLA's includes its dispatch (tens of
-    microseconds), which a product inside a compiled step does not pay."""
-    import time
-
+    ``with_torch`` where it is importable, by torch, each the best of ``calls`` timed calls after a warm-up
+    (:func:`timing.wall_times`), at the threads this process runs with (pinned to one core: one). A call each: XLA's
+    includes its dispatch (tens of microseconds), which a product inside a compiled step does not pay."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -213,18 +211,11 @@ def product_rates(products, calls: int = 7, with_torch: bool = True) -> dict[str
         a = np.random.default_rng(0).random((m, k), np.float32)
         b = np.random.default_rng(1).random(second(m, k, n), np.float32)
         f = jax.jit(functools.partial(xla_fn, jnp))
-        ja, jb = jnp.asarray(a), jnp.asarray(b)
-        runs = {"xla": lambda: jax.block_until_ready(f(ja, jb))}
+        runs = {"xla": (f, jnp.asarray(a), jnp.asarray(b))}
         if torch is not None:
-            ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-            runs["torch"] = lambda: torch_fn(ta, tb)
-        for who, run in runs.items():
-            run()
-            best = math.inf
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                run()
-                best = min(best, time.perf_counter() - t0)
+            runs["torch"] = (torch_fn, torch.from_numpy(a), torch.from_numpy(b))
+        for who, (fn, x, y) in runs.items():
+            best = min(wall_times(fn, x, y, warmup=1, repeats=calls))
             rates[f"{who} {label.format(m=m, k=k, n=n)}"] = 2.0 * m * k * n / best
     return rates
 
@@ -313,6 +304,8 @@ def main(argv=None):
     lib, running, span, parts, (alone, alone_by_class) = profile_library(cfg, mesh, S.put_batch(host, mesh),
                                                                           args.steps, args.top)
     torch_rows, threads, b = {}, None, None
+    rows = cfg.batch_size * cfg.seq_len // parts  # one part's: the products the step runs
+    products = model_products(args.d_model, rows)
     if not args.no_torch:
         state = make_trainer(cfg, mesh).init_state()
         twin = tt.torch_twin(cfg, jax.device_get(state["params"]), [host])
@@ -342,8 +335,6 @@ def main(argv=None):
         for cls, ns in sorted(torch_rows.items(), key=lambda kv: -kv[1]):
             print(f"{cls:<52}{ns / 1e6:>9.1f}")
         print(f"{'total':<52}{sum(torch_rows.values()) / 1e6:>9.1f}")
-        rows = cfg.batch_size * cfg.seq_len // parts
-        products = model_products(args.d_model, rows)
         rates = product_rates([("x @ w", 2048, 2048, 2048)] + [p for _, p in products], calls=25)
         best, peak = best_rate(rates)
         cores = _cores()
@@ -363,8 +354,6 @@ def main(argv=None):
         if args.products:
             products_table(products, rates, rows, cores)
     elif args.products:
-        rows = cfg.batch_size * cfg.seq_len // parts
-        products = model_products(args.d_model, rows)
         products_table(products, product_rates([p for _, p in products], calls=25, with_torch=False), rows, _cores())
     return {"library": {k: v[0] for k, v in lib.items()}, "torch": dict(torch_rows), "running": running,
             "alone": alone, "alone_by_class": dict(alone_by_class), "bound": b}

@@ -56,17 +56,12 @@ def test_product_forms_compute_what_they_name():
     form at distinct ``m, k, n`` and names each by its shape; the model's products name each projection's three
     forms with the widths of a GPT-2 block."""
     bench = load_bench("train_profile")
-    rng = np.random.default_rng(0)
-    m, k, n = 6, 4, 5
-    a = rng.random((m, k), np.float32)
-    refs = {"x @ w": lambda a, b: a @ b, "dy @ w^T": lambda a, b: a @ b.T, "x^T @ dy": lambda a, b: a.T @ b}
-    want_out = {"x @ w": (m, n), "dy @ w^T": (m, n), "x^T @ dy": (k, n)}
-    for form, ref in refs.items():
-        b = rng.random(bench.FORMS[form][1](m, k, n), np.float32)
+    for form, a, b, want in _form_cases(bench):
         got = np.asarray(bench.FORMS[form][2](jnp, jnp.asarray(a), jnp.asarray(b)))
-        assert got.shape == want_out[form], form
-        np.testing.assert_allclose(got, ref(a.astype(np.float64), b.astype(np.float64)), rtol=1e-5)
-    rates = bench.product_rates([(form, m, k, n) for form in refs], calls=1, with_torch=False)
+        assert got.shape == want.shape, form
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    m, k, n = 6, 4, 5
+    rates = bench.product_rates([(form, m, k, n) for form in bench.FORMS], calls=1, with_torch=False)
     assert set(rates) == {"xla [6,4] x [4,5]", "xla [6,4] x [5,4]^T", "xla [6,4]^T x [6,5]"}
     assert all(r > 0 for r in rates.values())
     products = dict(bench.model_products(8, 4))
@@ -79,13 +74,20 @@ def test_product_forms_torch_side():
     """Where torch is importable (a bench venv; never a dependency): its form of each product against numpy's."""
     torch = pytest.importorskip("torch")
     bench = load_bench("train_profile")
-    rng = np.random.default_rng(1)
-    a = rng.random((6, 4), np.float32)
-    for form, b, want in (("x @ w", rng.random((4, 5), np.float32), lambda a, b: a @ b),
-                          ("dy @ w^T", rng.random((5, 4), np.float32), lambda a, b: a @ b.T),
-                          ("x^T @ dy", rng.random((6, 5), np.float32), lambda a, b: a.T @ b)):
+    for form, a, b, want in _form_cases(bench):
         got = bench.FORMS[form][3](torch.from_numpy(a), torch.from_numpy(b)).numpy()
-        np.testing.assert_allclose(got, want(a.astype(np.float64), b.astype(np.float64)), rtol=1e-5)
+        assert got.shape == want.shape, form
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def _form_cases(bench, m: int = 6, k: int = 4, n: int = 5):
+    """``(form, a [m, k], b (the form's second shape, from FORMS), numpy's float64 product)`` for each form."""
+    rng = np.random.default_rng(0)
+    refs = {"x @ w": lambda a, b: a @ b, "dy @ w^T": lambda a, b: a @ b.T, "x^T @ dy": lambda a, b: a.T @ b}
+    a = rng.random((m, k), np.float32)
+    for form, ref in refs.items():
+        b = rng.random(bench.FORMS[form][1](m, k, n), np.float32)
+        yield form, a, b, ref(a.astype(np.float64), b.astype(np.float64))
 
 
 def test_hlo_index_names_an_ops_output_and_a_tuples_first():
