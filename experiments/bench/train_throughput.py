@@ -27,7 +27,8 @@ does (``jaxformer.train.host_memory``; ``JAXFORMER_HUGE_PAGES=0``: glibc's defau
 which), so every contender in the process runs under it; the A/B of the two is two processes.
 
 The script checks that every contender's first loss agrees with the library's, then times them in
-alternating rounds (``--steps`` steps per round) so a busy machine slows each alike; the table shows
+alternating rounds (``--steps`` timed steps per round, after one untimed: each contender's steady state, not
+what the one before it left behind) so a busy machine slows each alike; the table shows
 the median wall ms/step, tokens/s, MFU and the process CPU time per step of each, and the ratios. MFU =
 ``jaxformer.model.flops_per_token`` x tokens/s over the peak of ``jaxformer.train.metrics.device_peak``
 (on CPU an fp32 matmul measured in the same run; GPUs/TPUs their datasheet dense bf16 peak, or
@@ -452,23 +453,23 @@ def main(argv=None):
         print(f"first-step loss: library {lib_l:.6f}  {name} {v:.6f}  "
               f"({'agree' if agree else 'DISAGREE'} within {tol:g} relative)")
 
-    def library_round():
+    def library_round(bs):
         nonlocal state
-        for b in batches:
+        for b in bs:
             state, mm = trainer.train_step(state, b)
         jax.block_until_ready((state, mm))
 
-    def hand_round():
-        for b in batches:
+    def hand_round(bs):
+        for b in bs:
             hand[0], hand[1], hl = hand_step(hand[0], hand[1], b)
         jax.block_until_ready((hand, hl))
 
-    def torch_round():
-        for _ in batches:
+    def torch_round(bs):
+        for _ in bs:
             twin[0]()
 
-    def variant_round(v):
-        for b in batches:
+    def variant_round(v, bs):
+        for b in bs:
             v[1], mm = v[0](v[1], b)
         jax.block_until_ready((v[1], mm))
 
@@ -480,13 +481,18 @@ def main(argv=None):
     if twin is not None:
         rounds["torch eager"] = torch_round
     for fn in rounds.values():  # settle compile caches, allocators and thread pools of every step
-        fn()
+        fn(batches)
     times = {k: [] for k in rounds}
     cpu = {k: [] for k in rounds}
     for _ in range(args.rounds):  # alternate, so a busy machine slows every contender alike
         for k, fn in rounds.items():
+            # One untimed step first: a contender's first step after another's carries what that one left (caches,
+            # freed memory, threads; not traced) by a varying amount, and a train run has no other contender. Twin
+            # shape, two processes each way: per-round library / one-part ratios 0.93-1.32 without it, 1.00-1.11
+            # with it (experiments/results/train_throughput.md, fourteenth stop).
+            fn(batches[:1])
             t0, c0 = time.perf_counter(), time.process_time()
-            fn()
+            fn(batches)
             times[k].append((time.perf_counter() - t0) / len(batches))
             cpu[k].append((time.process_time() - c0) / len(batches))
 
