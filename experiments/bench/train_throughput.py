@@ -27,8 +27,8 @@ does (``jaxformer.train.host_memory``; ``JAXFORMER_HUGE_PAGES=0``: glibc's defau
 which), so every contender in the process runs under it; the A/B of the two is two processes.
 
 The script checks that every contender's first loss agrees with the library's, then times them in
-alternating rounds (``--steps`` timed steps per round, after one untimed: each contender's steady state, not
-what the one before it left behind) so a busy machine slows each alike; the table shows
+alternating rounds (``--steps`` timed steps per round, each contender's after one untimed step of its own) so a
+busy machine slows each alike; the table shows
 the median wall ms/step, tokens/s, MFU and the process CPU time per step of each, and the ratios. MFU =
 ``jaxformer.model.flops_per_token`` x tokens/s over the peak of ``jaxformer.train.metrics.device_peak``
 (on CPU an fp32 matmul measured in the same run; GPUs/TPUs their datasheet dense bf16 peak, or
@@ -486,10 +486,10 @@ def main(argv=None):
     cpu = {k: [] for k in rounds}
     for _ in range(args.rounds):  # alternate, so a busy machine slows every contender alike
         for k, fn in rounds.items():
-            # One untimed step first: a contender's first step after another's carries what that one left (caches,
-            # freed memory, threads; not traced) by a varying amount, and a train run has no other contender. Twin
-            # shape, two processes each way: per-round library / one-part ratios 0.93-1.32 without it, 1.00-1.11
-            # with it (experiments/results/train_throughput.md, fourteenth stop).
+            # One untimed step first, meant to time each contender's steady state rather than its first step after
+            # another contender's (a train run has no other contender). Twin shape, two processes each way: per-round
+            # library / one-part ratios 0.93-1.32 without it, 1.00-1.11 with it; why the old order moved them is not
+            # settled (experiments/results/train_throughput.md, fourteenth stop).
             fn(batches[:1])
             t0, c0 = time.perf_counter(), time.process_time()
             fn(batches)

@@ -40,13 +40,21 @@ from the environment of a setuid or file-capability interpreter, so the tunable 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def glibc_version() -> tuple[int, int] | None:
-    """The C library's version where it is glibc (``gnu_get_libc_version``); None elsewhere (musl, macOS)."""
+def libc_function(name: str):
+    """The C library's function ``name`` from the symbols this process has loaded (glibc's, where it is the C
+    library) on Linux; None elsewhere or where it has none of that name (musl: no ``gnu_get_libc_version``)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        version = ctypes.CDLL(None).gnu_get_libc_version
+        return getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError, TypeError):
+        return None
+
+
+def glibc_version() -> tuple[int, int] | None:
+    """The C library's version where it is glibc (``gnu_get_libc_version``); None elsewhere (musl, macOS)."""
+    version = libc_function("gnu_get_libc_version")
+    if version is None:
         return None
     version.restype = ctypes.c_char_p
     try:

@@ -37,6 +37,7 @@ from jaxformer.train.checkpoint import Checkpointer
 from jaxformer.train.corpus import Corpus, build_corpus
 from jaxformer.train.evaluation import (eval_batch_size, eval_line, eval_set, evaluate, evaluate_validation,
                                         has_validation)
+from jaxformer.train.host_memory import libc_function
 from jaxformer.train.metrics import (MetricsWriter, ProgressBar, device_peak, measured_cpu_peak, mfu,
                                      peak_is_measured, plain_console)
 from jaxformer.train.pipeline import TrainIterator
@@ -203,11 +204,8 @@ def release_host_memory() -> bool:
 
     gc.collect()  # arrays and jitted functions in reference cycles go first
     jax.clear_caches()
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        trim = ctypes.CDLL(None).malloc_trim  # the symbols already loaded: glibc's, where it is the C library
-    except (OSError, AttributeError, TypeError):
+    trim = libc_function("malloc_trim")
+    if trim is None:
         return False
     trim.argtypes = [ctypes.c_size_t]
     trim(0)

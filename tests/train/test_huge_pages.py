@@ -67,6 +67,16 @@ def test_glibc_version_is_the_c_librarys():
         assert hm.glibc_version() == tuple(int(x) for x in version.split(".")[:2])
 
 
+def test_libc_function_is_none_without_the_symbol_or_off_linux(monkeypatch):
+    """``libc_function`` (``glibc_version``'s and ``release_host_memory``'s lookup): a name the C library lacks, or
+    another platform, gives None, not an exception; where the C library is glibc its ``malloc_trim`` is found."""
+    assert hm.libc_function("jaxformer_no_such_function") is None
+    if platform.libc_ver()[0] == "glibc":
+        assert hm.libc_function("malloc_trim") is not None
+    monkeypatch.setattr(hm.sys, "platform", "darwin")
+    assert hm.libc_function("malloc_trim") is None and hm.glibc_version() is None
+
+
 def test_huge_pages_fault_in_the_temporary_buffer_in_far_fewer_pages(monkeypatch):
     """Counted work, not time: page faults per call against the temporary buffer's 4 KiB pages (24,414).
     glibc's defaults fault in (nearly) every one of them at every call; with huge pages, under a twentieth
