@@ -191,7 +191,11 @@ FORMS = {
 operand contracted over its last axis). Each is ``2 m k n`` FLOPs."""
 
 
-def product_rates(products, calls: int = 7, with_torch: bool = True) -> dict[str, float]:
+PRODUCT_CALLS = 25
+"""Timed calls of each product in :func:`product_rates` (its best is the rate): the peak and the products table."""
+
+
+def product_rates(products, calls: int = PRODUCT_CALLS, with_torch: bool = True) -> dict[str, float]:
     """``{"who label": FLOP/s}`` of fp32 products ``(form, m, k, n)`` (:data:`FORMS`), by XLA (jitted) and, with
     ``with_torch`` where it is importable, by torch, each the best of ``calls`` timed calls after a warm-up
     (:func:`timing.wall_times`), at the threads this process runs with (pinned to one core: one). A call each: XLA's
@@ -263,7 +267,8 @@ def _cores() -> int:
 
 def products_table(products, rates: dict[str, float], rows: int, cores: int) -> None:
     """Print ``products`` (:func:`model_products`) with their XLA and torch rates from ``rates``."""
-    print(f"the model's products alone ({rows} rows: one part's), GFLOP/s at {cores} core(s), the best of 25 calls each:")
+    print(f"the model's products alone ({rows} rows: one part's), GFLOP/s at {cores} core(s), the best of "
+          f"{PRODUCT_CALLS} calls each:")
     print(f"{'product':<30}{'shape':<28}{'XLA':>8}{'torch':>8}{'XLA / torch':>13}")
     for name, (form, m, k, n) in products:
         label = FORMS[form][0].format(m=m, k=k, n=n)
@@ -335,7 +340,7 @@ def main(argv=None):
         for cls, ns in sorted(torch_rows.items(), key=lambda kv: -kv[1]):
             print(f"{cls:<52}{ns / 1e6:>9.1f}")
         print(f"{'total':<52}{sum(torch_rows.values()) / 1e6:>9.1f}")
-        rates = product_rates([("x @ w", 2048, 2048, 2048)] + [p for _, p in products], calls=25)
+        rates = product_rates([("x @ w", 2048, 2048, 2048)] + [p for _, p in products])
         best, peak = best_rate(rates)
         cores = _cores()
         print(f"matmul peak on {cores} core(s): {peak / 1e9:.1f} GFLOP/s, the best product rate measured here "
@@ -354,7 +359,7 @@ def main(argv=None):
         if args.products:
             products_table(products, rates, rows, cores)
     elif args.products:
-        products_table(products, product_rates([p for _, p in products], calls=25, with_torch=False), rows, _cores())
+        products_table(products, product_rates([p for _, p in products], with_torch=False), rows, _cores())
     return {"library": {k: v[0] for k, v in lib.items()}, "torch": dict(torch_rows), "running": running,
             "alone": alone, "alone_by_class": dict(alone_by_class), "bound": b}
 
