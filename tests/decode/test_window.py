@@ -88,8 +88,14 @@ def llama_banded_reference(llama):
 
 
 # llama (6 s): test_model_band_is_the_engine_window runs the same weights, prompts and window W through the engine
-# (the window from the config, not the argument; the same steps after check_window) against the same reference
-@pytest.mark.parametrize("model", [pytest.param("llama", marks=pytest.mark.slow), "bloom"])
+# (the window from the config, not the argument; the same steps after check_window) against the same reference.
+# bloom (10 s): the windowed engine against the banded full forward is default-run on llama (above, and the window
+# argument in test_window_under_preemption_recomputes_past_the_context); ALiBi over a table whose pages behind the
+# window were dropped (only distances from the shifted lengths enter the logits) is tests/pallas_kernels/
+# test_paged_attention.py::test_kernel_sliding_window_with_dropped_leading_pages[gpu], ALiBi through the engine's
+# paged cache tests/interop/test_bloom.py::test_kv_cache_decoding_matches_transformers[bloom] (both default-run)
+@pytest.mark.parametrize("model", [pytest.param("llama", marks=pytest.mark.slow),
+                                   pytest.param("bloom", marks=pytest.mark.slow)])
 def test_window_equals_full_forward_with_band_mask(model, request, llama_banded_reference):
     """RoPE (GQA) and ALiBi, 2 layers, context 40: 90-token sequences through the engine with a
     22-token window equal full forwards under the band mask."""
@@ -127,7 +133,7 @@ def test_window_under_preemption_recomputes_past_the_context(llama, llama_banded
 
 # slow (5.4 s): this oracle checks what the band (W-1, 0) means, and MaskSpec's band is checked against its loop
 # definition in tests/ops/test_masks.py::test_dense_matches_definition; the engine against the banded full forward
-# (RoPE angles past the context included) is default-run: [bloom], test_model_band_is_the_engine_window,
+# (RoPE angles past the context included) is default-run: test_model_band_is_the_engine_window,
 # test_window_under_preemption_recomputes_past_the_context
 @pytest.mark.slow
 def test_one_layer_window_equals_recompute_on_the_last_w_tokens():
@@ -142,6 +148,10 @@ def test_one_layer_window_equals_recompute_on_the_last_w_tokens():
     assert [r.tokens for r in results] == want
 
 
+# slow (7 s): the same checks through `jaxformer generate` (run_prompts' engine: cut at the context with stopped_by
+# "context" and context - prompt + 1 tokens, then --window of the whole context: those tokens first, then on to
+# max_new_tokens) are tests/test_cli.py::test_generate_says_when_the_context_cut_a_completion_and_separates_completions
+@pytest.mark.slow
 def test_window_of_the_context_continues_where_plain_generation_stops(llama):
     """Without a window the engine stops at the 40-token context (stopped_by "context"); with
     window=40 the same tokens come first (inside the context nothing is cut), then it goes on."""
@@ -235,6 +245,11 @@ def test_model_band_is_the_engine_window(llama, llama_banded_reference):
         eng.Engine(None, None, cfg_w.replace(position="learned"), num_pages=4)
 
 
+# slow (3 s): a windowed model's paged cache teacher-forced (a chunk through gathered pages, then the kernel one token
+# at a time past the window) against transformers' logits is tests/interop/test_llama.py::
+# test_kv_cache_decoding_matches_transformers[mistral] (decoder_checks.paged_teacher_forced, window 4); the engine's
+# paged cache under this banded model against the banded full forward is test_model_band_is_the_engine_window
+@pytest.mark.slow
 def test_paged_cache_teacher_forced_logits_of_a_windowed_model(llama):
     """The paged cache under a windowed model (W = 22 < 34 tokens, pages of 4): a prefill chunk through
     gathered pages, then one token at a time through the paged-attention kernel, gives the banded

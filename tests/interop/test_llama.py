@@ -83,9 +83,13 @@ def test_bfloat16_load_is_close(loaded):
     assert max_diff(logits, expected["logits"], mask) < tol, name
 
 
-# slow: 4 s; llama (RoPE, GQA) and mistral (the window in both caches) run by default; llama3's scaling is only its
-# RoPE frequencies (its logits test), qwen2's q/k/v biases decode as gpt2's and bloom's do (their default-run tests)
-@families("llama3", "qwen2")
+# slow: 4 s + llama's 3.6 s; mistral runs by default: llama's weights layout and GQA 4:2 with RoPE, plus its window in
+# both caches; without a band, the contiguous cache's greedy tokens equal full recomputes on a RoPE model
+# (test_kv_cache.py) and the paged engine's equal the contiguous cache's (test_engine.py), default-run, and llama's
+# full forward equals transformers' (its logits test).
+# llama3's scaling is only its RoPE frequencies (its logits test), qwen2's q/k/v biases decode as gpt2's and bloom's
+# do (their default-run tests)
+@families("llama", "llama3", "qwen2")
 def test_kv_cache_decoding_matches_transformers(loaded):
     """Teacher-forced with the contiguous cache and the paged cache: every valid position and every
     greedy step's logits equal transformers' (for Mistral, the window applies inside the caches)."""
@@ -98,8 +102,9 @@ def test_kv_cache_decoding_matches_transformers(loaded):
         assert fixture_diff < ATOL and gen_diff < ATOL, (name, run.__name__, fixture_diff, gen_diff)
 
 
-# slow: 4 s; the engine on llama and mistral (the window), and on gpt2, runs by default
-@families("llama3", "qwen2")
+# slow: 4 s + llama's 2.8 s; the engine on mistral (llama's layout and GQA, with its window) and on gpt2 runs by
+# default
+@families("llama", "llama3", "qwen2")
 def test_greedy_generation_matches_transformers(loaded):
     if loaded[0] == "llama3_legacy":
         pytest.skip("same ModelConfig and weights as llama3 (test_config_translation, the logits test)")

@@ -58,6 +58,10 @@ def _attention(lora, seed):
     return randomised(attention(D, N, K, H, position="rope", use_bias=True, lora=lora, rngs=nnx.Rngs(0)), seed)
 
 
+# slow, 3 s: adapters on the attention projections, applied and merged, are default-run against peft's own logits in
+# tests/interop/test_peft.py (llama: all seven projections, GQA; qwen2: rsLoRA on q and v with q/k/v biases), and
+# the module-level float64 check (forward and gradients) in test_gated_mlp_adapters_... below
+@pytest.mark.slow
 @pytest.mark.parametrize("rslora", [False, True])
 def test_attention_projections_add_the_scaled_low_rank_update(rslora):
     """Adapters on q and o: each projection equals the kernel's plus ``s (x A) B`` (float64 reference), and
@@ -121,6 +125,10 @@ def test_gated_mlp_adapters_and_their_gradients_follow_the_chain_rule_through_th
         np.testing.assert_allclose(got[w + "_lora.b"], s * a.T @ g, rtol=1e-4, atol=1e-5 * np.abs(s * a.T @ g).max())
 
 
+# slow, 1.3 s: B is zero as initialised (test_init_is_peft_kaiming_uniform_for_a_and_zero_for_b), and a model with
+# adapters at step 0 gives the base model's numbers exactly in tests/train/test_lora.py::
+# test_step_zero_is_the_base_model_exactly (default-run)
+@pytest.mark.slow
 def test_a_zero_b_leaves_the_projection_exactly_as_it_was():
     spec = LoRASpec(frozenset({"w_q", "w_k", "w_v", "w_o"}), R, 16.0)
     plain = randomised(attention(D, N, K, H, position="rope", rngs=nnx.Rngs(0)), seed=6)

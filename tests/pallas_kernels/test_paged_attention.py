@@ -115,6 +115,10 @@ def test_kernel_sliding_window_with_dropped_leading_pages(backend, windows):
         np.testing.assert_allclose(full, want, **TOL32, err_msg=f"window {window}, full table")
 
 
+# 4.5 s (TPU interpret mode): the TPU kernel against the reference is default-run above with interpret=True (GQA 2:1,
+# ALiBi, softcap, a ragged last split; MQA in one split; a window over dropped pages); under the context the kernel
+# gets interpret=False and JAX interprets it, as test_flash_tpu.py's default-run tests run the flash kernels
+@pytest.mark.slow
 def test_tpu_kernel_under_force_tpu_interpret_mode():
     q, kp, vp, tables, lengths, slopes = make_case(3, B=2, N=2, K=2, M=3, lengths=[5, 12])
     want = paged_attention_reference(q, kp, vp, tables, lengths, alibi_slopes=slopes)

@@ -212,6 +212,10 @@ def test_a_finished_point_with_another_config_is_refused(ran, tmp_path):
         run_sweep(load_sweep(path), out, quick=True, say=lambda s: None)
 
 
+# slow, 3.6 s; default-run: `--report` gathering a shard's rows (test_one_point_of_every_study_runs_quick), and
+# `--report` rewriting a sweep's row files without duplicates (test_sweep_tune.py's
+# test_a_report_rebuilds_from_its_row_files_alone)
+@pytest.mark.slow
 def test_report_only_gathers_shards(ran, tmp_path):
     path, out = ran
     assert main(["sweep", str(path), "--out", str(out), "--report"]) == 0
@@ -249,12 +253,16 @@ def test_a_quick_sweeps_report_says_so_in_its_title_and_on_every_plot(ran, tmp_p
     assert "QUICK" not in (out / "report.md").read_text()
 
 
-def test_a_diverging_point_is_recorded_and_the_sweep_goes_on(tmp_path):
+# slow case, ~6 s: a third point (1e-3) that trains after the two that diverged; a point that trains and is not
+# marked diverged is the module sweep's (`ran`: test_sweep_writes_run_dirs_summary_report_and_plots, default)
+@pytest.mark.parametrize("lrs", [[1e30, 3.0], pytest.param([1e30, 3.0, 1e-3], marks=pytest.mark.slow)],
+                         ids=["nan-blown_up", "nan-blown_up-trains"])
+def test_a_diverging_point_is_recorded_and_the_sweep_goes_on(tmp_path, lrs):
     base = tiny_raw(make_corpus(tmp_path / "corpus"), steps=3, eval={"at_end": True, "max_tokens": 64},
                     optimizer={"lr": 1e30, "clip_norm": None, "weight_decay": 0.0})
-    path = write_sweep(tmp_path, {"axes": {"optimizer.lr": [1e30, 3.0, 1e-3]}}, base=base)
+    path = write_sweep(tmp_path, {"axes": {"optimizer.lr": lrs}}, base=base)
     rows = run_sweep(load_sweep(path), tmp_path / "out", say=lambda s: None)
-    assert [r["diverged"] for r in rows] == [True, True, False]
+    assert [r["diverged"] for r in rows] == [True, True, False][:len(lrs)]
     assert rows[0]["diverged_reason"].startswith("non-finite training at step")  # NaN/inf: the run stops
     assert "above the first" in rows[1]["diverged_reason"] and rows[1]["loss"] > 10  # finite, but blown up
     assert json.loads((tmp_path / "out" / rows[0]["name"] / POINT_FILE).read_text())["diverged"]
@@ -392,13 +400,12 @@ def test_killed_sweep_resumes_to_the_same_results(tmp_path):
 # -- evaluation at another length ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("len")
-    cfg = write_config(tmp / "cfg.yaml", tiny_raw(make_corpus(tmp / "corpus"), steps=3, model={
-        "preset": "llama_tiny", "vocab_size": 264, "d_model": 32, "n_layers": 2, "n_heads": 4, "max_seq_len": 32},
-        eval={"at_end": True}))
-    run = tmp / "run"
-    assert main(["train", str(cfg), "--run-dir", str(run)]) == 0
+def trained(ran):
+    """The module sweep's RoPE point (``ran``; its own run of 6 s before): a tiny run trained through the CLI at
+    seq_len 32 (max_seq_len 32) to its final evaluation."""
+    path, out = ran
+    [run] = [out / p.name for p in load_sweep(path).points if p.values["model.position"] == "rope"]
+    assert C.load(run / "config.yaml").seq_len == 32
     return run
 
 
