@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.nn.builders import attention, gated_mlp, mlp
-from jaxformer.nn import Attention, GatedMLP
+from tests.nn.builders import attention, gated_mlp
 from jaxformer.nn.lora import Dims, LoRA, LoRASpec, lora_delta, lora_scale
 from tests.nn.test_modules import ATOL, RTOL, run
 from tests.nn.test_params import assert_rank2_dots
