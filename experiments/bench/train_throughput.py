@@ -328,6 +328,27 @@ def scan_remat_step(cfg: C.ExperimentConfig, mesh, state, batch):
     return [trainer.train_step.lower(st, batch).compile(), st]
 
 
+def timed_rounds(rounds: dict, batches: list, n: int) -> tuple[dict, dict]:
+    """``n`` alternating rounds (a busy machine slows every contender alike) of each contender ``rounds[name](bs)``:
+    one untimed step, then ``len(batches)`` timed steps. Wall and CPU seconds per step, a list of one per round, by
+    contender.
+
+    The untimed step is meant to time each contender's steady state rather than its first step after another
+    contender's (a train run has no other contender). Twin shape, two processes each way: per-round library /
+    one-part ratios 0.93-1.32 without it, 1.00-1.11 with it; why the old order moved them is not settled
+    (experiments/results/train_throughput.md, fourteenth stop)."""
+    times = {k: [] for k in rounds}
+    cpu = {k: [] for k in rounds}
+    for _ in range(n):
+        for k, fn in rounds.items():
+            fn(batches[:1])
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn(batches)
+            times[k].append((time.perf_counter() - t0) / len(batches))
+            cpu[k].append((time.process_time() - c0) / len(batches))
+    return times, cpu
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--d-model", type=int, default=256)
@@ -482,19 +503,7 @@ def main(argv=None):
         rounds["torch eager"] = torch_round
     for fn in rounds.values():  # settle compile caches, allocators and thread pools of every step
         fn(batches)
-    times = {k: [] for k in rounds}
-    cpu = {k: [] for k in rounds}
-    for _ in range(args.rounds):  # alternate, so a busy machine slows every contender alike
-        for k, fn in rounds.items():
-            # One untimed step first, meant to time each contender's steady state rather than its first step after
-            # another contender's (a train run has no other contender). Twin shape, two processes each way: per-round
-            # library / one-part ratios 0.93-1.32 without it, 1.00-1.11 with it; why the old order moved them is not
-            # settled (experiments/results/train_throughput.md, fourteenth stop).
-            fn(batches[:1])
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn(batches)
-            times[k].append((time.perf_counter() - t0) / len(batches))
-            cpu[k].append((time.process_time() - c0) / len(batches))
+    times, cpu = timed_rounds(rounds, batches, args.rounds)
 
     tokens = cfg.batch_size * cfg.seq_len
     fpt = flops_per_token(cfg.model, cfg.seq_len)

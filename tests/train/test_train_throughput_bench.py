@@ -1,6 +1,7 @@
 """``experiments/bench/train_throughput.py`` at toy size: every contender's first loss agrees with the library's,
 the library's variants compile to programs of their own, the PyTorch twin (where torch is installed) has the
-library's parameter count, and the table and ratios print."""
+library's parameter count, and the table and ratios print; the timed rounds time no contender's first step after
+another's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,29 @@ from tests.bench_scripts import load_bench
 
 def _bench():
     return load_bench("train_throughput")
+
+
+def test_timed_rounds_step_each_contender_once_untimed_before_its_timed_steps():
+    """Fakes whose first step after another contender's costs 40 ms (the cost the untimed step keeps out of the
+    timing) and every other step 1 ms: each round calls a contender with one batch, then with all of them, in turn,
+    and the per-step times are those of the 1 ms steps (a first step timed would read >= 10 ms a step)."""
+    import time
+
+    calls, last = [], [None]
+
+    def contender(name):
+        def run(bs):
+            calls.append((name, len(bs)))
+            for _ in bs:
+                time.sleep(0.04 if last[0] != name else 0.001)
+                last[0] = name
+        return run
+
+    batches = [object()] * 4
+    times, cpu = _bench().timed_rounds({"a": contender("a"), "b": contender("b")}, batches, 3)
+    assert calls == [("a", 1), ("a", 4), ("b", 1), ("b", 4)] * 3
+    assert set(times) == set(cpu) == {"a", "b"} and all(len(t) == 3 for t in (*times.values(), *cpu.values()))
+    assert all(0.001 <= t < 0.005 for ts in times.values() for t in ts), times  # sleeps: >= 1 ms, a 40 ms one >= 10
 
 
 @pytest.mark.slow  # 20 s: the benchmark script end to end at a toy size
