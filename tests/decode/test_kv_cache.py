@@ -39,15 +39,11 @@ def test_attend_writes_at_each_length_and_matches_dense_attention():
         np.testing.assert_allclose(out[b], want[0], atol=1e-5, rtol=1e-5)
 
 
-# llama_tiny slow (2.5 s): the same weights through the same contiguous caches (RoPE, prefill then one token at a
-# time, logits at every position against apply() on the whole sequence) are default-run with a band added in
-# test_windowed_model_teacher_forced_cached_logits_equal_full_forward, and greedy generation through them against
-# full recomputes in test_generate_greedy_equals_full_recompute_...
+# llama_tiny default (RoPE without a band: the cached logits of the commonest model; 2.5 s, the `llama` fixture's).
 # bloom_tiny slow (4 s): a BLOOM model through init_caches, a prefill then one token a call, is default-run against
 # transformers' logits at every position in tests/interop/test_bloom.py::test_kv_cache_decoding_matches_transformers
 # [bloom], and ALiBi slopes in KVCache.attend against dense attention in test_attend_writes_at_each_length_...
-@pytest.mark.parametrize("preset", [pytest.param("llama_tiny", marks=pytest.mark.slow),
-                                    pytest.param("bloom_tiny", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("preset", ["llama_tiny", pytest.param("bloom_tiny", marks=pytest.mark.slow)])
 def test_teacher_forced_cached_logits_equal_full_forward(preset, llama):
     """Prefill 5 tokens then feed 4 one at a time: logits at every position equal apply() on all 9."""
     if preset == "llama_tiny":

@@ -91,9 +91,10 @@ def llama_banded_reference(llama):
 # (the window from the config, not the argument; the same steps after check_window) against the same reference.
 # bloom (10 s): the windowed engine against the banded full forward is default-run on llama (above, and the window
 # argument in test_window_under_preemption_recomputes_past_the_context); ALiBi over a table whose pages behind the
-# window were dropped (only distances from the shifted lengths enter the logits) is tests/pallas_kernels/
-# test_paged_attention.py::test_kernel_sliding_window_with_dropped_leading_pages[gpu], ALiBi through the engine's
-# paged cache tests/interop/test_bloom.py::test_kv_cache_decoding_matches_transformers[bloom] (both default-run)
+# window were dropped is the Pallas GPU kernel's (interpreted) in tests/pallas_kernels/test_paged_attention.py::
+# test_kernel_sliding_window_with_dropped_leading_pages[gpu], an ALiBi model through the Engine (no window) against
+# transformers' tokens tests/interop/test_bloom.py::test_greedy_generation_matches_transformers (both default-run).
+# Not default-run any more: ALiBi through the Engine's windowed steps (the CPU's reference decode, a blockwise re-prefill)
 @pytest.mark.parametrize("model", [pytest.param("llama", marks=pytest.mark.slow),
                                    pytest.param("bloom", marks=pytest.mark.slow)])
 def test_window_equals_full_forward_with_band_mask(model, request, llama_banded_reference):

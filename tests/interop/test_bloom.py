@@ -94,8 +94,7 @@ def test_kv_cache_decoding_matches_transformers(bloom):
         assert fixture_diff < ATOL and gen_diff < ATOL, (run.__name__, fixture_diff, gen_diff)
 
 
-@pytest.mark.slow  # 1.7 s; ALiBi through the paged cache as the engine's step builds it is the kv-cache test above,
-# the engine against transformers' tokens test_llama.py's and test_gpt2.py's greedy tests (default runs)
+# default-run: the one ALiBi model through the Engine by default (tests/decode/test_window.py's [bloom] is slow)
 def test_greedy_generation_matches_transformers():
     """Through the paged engine (``bloom`` only: ``bloom_6heads``' decoding is the slow case of the test above)."""
     d, expected, _ = fixture("bloom")

@@ -253,8 +253,9 @@ def test_a_quick_sweeps_report_says_so_in_its_title_and_on_every_plot(ran, tmp_p
     assert "QUICK" not in (out / "report.md").read_text()
 
 
-# slow case, ~6 s: a third point (1e-3) that trains after the two that diverged; a point that trains and is not
-# marked diverged is the module sweep's (`ran`: test_sweep_writes_run_dirs_summary_report_and_plots, default)
+# slow case, ~6 s: a third point (1e-3) that trains after the two that diverged in the same process (not
+# default-run any more); a point that trains and is not marked diverged is the module sweep's (`ran`:
+# test_sweep_writes_run_dirs_summary_report_and_plots, default)
 @pytest.mark.parametrize("lrs", [[1e30, 3.0], pytest.param([1e30, 3.0, 1e-3], marks=pytest.mark.slow)],
                          ids=["nan-blown_up", "nan-blown_up-trains"])
 def test_a_diverging_point_is_recorded_and_the_sweep_goes_on(tmp_path, lrs):

@@ -132,9 +132,11 @@ def test_routine_notices_filter_drops_only_the_named_messages():
 
 
 # slow, 8 s (its own vocabulary's programs, compiled for train, resume and eval); default-run: a BPE run trained
-# through the CLI and read back from its run dir (test_cli.py's test_export_of_a_run_trained_from_scratch), the
-# saved BPE reused by build_corpus (test_data.py's test_bpe_tokenizer), and a resume reading the run's saved
-# tokenizer, not its source (test_cli.py's test_finetune_resumes_without_the_checkpoint_and_exports_exactly)
+# through the CLI and read back from its run dir (tests/interop/test_cli.py's test_export_of_a_run_trained_from_
+# scratch), the saved BPE reused by build_corpus (test_data.py's test_bpe_tokenizer), and a resume reading the run's
+# saved tokenizer, not its source, for a fine-tune's Hugging Face tokenizer (tests/interop/test_cli.py's
+# test_finetune_resumes_without_the_checkpoint_and_exports_exactly); a BPE run's own resume is default-run only in
+# those pieces
 @pytest.mark.slow
 def test_a_bpe_run_keeps_its_tokenizer_and_resumes(tmp_path, capsys):
     """The trained BPE is saved in the run directory (after the fit check) and reused by resume and eval."""
