@@ -110,7 +110,8 @@ def test_a_joining_prefill_does_not_widen_the_decoding_rows(llama):
     assert calls[:2] == [(1, [1, 1, 1]), (16, [16])], calls[:2]
     for width, rows in calls:
         assert all(n == 1 for n in rows) if width == 1 else all(n > 1 for n in rows), (width, rows)
-    for rid, p in zip(ids, prompts):  # greedy: the first 6 of 8 tokens (8 new tokens, as the bucketed test's references)
+    # greedy: the first 6 of 8 tokens (8 new tokens, as the bucketed test's references)
+    for rid, p in zip(ids, prompts):
         assert e.results[rid].tokens == generate(graphdef, state, cfg, [p], max_new_tokens=8)[0][:6], p
 
 
@@ -146,9 +147,9 @@ def test_a_batched_decode_call_sends_a_narrower_table(long_llama):
 @given(data=st.data())
 def test_bucketed_steps_equal_each_request_alone(llama, data):
     """Random requests through an engine whose narrowest table is one page, so steps switch table widths
-    (1, 2, 4, 8; the 10-page capacity in the slow test's draws) and batch rows (1, 2) as sequences grow, wait and finish: every
-    output equals the request generated alone with the contiguous cache. (Counted: none of the drawn workloads
-    preempts; preempted requests' outputs are checked in tests/decode/test_engine.py.)"""
+    (1, 2, 4, 8; the 10-page capacity in the slow test's draws) and batch rows (1, 2) as sequences grow, wait and
+    finish: every output equals the request generated alone with the contiguous cache. (Counted: none of the drawn
+    workloads preempts; preempted requests' outputs are checked in tests/decode/test_engine.py.)"""
     _check_bucketed_steps(llama, data)
 
 

@@ -94,7 +94,8 @@ def llama_banded_reference(llama):
 # window were dropped is the Pallas GPU kernel's (interpreted) in tests/pallas_kernels/test_paged_attention.py::
 # test_kernel_sliding_window_with_dropped_leading_pages[gpu], an ALiBi model through the Engine (no window) against
 # transformers' tokens tests/interop/test_bloom.py::test_greedy_generation_matches_transformers (both default-run).
-# Not default-run any more: ALiBi through the Engine's windowed steps (the CPU's reference decode, a blockwise re-prefill)
+# Not default-run any more: ALiBi through the Engine's windowed steps (the CPU's reference decode, a blockwise
+# re-prefill)
 @pytest.mark.parametrize("model", [pytest.param("llama", marks=pytest.mark.slow),
                                    pytest.param("bloom", marks=pytest.mark.slow)])
 def test_window_equals_full_forward_with_band_mask(model, request, llama_banded_reference):

@@ -78,8 +78,8 @@ def test_libc_function_is_none_without_the_symbol_or_off_linux(monkeypatch):
 
 
 # 7 s (two fresh processes import JAX); the effect itself (fewer page faults under the tunable) is not default-run.
-# The restart's decisions, the tunable it adds and its exec (recorded) are default-run below, and where glibc and the kernel allow it a real in-place restart runs in every
-# `python -m jaxformer.cli train` of tests/train/test_interrupt.py (default-run), which signals the pid it started
+# The restart's decisions, the tunable it adds and its exec (recorded) are default-run below, and where glibc and
+# the kernel allow it a real in-place restart runs in every `python -m jaxformer.cli train` of tests/train/test_interrupt.py (default-run), which signals the pid it started
 @pytest.mark.slow
 def test_huge_pages_fault_in_the_temporary_buffer_in_far_fewer_pages(monkeypatch):
     """Counted work, not time: page faults per call against the temporary buffer's 4 KiB pages (24,414).
