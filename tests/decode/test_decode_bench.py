@@ -1,6 +1,6 @@
 """``experiments/bench/decode.py``'s step-profile machinery has a pulse on a tiny model (no torch needed): the
-length-scaling rows record the table width each step read, the step recorder times every model call, and
-the id tokenizer round-trips."""
+length-scaling rows record the table width each step read, the step recorder times every model call, the
+id tokenizer round-trips, and the vs-transformers rounds count no contender's first call after another's."""
 
 from __future__ import annotations
 
@@ -25,6 +25,32 @@ def test_length_scaling_rows_record_the_width_each_step_read(bench, llama, monke
     assert [r["M"] for r in rows] == [1, 1, 3, 3] and all(r["capacity"] == 3 for r in rows)
     assert [r["Bs"] for r in rows] == [1, 2, 1, 2]
     assert all(r["ms"] >= r["jit"] > 0 for r in rows)
+
+
+def test_timed_calls_run_each_contenders_first_call_again_before_counting(bench):
+    """Fakes whose first call after another contender's costs 100 ms (the cost the uncounted call keeps out of
+    the counted times) and every other call 1 ms a token: each round calls every contender's first ``n`` once more
+    before its counted calls, in order; the counted times are the 1 ms-a-token ones (a first call counted would
+    read >= 100 ms; the bound leaves 40 ms for a busy machine's late wake-ups) and the uncounted ones what the
+    first call cost."""
+    import time
+
+    order, last = [], [None]
+
+    def contender(name):
+        def run(n):
+            order.append((name, n))
+            time.sleep(0.1 if last[0] != name else 0.001 * n)
+            last[0] = name
+        return run
+
+    calls = [("a", 2), ("a", 5), ("b", 2), ("b", 5), ("p", 1)]
+    times, first = bench.timed_calls({k: contender(k) for k in "abp"}, calls, 2)
+    assert order == [("a", 2), ("a", 2), ("a", 5), ("b", 2), ("b", 2), ("b", 5), ("p", 1), ("p", 1)] * 2
+    assert set(times) == set(calls) and set(first) == {("a", 2), ("b", 2), ("p", 1)}
+    assert all(len(v) == 2 for v in (*times.values(), *first.values()))
+    assert all(0.001 * n <= t < 0.001 * n + 0.04 for (_, n), ts in times.items() for t in ts), times
+    assert all(t >= 0.1 for ts in first.values() for t in ts), first
 
 
 def test_id_tokenizer_and_cpu_line(bench):
