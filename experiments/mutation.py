@@ -49,9 +49,9 @@ MODEL = ("tests/model/test_oracle.py", "tests/model/test_transformer.py")
 HF = "tests/interop/"
 GGUF = HF + "test_gguf.py"
 
-_AUTO_PARTS_CPU = "    if not cpu or not rows:\n        return 1"  # jaxformer.train.step.auto_parts
+_AUTO_PARTS_CPU = "    if not cpu or not rows or model.scan_layers:\n        return 1"  # jaxformer.train.step.auto_parts
 _AUTO_PARTS_TEST = "if rows % parts == 0 and work >= min_flops and size <= max_params), 1)"
-_AUTO_PARTS_TABLE = "AUTO_PARTS = ((4, 40e9, 30_000_000), (2, 1e9, 100_000_000))"
+_AUTO_PARTS_TABLE = "AUTO_PARTS = ((4, 40e9, 30_000_000), (2, 4e9, 100_000_000))"
 
 MUTATIONS = [
     # -- Hugging Face interop: the layouts, the config translation and the model options it needs
@@ -636,8 +636,14 @@ MUTATIONS = [
              _AUTO_PARTS_TEST, _AUTO_PARTS_TEST.replace("rows % parts", "rows % 2"),
              ("tests/train/test_parallel_parts.py",), "'auto' takes 4 parts where each device's rows split only in two"),
     Mutation("parallel_parts_auto_no_four", "jaxformer/train/step.py",
-             _AUTO_PARTS_TABLE, "AUTO_PARTS = ((2, 1e9, 100_000_000),)",
+             _AUTO_PARTS_TABLE, "AUTO_PARTS = ((2, 4e9, 100_000_000),)",
              ("tests/train/test_parallel_parts.py",), "'auto' never takes 4 parts (nanoGPT's batch back to 2)"),
+    Mutation("parallel_parts_auto_scanned", "jaxformer/train/step.py",
+             _AUTO_PARTS_CPU, _AUTO_PARTS_CPU.replace(" or model.scan_layers", ""),
+             ("tests/train/test_parallel_parts.py",), "'auto' splits a scanned model's batches (0.81-0.96x one part)"),
+    Mutation("parallel_parts_auto_two_bar_old", "jaxformer/train/step.py",
+             _AUTO_PARTS_TABLE, _AUTO_PARTS_TABLE.replace("4e9", "1e9"),
+             ("tests/train/test_parallel_parts.py",), "'auto' takes 2 parts from 1 GFLOP (0.78-0.89x one part at 1.5)"),
     Mutation("parallel_parts_auto_four_any_size", "jaxformer/train/step.py",
              _AUTO_PARTS_TABLE, _AUTO_PARTS_TABLE.replace("30_000_000", "100_000_000"),
              ("tests/train/test_parallel_parts.py",), "'auto' takes 4 parts up to 100 M parameters (4 gradient copies)"),

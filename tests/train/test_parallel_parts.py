@@ -86,26 +86,30 @@ MAIN_JOB_SHAPE = dict(model={"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_
 
 def test_auto_parts_rule():
     """On CPU devices 4 parts for a micro-batch of >= 40 GFLOP a device whose rows split in four, of a model of <= 30 M
-    parameters; else 2 for >= 1 GFLOP whose rows split in two, of <= 100 M; else 1. Each bar is pinned from both
-    sides; the measured shapes resolve as measured (nanoGPT's batch of 16: 4, of 4: 2; 25 M parameters: 4, 85 M:
-    2; the main job: 2)."""
+    parameters; else 2 for >= 4 GFLOP whose rows split in two, of <= 100 M; else 1, and 1 with scan_layers. Each bar
+    is pinned from both sides; the measured shapes resolve as measured (nanoGPT's batch of 16: 4, of 4: 2; 25 M
+    parameters: 4, 85 M: 2; the main job: 2; the twin at 4 rows, 2.9 GFLOP: 1; the residual study's scanned layers: 1)."""
     from jaxformer.model import count_params, flops_per_token, presets
     from jaxformer.train.step import auto_parts
 
     m = presets.get("llama_tiny", vocab_size=264, d_model=128, n_layers=4, max_seq_len=128)
     row = flops_per_token(m, 128) * 128
-    assert 4 * row >= 1e9 > 2 * flops_per_token(m, 32) * 32  # 4 rows of 128 tokens clear 2 parts' bar, 2 of 32 not
+    assert 6 * row >= 4e9 > 4 * row  # 6 rows of 128 tokens clear 2 parts' bar, 4 do not
+    assert auto_parts(m, 6, 1, 128, 1, cpu=True) == 2 and auto_parts(m, 4, 1, 128, 1, cpu=True) == 1
     assert auto_parts(m, 8, 1, 128, 1, cpu=True) == 2
     assert auto_parts(m, 8, 1, 128, 1, cpu=False) == 1  # GPUs / TPUs
-    assert auto_parts(m, 8, 1, 128, 2, cpu=True) == 2  # 4 rows a device
-    assert auto_parts(m, 8, 2, 128, 1, cpu=True) == 2
-    assert auto_parts(m, 8, 1, 128, 8, cpu=True) == 1  # one row a device
-    assert auto_parts(m, 6, 2, 128, 1, cpu=True) == 1  # micro-batches of 3 rows
-    assert auto_parts(m, 8, 1, 128, 3, cpu=True) == 1  # rows that do not split over the devices
-    assert auto_parts(m, 2, 1, 32, 1, cpu=True) == 1  # too little work: 2 rows of 32 tokens
+    assert auto_parts(m, 16, 1, 128, 2, cpu=True) == 2  # 8 rows a device
+    assert auto_parts(m, 8, 1, 128, 2, cpu=True) == 1  # 4 rows a device: under the bar
+    assert auto_parts(m, 16, 2, 128, 1, cpu=True) == 2
+    assert auto_parts(m, 8, 2, 128, 1, cpu=True) == 1  # micro-batches of 4 rows
+    assert auto_parts(m, 16, 1, 128, 16, cpu=True) == 1  # one row a device
+    assert auto_parts(m, 18, 2, 128, 1, cpu=True) == 1  # micro-batches of 9 rows: 6.2 GFLOP, odd
+    assert auto_parts(m, 16, 1, 128, 3, cpu=True) == 1  # rows that do not split over the devices
+    scanned = presets.get("llama_tiny", vocab_size=264, d_model=128, n_layers=4, max_seq_len=128, scan_layers=True)
+    assert auto_parts(scanned, 16, 1, 128, 1, cpu=True) == 1 and auto_parts(scanned, 64, 1, 128, 1, cpu=True) == 1
     short = flops_per_token(m, 32) * 32
-    assert 6 * short < 1e9 <= 8 * short  # the bar between 6 and 8 rows of 32 tokens
-    assert auto_parts(m, 8, 1, 32, 1, cpu=True) == 2 and auto_parts(m, 6, 1, 32, 1, cpu=True) == 1
+    assert 24 * short < 4e9 <= 26 * short  # the bar between 24 and 26 rows of 32 tokens
+    assert auto_parts(m, 26, 1, 32, 1, cpu=True) == 2 and auto_parts(m, 24, 1, 32, 1, cpu=True) == 1
     four = 4 * int(np.ceil(40e9 / row / 4))  # the fewest rows, in fours, worth 40 GFLOP
     assert (four - 4) * row < 40e9 <= four * row
     assert auto_parts(m, four, 1, 128, 1, cpu=True) == 4
@@ -133,6 +137,13 @@ def test_auto_parts_rule():
     main_job = C.load(Path(__file__).resolve().parents[2] / "experiments" / "configs" / "stdlib_bpe.yaml")
     assert auto_parts(main_job.model, main_job.batch_size, main_job.optimizer.grad_accum, main_job.seq_len, 1,
                       cpu=True) == 2
+    twin = presets.get("gpt2_small", vocab_size=264, d_model=128, n_layers=4, n_heads=4, max_seq_len=128)
+    assert auto_parts(twin, 4, 1, 128, 1, cpu=True) == 1 and auto_parts(twin, 12, 1, 128, 1, cpu=True) == 2
+    residuals = C.load(Path(__file__).resolve().parents[2] / "experiments" / "configs" / "stdlib_bytes.yaml",
+                       ["model.d_model=64", "model.n_layers=12", "model.scan_layers=true", "model.remat=true"])
+    assert auto_parts(residuals.model, residuals.batch_size, 1, residuals.seq_len, 1, cpu=True) == 1
+    residuals = residuals.model.model_copy(update={"scan_layers": False})  # its 7.5 GFLOP unscanned: two parts
+    assert auto_parts(residuals, 12, 1, 128, 1, cpu=True) == 2
 
 
 def test_auto_resolves_in_make_trainer(corpus):
@@ -148,7 +159,7 @@ def test_auto_resolves_in_make_trainer(corpus):
 
     assert tiny_config(corpus).optimizer.parallel_parts == "auto"
     assert parts(one) == 1  # the tiny model: 0.05 GFLOP a batch
-    assert parts(one, **MAIN_JOB_SHAPE) == 2 and parts(four, **MAIN_JOB_SHAPE) == 2
+    assert parts(one, **MAIN_JOB_SHAPE) == 2 and parts(four, **MAIN_JOB_SHAPE) == 1  # 2 rows a device: 1.5 GFLOP
     gpus = SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")]), shape={"data": 1, "fsdp": 1})
     assert parts(gpus, **MAIN_JOB_SHAPE) == 1
     assert parts(one, optimizer={"parallel_parts": 4}) == 4
