@@ -503,12 +503,12 @@ def bench_vs_transformers(new: int = 128, repeats: int = 3, short: int = 8):
 
 
 def timed_calls(fns: dict, calls: list[tuple[str, int]], repeats: int) -> tuple[dict, dict]:
-    """Seconds of each call ``fns[name](n)`` of ``calls`` (grouped by contender, ``name``) in ``repeats`` alternating
-    rounds (a busy machine slows every contender alike), a list of one per round by ``(name, n)``. In each round a
-    contender's first call runs once more before its counted calls, not counted, so no counted call is a contender's
-    first after another's (after torch's run, say, the caches are cold and the pages torch's run took may fault:
-    the short call of a pair would carry that, and the pair's difference flatter the decode rate). The uncounted
-    calls' seconds come back too, by the call they repeat: what such a first call costs."""
+    """Seconds of each call ``fns[name](n)`` of ``calls`` (which list each contender's, ``name``'s, calls one after
+    another) in ``repeats`` alternating rounds (a busy machine slows every contender alike), a list of one per round by
+    ``(name, n)``. In each round a contender's first call runs once more before its counted calls, not counted, so no
+    counted call is a contender's first after another's (after torch's run, say, the caches are cold and the pages
+    torch's run took may fault: the short call of a pair would carry that, and the pair's difference flatter the decode
+    rate). The uncounted calls' seconds come back too, by the call they repeat: what such a first call costs."""
     import itertools
     import time
 

@@ -381,8 +381,8 @@ def main(argv=None):
                    help="with --config: an override, as on jaxformer's command line (e.g. 'model.lora={rank: 16, "
                         "alpha: 32}': a LoRA fine-tune's step, its frozen base read from the config's model source)")
     p.add_argument("--parts", type=int,
-                   help="the library's step with optimizer.parallel_parts=N (default the config's, 'auto': 4 or 2 on "
-                        "the CPU, jaxformer.train.step.AUTO_PARTS); whenever the library's step runs more than one "
+                   help="the library's step with optimizer.parallel_parts=N (default the config's, 'auto': 4, 2 or 1 "
+                        "on the CPU, jaxformer.train.step.AUTO_PARTS); whenever the library's step runs more than one "
                         "part, the one-part step is also timed, as 'library one part'")
     p.add_argument("--also-parts", type=int, nargs="+", default=[], metavar="N",
                    help="also time the library's step with optimizer.parallel_parts=N for each N (rows 'library N "

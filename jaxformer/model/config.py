@@ -225,7 +225,8 @@ class ModelConfig(BaseModel):
                         "sequence) outweigh the activations (T d_model): the scan otherwise stacks them per layer "
                         "(48 layers of width 32 at T 128: 304 vs 419 ms a step; 24 x 64: 214 vs 275 ms unscanned)")
     scan_layers: bool = Field(False, description="one block compiled and run by jax.lax.scan over the stacked "
-                              "layers (compile time independent of depth)")
+                              "layers (compile time independent of depth); a CPU train step then runs each "
+                              "micro-batch in one part (optimizer.parallel_parts 'auto')")
     lora: LoRAConfig | None = Field(None, description="low-rank adapters on the projections (None: none)")
 
     @model_validator(mode="before")

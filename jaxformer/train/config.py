@@ -119,7 +119,7 @@ class OptimizerConfig(_Section):
         "model's ops on one); each part's gradients are alive before the sum (memory), and the program compiles "
         "longer; 'auto': on CPU devices 4 for a micro-batch of >= 40 GFLOP a device whose rows split in four, for "
         "models of <= 30 M parameters, else 2 for >= 4 GFLOP whose rows split in two, for <= 100 M parameters, else "
-        "1, and 1 for a model with scan_layers (jaxformer.train.step.AUTO_PARTS)")
+        "1; always 1 for a model with scan_layers (jaxformer.train.step.AUTO_PARTS)")
     z_loss: float = Field(0.0, ge=0.0)
     muon_momentum: float = Field(0.95, ge=0.0, lt=1.0, description="name='muon': Nesterov momentum")
     muon_rms: float = Field(0.2, gt=0.0, description="name='muon': update RMS per unit lr (AdamW's is ~0.2)")

@@ -207,27 +207,27 @@ def in_parts(grad_fn, parts: int):
 
 
 AUTO_PARTS = ((4, 40e9, 30_000_000), (2, 4e9, 100_000_000))
-"""``parallel_parts: auto`` on CPU devices: rows of ``(parts, min FLOPs, max parameters)``, the first that a step
-meets chosen: each device's rows of a micro-batch split into ``parts``, the micro-batch is worth at least ``min
-FLOPs`` training FLOPs a device, the model has at most ``max parameters``; a model with ``scan_layers`` runs in one
-part. Measured on 2-core AMD EPYC CPUs (``experiments/results/train_throughput.md``, paired in one process, each
-contender's timed steps after an untimed one; Zen 3): two parts 1.01-1.06x a one-part step at 8.8-8.9 GFLOP (width
-128) and 1.06-1.07x at nanoGPT's 23-46 GFLOP, level at 2.6-7.5 GFLOP (0.96-1.02x), 0.78-0.89x at 1.5 GFLOP (one row
-a part); with ``scan_layers`` 0.81-0.96x at 1.4-9.6 GFLOP, widths 32-128 (why was not traced: each part's layers
-then run as a loop of their own; ``remat`` alone 1.02x); four parts 1.13x at nanoGPT's 46 GFLOP, and on Zen 2 1.10-1.14x at 92
-GFLOP and 25 M parameters, where two gave 1.04-1.07x. The bars: the parts' program compiles longer (nanoGPT's shape:
-3.4 s in one part, 5.6 in two, 8.4 in four) and a micro-batch's gradients are alive side by side before their sum
-(``parts - 1`` more copies of the trained parameters), which a level step does not repay; four parts of 2-6 GFLOP
-each gained no more than two or lost (nanoGPT's shape at 4 rows, Zen 2: 0.96x one part, two 1.03x), nor did four
-at 85 M parameters (1.05x, as two). The 4 GFLOP bar lies among the level shapes (2.9 and 7.5 GFLOP), below every
-study's points without ``scan_layers`` (7.1-34 GFLOP); the 40 GFLOP and 30 M bars between measured shapes (23 and
-46 GFLOP; 25 and 85 M)."""
+"""``parallel_parts: auto`` on CPU devices: rows of ``(parts, min FLOPs, max parameters)``, the first that a step meets
+chosen: each device's rows of a micro-batch split into ``parts``, the micro-batch is worth at least ``min FLOPs``
+training FLOPs a device, the model has at most ``max parameters``; a model with ``scan_layers`` always runs in one part.
+Measured on 2-core AMD EPYC CPUs (``experiments/results/train_throughput.md``, paired in one process, each contender's
+timed steps after an untimed one; Zen 3): two parts 1.01-1.06x a one-part step at 8.8-8.9 GFLOP (width 128) and
+1.06-1.07x at nanoGPT's 23-46 GFLOP, level at 2.6-7.5 GFLOP (0.96-1.02x), 0.78-0.89x at 1.5 GFLOP (one row a part); with
+``scan_layers`` 0.81-0.88x at 6-48 layers, 0.92-0.96x at 2-4 (1.4-9.6 GFLOP, widths 32-128; the cause not traced: each
+part's layers then run as a loop of their own; ``remat`` alone 1.02x); four parts 1.13x at nanoGPT's 46 GFLOP, and on
+Zen 2 1.10-1.14x at 92 GFLOP and 25 M parameters, where two gave 1.04-1.07x. The bars: the parts' program compiles
+longer (nanoGPT's shape: 3.4 s in one part, 5.6 in two, 8.4 in four) and a micro-batch's gradients are alive side by
+side before their sum (``parts - 1`` more copies of the trained parameters); four parts of 2-6 GFLOP each gained no more
+than two or lost (nanoGPT's shape at 4 rows, Zen 2: 0.96x one part, two 1.03x), nor did four at 85 M parameters (1.05x,
+as two). The data would place the two-part bar anywhere from 1.5 to ~8.8 GFLOP; 4 is at the low end of the level shapes,
+so that no study point without ``scan_layers`` (7.1-34 GFLOP) changes its step. The 40 GFLOP and 30 M bars lie between
+measured shapes (23 and 46 GFLOP; 25 and 85 M)."""
 
 
 def auto_parts(model: ModelConfig, batch_size: int, grad_accum: int, seq_len: int, shards: int, cpu: bool) -> int:
     """What ``parallel_parts: auto`` resolves to: on CPU devices the first of :data:`AUTO_PARTS` that the
     micro-batch (``batch_size // grad_accum`` rows of ``seq_len`` tokens over ``shards`` devices) and the model
-    meet; else 1, and 1 for a model with ``scan_layers``. XLA's CPU runtime runs most of a small model's ops on one
+    meet; else 1; always 1 for a model with ``scan_layers``. XLA's CPU runtime runs most of a small model's ops on one
     thread each and independent ones side by side, and each part's activations are smaller."""
     micro = batch_size // grad_accum
     rows = micro // shards if micro % shards == 0 else 0

@@ -86,9 +86,10 @@ MAIN_JOB_SHAPE = dict(model={"d_model": 128, "n_layers": 4, "n_heads": 4, "n_kv_
 
 def test_auto_parts_rule():
     """On CPU devices 4 parts for a micro-batch of >= 40 GFLOP a device whose rows split in four, of a model of <= 30 M
-    parameters; else 2 for >= 4 GFLOP whose rows split in two, of <= 100 M; else 1, and 1 with scan_layers. Each bar
-    is pinned from both sides; the measured shapes resolve as measured (nanoGPT's batch of 16: 4, of 4: 2; 25 M
-    parameters: 4, 85 M: 2; the main job: 2; the twin at 4 rows, 2.9 GFLOP: 1; the residual study's scanned layers: 1)."""
+    parameters; else 2 for >= 4 GFLOP whose rows split in two, of <= 100 M; else 1; always 1 with scan_layers. Each
+    bar is pinned from both sides; the measured shapes resolve as measured (nanoGPT's batch of 16: 4, of 4: 2; 25 M
+    parameters: 4, 85 M: 2; the main job: 2; the twin at 4 rows, 2.9 GFLOP: 1; the residual study's scanned
+    layers: 1)."""
     from jaxformer.model import count_params, flops_per_token, presets
     from jaxformer.train.step import auto_parts
 
@@ -139,11 +140,11 @@ def test_auto_parts_rule():
                       cpu=True) == 2
     twin = presets.get("gpt2_small", vocab_size=264, d_model=128, n_layers=4, n_heads=4, max_seq_len=128)
     assert auto_parts(twin, 4, 1, 128, 1, cpu=True) == 1 and auto_parts(twin, 12, 1, 128, 1, cpu=True) == 2
-    residuals = C.load(Path(__file__).resolve().parents[2] / "experiments" / "configs" / "stdlib_bytes.yaml",
-                       ["model.d_model=64", "model.n_layers=12", "model.scan_layers=true", "model.remat=true"])
-    assert auto_parts(residuals.model, residuals.batch_size, 1, residuals.seq_len, 1, cpu=True) == 1
-    residuals = residuals.model.model_copy(update={"scan_layers": False})  # its 7.5 GFLOP unscanned: two parts
-    assert auto_parts(residuals, 12, 1, 128, 1, cpu=True) == 2
+    resid = C.load(Path(__file__).resolve().parents[2] / "experiments" / "configs" / "stdlib_bytes.yaml",
+                   ["model.d_model=64", "model.n_layers=12", "model.scan_layers=true", "model.remat=true"])
+    assert auto_parts(resid.model, resid.batch_size, 1, resid.seq_len, 1, cpu=True) == 1
+    unscanned = resid.model.model_copy(update={"scan_layers": False})  # its 7.5 GFLOP unscanned: two parts
+    assert auto_parts(unscanned, 12, 1, 128, 1, cpu=True) == 2
 
 
 def test_auto_resolves_in_make_trainer(corpus):
