@@ -53,7 +53,6 @@ timings come from the shared :mod:`timing` helpers beside it.
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import math
 import os
@@ -63,7 +62,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import cpu_line, median_seconds, timed  # cpu_line: the CPU model, ISA flags, cores, load
+from timing import alternating_rounds, cpu_line, median_seconds, timed  # cpu_line: the CPU model, ISA flags, load
 
 from jaxformer.decode.block_manager import BlockManager, OutOfPages
 from jaxformer.decode.engine import Engine
@@ -503,24 +502,19 @@ def bench_vs_transformers(new: int = 128, repeats: int = 3, short: int = 8):
 
 
 def timed_calls(fns: dict, calls: list[tuple[str, int]], repeats: int) -> tuple[dict, dict]:
-    """Seconds of each call ``fns[name](n)`` of ``calls`` (which list each contender's, ``name``'s, calls one after
-    another) in ``repeats`` alternating rounds (a busy machine slows every contender alike), a list of one per round by
-    ``(name, n)``. In each round a contender's first call runs once more before its counted calls, not counted, so no
-    counted call is a contender's first after another's (after torch's run, say, the caches are cold and the pages
-    torch's run took may fault: the short call of a pair would carry that, and the pair's difference flatter the decode
-    rate). The uncounted calls' seconds come back too, by the call they repeat: what such a first call costs."""
-    import itertools
-    import time
-
-    times, first = collections.defaultdict(list), collections.defaultdict(list)
-    for _ in range(repeats):
-        for name, group in itertools.groupby(calls, key=lambda c: c[0]):
-            group = [n for _, n in group]
-            for counted, n in [(False, group[0])] + [(True, n) for n in group]:
-                t0 = time.perf_counter()
-                fns[name](n)
-                (times if counted else first)[name, n].append(time.perf_counter() - t0)
-    return times, first
+    """Seconds of each call ``fns[name](n)`` of ``calls`` in ``repeats`` alternating rounds
+    (:func:`timing.alternating_rounds`, contenders by ``name`` in order of first appearance), a list of one per round
+    by ``(name, n)``. In each round a contender's first call runs once more before its counted calls, not counted
+    (after torch's run, say, the short call of a pair would carry the cold caches and faulted pages, and the pair's
+    difference flatter the decode rate). The uncounted calls' seconds come back too, by the call they repeat: what
+    such a first call costs."""
+    ns = {}
+    for name, n in calls:
+        ns.setdefault(name, []).append(n)
+    wall, _, warm = alternating_rounds(
+        {name: (lambda name=name, n=group[0]: fns[name](n), [((name, n), lambda name=name, n=n: fns[name](n))
+                                                             for n in group]) for name, group in ns.items()}, repeats)
+    return wall, {(name, group[0]): warm[name] for name, group in ns.items()}
 
 
 def paired_steps(graphdef, state, cfg, one, many, short: int, new: int, passes: int = 2):

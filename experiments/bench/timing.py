@@ -7,6 +7,7 @@ import this module and :mod:`procmem` as ``from timing import ...``.
 
 from __future__ import annotations
 
+import collections
 import os
 import statistics
 import time
@@ -32,6 +33,26 @@ def wall_times(fn, *args, warmup: int = 1, repeats: int = 5) -> list[float]:
 def median_seconds(fn, *args, warmup: int = 1, repeats: int = 5) -> float:
     """Median of :func:`wall_times`."""
     return statistics.median(wall_times(fn, *args, warmup=warmup, repeats=repeats))
+
+
+def alternating_rounds(contenders: dict, rounds: int) -> tuple[dict, dict, dict]:
+    """``rounds`` alternating rounds (a busy machine slows every contender alike) over ``contenders``, ``{name:
+    (warm, calls)}``: in each round a contender's ``warm()`` runs first, not counted, then each of its ``calls``,
+    ``[(key, fn), ...]``, timed, so no counted call is a contender's first after another contender's (after
+    another's run the caches are cold and pages it took may fault back). Wall and CPU (process) seconds of each
+    counted call by key, and wall seconds of each warm call by name: lists of one per round."""
+    wall, cpu, warm = (collections.defaultdict(list) for _ in range(3))
+    for _ in range(rounds):
+        for name, (first, calls) in contenders.items():
+            t0 = time.perf_counter()
+            first()
+            warm[name].append(time.perf_counter() - t0)
+            for key, fn in calls:
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                wall[key].append(time.perf_counter() - t0)
+                cpu[key].append(time.process_time() - c0)
+    return wall, cpu, warm
 
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")

@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +58,7 @@ from jaxformer.train.metrics import device_peak
 from jaxformer.train.optim import decay_mask, make_schedule
 from jaxformer.train.pipeline import TrainIterator
 from jaxformer.train.step import make_trainer
-from timing import cpu_line  # the CPU model, its ISA flags, the cores and the load average
+from timing import alternating_rounds, cpu_line  # cpu_line: the CPU model, its ISA flags, the cores and the load
 from jaxformer.train.host_memory import restart_with_huge_pages
 
 
@@ -329,24 +328,18 @@ def scan_remat_step(cfg: C.ExperimentConfig, mesh, state, batch):
 
 
 def timed_rounds(rounds: dict, batches: list, n: int) -> tuple[dict, dict]:
-    """``n`` alternating rounds (a busy machine slows every contender alike) of each contender ``rounds[name](bs)``:
-    one untimed step, then ``len(batches)`` timed steps. Wall and CPU seconds per step, a list of one per round, by
+    """``n`` alternating rounds (:func:`timing.alternating_rounds`) of each contender ``rounds[name](bs)``: one
+    untimed step, then ``len(batches)`` timed steps. Wall and CPU seconds per step, a list of one per round, by
     contender.
 
     The untimed step is meant to time each contender's steady state rather than its first step after another
     contender's (a train run has no other contender). Twin shape, two processes each way: per-round library /
     one-part ratios 0.93-1.32 without it, 1.00-1.11 with it; why the old order moved them is not settled
     (experiments/results/train_throughput.md, fourteenth stop)."""
-    times = {k: [] for k in rounds}
-    cpu = {k: [] for k in rounds}
-    for _ in range(n):
-        for k, fn in rounds.items():
-            fn(batches[:1])
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn(batches)
-            times[k].append((time.perf_counter() - t0) / len(batches))
-            cpu[k].append((time.process_time() - c0) / len(batches))
-    return times, cpu
+    wall, cpu, _ = alternating_rounds({k: (lambda fn=fn: fn(batches[:1]), [(k, lambda fn=fn: fn(batches))])
+                                       for k, fn in rounds.items()}, n)
+    return ({k: [t / len(batches) for t in wall[k]] for k in rounds},
+            {k: [t / len(batches) for t in cpu[k]] for k in rounds})
 
 
 def main(argv=None):
