@@ -58,20 +58,34 @@ def alternating_rounds(contenders: dict, rounds: int) -> tuple[dict, dict, dict]
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
 
+def cpu_identity(cpuinfo: str) -> tuple[str, set[str]]:
+    """``(model, flags)`` of the first processor in ``/proc/cpuinfo``'s text: its model name with the x86 family and
+    model numbers, which tell generations apart where a KVM guest's name does not (every AMD box seen here reports
+    "AMD EPYC": family 23 model 49 was Zen 2, 25 / 1 Zen 3, 25 / 17 Zen 4, 26 Zen 5), and its flags."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block only
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    model = fields.get("model name", "unknown CPU")
+    family, number = fields.get("cpu family"), fields.get("model")
+    if family and number:
+        model += f" (family {family}, model {number})"
+    return model, set(fields.get("flags", "").split())
+
+
 def cpu_line() -> str:
-    """The CPU model, its vector ISA flags, the cores, the load average and whether glibc's malloc asks for huge
-    pages (``jaxformer.train.host_memory``: the train-step benchmarks restart with them, as ``jaxformer train``
-    does), for every table."""
-    model, flags = "unknown CPU", set()
+    """The CPU model (:func:`cpu_identity`), its vector ISA flags, the cores, the load average and whether glibc's
+    malloc asks for huge pages (``jaxformer.train.host_memory``: the train-step benchmarks restart with them, as
+    ``jaxformer train`` does), for every table."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model == "unknown CPU":
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
+            model, flags = cpu_identity(f.read())
     except OSError:
-        pass
+        model, flags = "unknown CPU", set()
     isa = " ".join(f for f in ISA_FLAGS if f in flags) or "none of " + " ".join(ISA_FLAGS)
     huge = TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")
     return (f"CPU: {model}, {os.cpu_count()} cores, ISA {isa}; load average "

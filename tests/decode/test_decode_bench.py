@@ -61,6 +61,19 @@ def test_id_tokenizer_and_cpu_line(bench):
     assert line.endswith(("malloc huge pages", "malloc defaults"))  # a step's time depends on it (host_memory.py)
 
 
+def test_cpu_identity_names_the_family_and_model_of_the_first_processor():
+    """Every AMD guest here calls itself "AMD EPYC": the family and model numbers are what tell a table's CPU apart;
+    a CPU without them (aarch64) keeps its name alone; only the first processor's block is read."""
+    identity = load_bench("timing").cpu_identity
+    zen4 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+            "model name\t: AMD EPYC\nflags\t\t: fpu avx2 fma avx512f\n\n"
+            "processor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: other\nflags\t\t: sse2\n")
+    assert identity(zen4) == ("AMD EPYC (family 25, model 17)", {"fpu", "avx2", "fma", "avx512f"})
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\n"
+    assert identity(arm) == ("unknown CPU", set())
+    assert identity("model name\t: Intel(R) Xeon(R)\nflags\t: amx_tile\n") == ("Intel(R) Xeon(R)", {"amx_tile"})
+
+
 def test_serve_bench_profile_counts_every_step_by_kind(llama):
     """The serving bench's step profile: every step of a run is counted once, prefill steps apart from decode
     steps, and the decode steps by their batch rows (two prompts of 20 tokens in chunks of 8 then 3 tokens)."""
