@@ -69,7 +69,7 @@ def cpu_identity(cpuinfo: str) -> tuple[str, set[str]]:
                 break  # the first processor's block only
             continue
         key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
+        fields[key.strip()] = value.strip()
     model = fields.get("model name", "unknown CPU")
     family, number = fields.get("cpu family"), fields.get("model")
     if family and number:

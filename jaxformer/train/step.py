@@ -227,8 +227,10 @@ measured shapes (23 and 46 GFLOP; 25 and 85 M)."""
 def auto_parts(model: ModelConfig, batch_size: int, grad_accum: int, seq_len: int, shards: int, cpu: bool) -> int:
     """What ``parallel_parts: auto`` resolves to: on CPU devices the first of :data:`AUTO_PARTS` that the
     micro-batch (``batch_size // grad_accum`` rows of ``seq_len`` tokens over ``shards`` devices) and the model
-    meet; else 1; always 1 for a model with ``scan_layers``. XLA's CPU runtime runs most of a small model's ops on one
-    thread each and independent ones side by side, and each part's activations are smaller."""
+    meet; else 1; always 1 for a model with ``scan_layers``. The parts are independent subprograms, for XLA's
+    CPU runtime to run side by side, and each part's activations are smaller; their gain needs the second core
+    (pinned to one core they gain little or nothing), but how the runtime overlaps them is not settled
+    (``experiments/results/train_throughput.md``)."""
     micro = batch_size // grad_accum
     rows = micro // shards if micro % shards == 0 else 0
     if not cpu or not rows or model.scan_layers:
