@@ -91,7 +91,9 @@ def project(x, w, dtype, *, n_in: int = 1, preferred_element_type=None, split: b
     the forward products at ~145). The projections of the attention, the FFNs, the output heads and LoRA's
     adapters go through here (the engine's transposed copies, inference only, through :func:`project_t`); a train step
     is 1.1-1.5x faster for it (experiments/results/train_throughput.md, "Intel"). The reshapes go one group
-    of axes at a time, which explicit-sharding meshes accept (a batch axis sharded over ``data``).
+    of axes at a time, which explicit-sharding meshes accept (a batch axis sharded over ``data``). On the CPU a tall
+    weight (``prod I >= TALL_RATIO * prod O``) goes through :func:`tall_product`, whose weight gradient is the wide
+    ``(dy^T x)^T``.
 
     One row (a batch-1 decode step) on the CPU, with at least ``MATVEC_SPLIT_MIN_WEIGHTS`` weights and no mesh
     active (``split`` not False), goes as :func:`split_matvec`'s ``MATVEC_SPLIT`` parts of the contraction (the
@@ -105,9 +107,50 @@ def project(x, w, dtype, *, n_in: int = 1, preferred_element_type=None, split: b
     w2 = w.astype(dtype).reshape(math.prod(inner), math.prod(outer))
     if split and _split_matvec(x2.shape[0], w2.shape[0], w2.size):
         y = split_matvec(x2, w2, preferred_element_type=preferred_element_type)
+    elif _wide_weight_gradient(*x2.shape, w2.shape[1]):
+        y = tall_product(x2, w2, preferred_element_type)
     else:
         y = jnp.matmul(x2, w2, preferred_element_type=preferred_element_type)
     return y.reshape(*lead, math.prod(outer)).reshape(lead + outer)
+
+
+TALL_RATIO = 2
+"""A weight ``[I, O]`` with ``I >= TALL_RATIO * O`` (the FFN's down projection, LoRA's ``A``) is tall: on the CPU its
+weight gradient takes the wide form (:func:`tall_product`)."""
+
+
+def _wide_weight_gradient(rows: int, inner: int, outer: int) -> bool:
+    """Whether a product of ``rows`` rows by a weight ``[inner, outer]`` goes through :func:`tall_product`."""
+    return rows >= 2 and inner >= TALL_RATIO * outer and jax.default_backend() == "cpu"
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def tall_product(x, w, preferred_element_type=None):
+    """``x [N, I] @ w [I, O]``, whose weight gradient reverse mode computes in the wide form: ``(dy^T x)^T``, the
+    ``[O, I]`` product behind an optimisation barrier, then transposed, instead of the tall ``x^T dy``.
+
+    XLA's CPU backend runs both as an Eigen dot contracting the rows of both operands, and the tall one slowly: the
+    FFN's down-projection gradient ``[1024, 1024]^T x [1024, 256]`` at 63-67 GFLOP/s on one Zen 4 core against
+    96-100 for the wide form (2 threads: 108 against 141-150); nanoGPT's and the main job's GPT-2 steps 0.99-1.05x and
+    1.01-1.07x as fast for it there, level on Zen 3 (``experiments/results/train_throughput.md``, seventeenth and
+    fourteenth stops). The barrier keeps XLA
+    from folding the transpose back into the product. Forward and input gradient as ``jnp.matmul``; a tangent of
+    ``w`` that is a symbolic zero (a frozen weight) costs no product."""
+    return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
+
+
+@functools.partial(tall_product.defjvp, symbolic_zeros=True)
+def _tall_product_jvp(preferred_element_type, primals, tangents):
+    x, w = primals
+    dx, dw = tangents
+    y = tall_product(x, w, preferred_element_type)
+    terms = []
+    if not isinstance(dx, jax.custom_derivatives.SymbolicZero):
+        terms.append(jnp.matmul(dx, w, preferred_element_type=preferred_element_type))
+    if not isinstance(dw, jax.custom_derivatives.SymbolicZero):  # x dw = (dw^T x^T)^T; transposed: (dy^T x)^T
+        wide = jnp.matmul(jax.lax.optimization_barrier(dw.T), x.T, preferred_element_type=preferred_element_type)
+        terms.append(wide.T)
+    return y, functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(y)
 
 
 MATVEC_SPLIT = 2

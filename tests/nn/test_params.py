@@ -11,6 +11,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from jaxformer.nn import params as PP
 from jaxformer.nn.params import project
 from tests.draws import few_draws
 
@@ -59,6 +60,7 @@ def assert_rank2_dots(jaxpr):
 @example(lead=[2, 3], inner=[4], outer=[2, 3], seed=1)  # its input projections: [B, T, D] x [D, N, H]
 @example(lead=[], inner=[3], outer=[5], seed=2)  # a single vector
 @example(lead=[2, 0], inner=[3], outer=[5], seed=3)  # no rows
+@example(lead=[3, 2], inner=[4, 4], outer=[3], seed=4)  # a tall weight (I >= 2 O): the wide weight gradient
 def test_project_matches_einsum_forward_and_grads(lead, inner, outer, seed):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((*lead, *inner)).astype(np.float32)
@@ -97,6 +99,75 @@ def test_project_weight_gradient_is_one_plain_product():
                                                                                            n_in=n))))(w))
 
 
+def _dots_and_barriers(jaxpr):
+    eqns = [e for e in jaxpr.eqns if e.primitive.name in ("dot_general", "optimization_barrier")]
+    return [(e.primitive.name, tuple(e.outvars[0].aval.shape)) for e in eqns]
+
+
+def test_tall_weights_take_the_wide_weight_gradient():
+    """A tall weight ``[I, O]`` (``I >= TALL_RATIO * O``) on the CPU: its weight gradient is the ``[O, I]`` product
+    behind an optimisation barrier (then transposed), not the ``[I, O]`` one; a frozen weight (gradient with
+    respect to ``x`` only) costs one product; a square weight keeps the plain form."""
+    x, g = jnp.ones((3, 5, 16)), jnp.ones((3, 5, 16))
+
+    def grad_jaxpr(w, argnums):
+        return jax.make_jaxpr(jax.grad(lambda a, b: jnp.sum(g[..., :b.shape[1]] * project(a, b, jnp.float32)),
+                                       argnums))(x, w)
+
+    assert _dots_and_barriers(grad_jaxpr(jnp.ones((16, 4)), 1)) == [("dot_general", (4, 16)),
+                                                                   ("optimization_barrier", (4, 16))]
+    assert _dots_and_barriers(grad_jaxpr(jnp.ones((16, 4)), 0)) == [("dot_general", (15, 16))]
+    assert sorted(_dots_and_barriers(grad_jaxpr(jnp.ones((16, 4)), (0, 1)))) == [
+        ("dot_general", (4, 16)), ("dot_general", (15, 16)), ("optimization_barrier", (4, 16))]
+    short = _dots_and_barriers(grad_jaxpr(jnp.ones((16, 9)), 1))  # 16 < 2 * 9: not tall
+    assert short and all(name == "dot_general" for name, _ in short), short
+
+
+def test_tall_product_derivatives_match_plain_autodiff(monkeypatch):
+    """Forward mode, second order and ``vmap`` through the wide weight gradient's custom JVP: the same numbers as
+    JAX's own derivatives of the plain product (``TALL_RATIO`` raised so nothing is tall), and first order as the
+    float64 einsum. fp32 products of <= 12 terms: a few ulps (``RTOL``, ``ATOL``)."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((4, 5, 12)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((12, 3)), jnp.float32)
+    g = rng.standard_normal((4, 5, 3)).astype(np.float32)
+
+    def f(a, b):
+        return jnp.sum(jnp.tanh(project(a, b, jnp.float32)))
+
+    def derivatives():
+        return (jax.jacfwd(lambda b: project(x, b, jnp.float32))(w),
+                jax.hessian(f, 1)(x, w),
+                jax.jacrev(jax.grad(f, 0), 1)(x, w),
+                jax.vmap(jax.grad(f, 1), (0, None))(x, w),
+                jax.grad(lambda a, b: jnp.sum(g * project(a, b, jnp.float32)), (0, 1))(x, w))
+
+    assert PP._wide_weight_gradient(20, 12, 3)
+    tall = derivatives()
+    monkeypatch.setattr(PP, "TALL_RATIO", 10**9)
+    assert not PP._wide_weight_gradient(20, 12, 3)
+    plain = derivatives()
+    for t, p in zip(jax.tree.leaves(tall), jax.tree.leaves(plain)):
+        np.testing.assert_allclose(np.asarray(t), np.asarray(p), rtol=RTOL, atol=ATOL)
+    rx, rw = ref_grads(np.asarray(x), np.asarray(w), g, 1)
+    np.testing.assert_allclose(np.asarray(tall[-1][0]), rx, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(np.asarray(tall[-1][1]), rw, rtol=RTOL, atol=ATOL)
+
+
+def test_tall_product_bf16_with_fp32_result():
+    """The output head's use on a tall weight: bf16 operands, fp32 result; the weight gradient (wide form) equals
+    the float64 product of the bf16-rounded operands, rounded to bf16 (``w``'s dtype), within bf16's half ulp."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 5, 8)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((8, 3)), jnp.bfloat16)
+    g = rng.standard_normal((2, 5, 3)).astype(np.float32)
+    y, dw = jax.value_and_grad(lambda b: jnp.sum(g * project(x, b, jnp.bfloat16,
+                                                               preferred_element_type=jnp.float32)))(w)
+    assert dw.dtype == jnp.bfloat16 and dw.shape == (8, 3)
+    ref = ref_grads(np.asarray(x, np.float32), np.asarray(w, np.float32), g, 1)[1]
+    np.testing.assert_allclose(np.asarray(dw, np.float32), ref, rtol=2**-8, atol=1e-2)
+
+
 def test_project_under_an_explicit_sharding_mesh():
     """A batch sharded over ``data`` and heads over ``tensor`` (explicit axes: reshapes must say how they shard,
     so ``project`` splits one group of axes at a time): the unsharded numbers, forward and weight gradient."""
@@ -119,6 +190,15 @@ def test_project_under_an_explicit_sharding_mesh():
     assert y.sharding.spec == P("data", None, "tensor", None)
     np.testing.assert_allclose(np.asarray(y), ref_project(x, w, 1), rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(np.asarray(dw), ref_grads(x, w, g, 1)[1], rtol=RTOL, atol=ATOL)
+    # a tall weight (the wide weight gradient, tall_product) under the same mesh, its output axis over "tensor"
+    wt = rng.standard_normal((8, 4)).astype(np.float32)
+    gt = rng.standard_normal((4, 3, 4)).astype(np.float32)
+    with jax.set_mesh(mesh):
+        wts = jax.device_put(wt, sharded(mesh, P(None, "tensor")))
+        yt = jax.jit(lambda x, w: project(x, w, jnp.float32))(xs, wts)
+        dwt = jax.jit(jax.grad(lambda w, x: jnp.sum(gt * project(x, w, jnp.float32))))(wts, xs)
+    np.testing.assert_allclose(np.asarray(yt), ref_project(x, wt, 1), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(np.asarray(dwt), ref_grads(x, wt, gt, 1)[1], rtol=RTOL, atol=ATOL)
 
 
 def test_project_names_the_shapes_it_refuses():
