@@ -92,8 +92,8 @@ def project(x, w, dtype, *, n_in: int = 1, preferred_element_type=None, split: b
     adapters go through here (the engine's transposed copies, inference only, through :func:`project_t`); a train step
     is 1.1-1.5x faster for it (experiments/results/train_throughput.md, "Intel"). The reshapes go one group
     of axes at a time, which explicit-sharding meshes accept (a batch axis sharded over ``data``). On the CPU a tall
-    weight (``prod I >= TALL_RATIO * prod O``) goes through :func:`tall_product`, whose weight gradient is the wide
-    ``(dy^T x)^T``.
+    weight (``prod I >= TALL_RATIO * prod O``) times two rows or more goes through :func:`tall_product`, whose weight
+    gradient is the wide ``(dy^T x)^T`` (never one row: see below).
 
     One row (a batch-1 decode step) on the CPU, with at least ``MATVEC_SPLIT_MIN_WEIGHTS`` weights and no mesh
     active (``split`` not False), goes as :func:`split_matvec`'s ``MATVEC_SPLIT`` parts of the contraction (the
@@ -115,8 +115,8 @@ def project(x, w, dtype, *, n_in: int = 1, preferred_element_type=None, split: b
 
 
 TALL_RATIO = 2
-"""A weight ``[I, O]`` with ``I >= TALL_RATIO * O`` (the FFN's down projection, LoRA's ``A``) is tall: on the CPU its
-weight gradient takes the wide form (:func:`tall_product`)."""
+"""A weight ``[I, O]`` with ``I >= TALL_RATIO * O`` (the FFN's down projection, LoRA's ``A``, a GQA model's K / V) is
+tall: on the CPU its weight gradient takes the wide form (:func:`tall_product`)."""
 
 
 def _wide_weight_gradient(rows: int, inner: int, outer: int) -> bool:
@@ -129,11 +129,12 @@ def tall_product(x, w, preferred_element_type=None):
     """``x [N, I] @ w [I, O]``, whose weight gradient reverse mode computes in the wide form: ``(dy^T x)^T``, the
     ``[O, I]`` product behind an optimisation barrier, then transposed, instead of the tall ``x^T dy``.
 
-    XLA's CPU backend runs both as an Eigen dot contracting the rows of both operands, and the tall one slowly: the
-    FFN's down-projection gradient ``[1024, 1024]^T x [1024, 256]`` at 63-67 GFLOP/s on one Zen 4 core against
-    96-100 for the wide form (2 threads: 108 against 141-150); nanoGPT's and the main job's GPT-2 steps 0.99-1.05x and
-    1.01-1.07x as fast for it there, level on Zen 3 (``experiments/results/train_throughput.md``, seventeenth and
-    fourteenth stops). The barrier keeps XLA
+    XLA's CPU backend runs both as an Eigen dot contracting the rows of both operands, the tall one often slower:
+    nanoGPT's FFN down-projection gradient ``[1024, 1024]^T x [1024, 256]`` alone took 8.0 ms on one Zen 4 core
+    against 5.6 for the wide form (5.0 against 3.8 ms on two threads; on Zen 3 the wide form was the slower on one
+    core). A GPT-2 of the main job's width (d 128) trains 1.05x as fast for it on 2 Zen 4 cores, nanoGPT's shape
+    0.97-1.05x, both level on Zen 3 (``experiments/results/train_throughput.md``, seventeenth and fourteenth stops).
+    The barrier keeps XLA
     from folding the transpose back into the product. Forward and input gradient as ``jnp.matmul``; a tangent of
     ``w`` that is a symbolic zero (a frozen weight) costs no product."""
     return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
