@@ -133,7 +133,7 @@ def tall_product(x, w, preferred_element_type=None):
     nanoGPT's FFN down-projection gradient ``[1024, 1024]^T x [1024, 256]`` alone took 8.0 ms on one Zen 4 core
     against 5.6 for the wide form (5.0 against 3.8 ms on two threads; on Zen 3 the wide form was the slower on one
     core). A GPT-2 of the main job's width (d 128) trains 1.05x as fast for it on 2 Zen 4 cores, nanoGPT's shape
-    0.97-1.05x, both level on Zen 3 (``experiments/results/train_throughput.md``, seventeenth and fourteenth stops).
+    0.96-1.05x, both level on Zen 3 (``experiments/results/train_throughput.md``, seventeenth and fourteenth stops).
     The barrier keeps XLA from folding the transpose back into the product. Forward and input gradient as
     ``jnp.matmul``; a tangent of ``w`` that is a symbolic zero (a frozen weight) costs no product."""
     return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
