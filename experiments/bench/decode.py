@@ -511,9 +511,9 @@ def timed_calls(fns: dict, calls: list[tuple[str, int]], repeats: int) -> tuple[
     ns = {}
     for name, n in calls:
         ns.setdefault(name, []).append(n)
-    wall, _, warm = alternating_rounds(
-        {name: (lambda name=name, n=group[0]: fns[name](n), [((name, n), lambda name=name, n=n: fns[name](n))
-                                                             for n in group]) for name, group in ns.items()}, repeats)
+    contenders = {name: (functools.partial(fns[name], group[0]),
+                         [((name, n), functools.partial(fns[name], n)) for n in group]) for name, group in ns.items()}
+    wall, _, warm = alternating_rounds(contenders, repeats)
     return wall, {(name, group[0]): warm[name] for name, group in ns.items()}
 
 

@@ -336,7 +336,7 @@ def timed_rounds(rounds: dict, batches: list, n: int) -> tuple[dict, dict]:
     contender's (a train run has no other contender). Twin shape, two processes each way: per-round library /
     one-part ratios 0.93-1.32 without it, 1.00-1.11 with it; why the old order moved them is not settled
     (experiments/results/train_throughput.md, fourteenth stop)."""
-    wall, cpu, _ = alternating_rounds({k: (lambda fn=fn: fn(batches[:1]), [(k, lambda fn=fn: fn(batches))])
+    wall, cpu, _ = alternating_rounds({k: (functools.partial(fn, batches[:1]), [(k, functools.partial(fn, batches))])
                                        for k, fn in rounds.items()}, n)
     return ({k: [t / len(batches) for t in wall[k]] for k in rounds},
             {k: [t / len(batches) for t in cpu[k]] for k in rounds})
