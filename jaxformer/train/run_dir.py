@@ -123,14 +123,34 @@ def saved_step(ckpt: Checkpointer, trainer: Trainer, run_dir: Path, changed) -> 
     return None if meta is None else int(meta["step"])
 
 
+class UnrestorableRunError(ValueError):
+    """A run directory whose checkpoints are all unreadable: neither resumed nor started over."""
+
+
+def refuse_unreadable_only(ckpt: Checkpointer, run_dir: Path) -> None:
+    """Raise :class:`UnrestorableRunError` if ``ckpt``'s directory holds checkpoints set aside as unreadable
+    (``STEP.corrupt``) and none that restores: training from step 0 there would overwrite the run's metrics
+    and start from a data position its failed restores had moved, so the user decides."""
+    aside = sorted(p.name for p in ckpt.directory.glob("*.corrupt")) if ckpt.directory.is_dir() else []
+    if aside:
+        raise UnrestorableRunError(
+            f"{run_dir}: no checkpoint restores (set aside as unreadable: {', '.join(aside)} in {ckpt.directory}); "
+            f"nothing else was changed. To train from step 0 in this directory remove {ckpt.directory} and "
+            f"{run_dir / 'metrics.jsonl'}, or give a new --run-dir.")
+
+
 def restore(ckpt: Checkpointer, trainer: Trainer, data_iter, run_dir: Path, changed) -> tuple | None:
-    """``(state, meta)`` of the newest readable checkpoint (``data_iter`` restored too), or None.
+    """``(state, meta)`` of the newest readable checkpoint (``data_iter`` restored too), or None when the run
+    has no checkpoint.
 
     A checkpoint that does not fit the new config is refused naming what ``changed``
-    (:func:`changed_keys`); a resume across a trajectory change warns.
+    (:func:`changed_keys`); a resume across a trajectory change warns; a run whose every checkpoint is
+    unreadable is refused (:func:`refuse_unreadable_only`), not started over.
     """
     with _refusing_misfits(run_dir, changed):
         restored = ckpt.restore_latest(trainer.abstract_state, trainer.state_shardings, data_iter)
+    if restored is None:
+        refuse_unreadable_only(ckpt, run_dir)
     trajectory = [k for k, _, _ in changed if k.split(".")[0] in TRAJECTORY and k != "steps"]
     if restored is not None and trajectory:
         warnings.warn(f"{run_dir}: config differs from the saved run in {describe_changes(changed, trajectory)}; "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import jax
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from jaxformer.train import sharding as S
 from jaxformer.train.checkpoint import Checkpointer, IncompatibleCheckpointError, fingerprint
 from jaxformer.train.loop import NonFiniteError, train
 from jaxformer.train.metrics import read_metrics
+from jaxformer.train.run_dir import UnrestorableRunError
 from jaxformer.train.step import make_trainer
 from tests.train.helpers import make_corpus, tiny_raw
 
@@ -73,6 +75,27 @@ def test_corrupt_latest_checkpoint_warns_and_resumes_from_previous(corpus, tmp_p
     # the rows the first run wrote after step 4 were dropped: 5 and 6 once each
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
     assert (run / "checkpoints" / "6.corrupt").is_dir() and 6 in _steps(run)
+
+
+def test_a_run_whose_every_checkpoint_is_unreadable_is_refused_not_started_over(corpus, tmp_path):
+    """With no checkpoint that restores, training from step 0 in the same directory would rewrite its metrics and
+    start from the data position the failed restores had moved the iterator to: refused, on every later try too
+    (the unreadable ones are set aside as ``STEP.corrupt``), the metrics as they were."""
+    run = tmp_path / "run"
+    cfg = _cfg(corpus, steps=4)
+    train(cfg, run)
+    assert _steps(run) == [2, 4]
+    for step in (2, 4):
+        for f in (run / "checkpoints" / str(step) / "state").rglob("*"):
+            if f.is_file() and f.stat().st_size > 0:
+                f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    metrics = (run / "metrics.jsonl").read_bytes()
+    for first in (True, False):  # the first try sets them aside with a warning each; the second finds none left
+        with (pytest.warns(RuntimeWarning, match="unreadable") if first else contextlib.nullcontext()), pytest.raises(
+                UnrestorableRunError, match=r"no checkpoint restores \(set aside as unreadable: 2.corrupt, 4.corrupt "
+                                            r"in .*; nothing else was changed\. To train from step 0"):
+            train(cfg, run)
+        assert (run / "metrics.jsonl").read_bytes() == metrics and _steps(run) == []
 
 
 def test_checkpoint_whose_arrays_do_not_match_their_fingerprint_is_set_aside(corpus, tmp_path):
