@@ -287,7 +287,7 @@ def load_sweep(path: str | Path) -> Sweep:
     """Read, validate and expand a sweep file; every error names the file and the dotted key."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = C.load_yaml(path.read_text()) or {}
     except OSError as e:
         raise C.ConfigError(f"{path}: cannot read: {e.strerror}") from None
     except yaml.YAMLError as e:
@@ -300,9 +300,11 @@ def load_sweep(path: str | Path) -> Sweep:
         raise C.ConfigError(C.format_errors(e, str(path), schema=SweepConfig)) from None
     base_path = (path.parent / spec.base).resolve()
     try:
-        base = yaml.safe_load(base_path.read_text()) or {}
+        base = C.load_yaml(base_path.read_text()) or {}
     except OSError as e:
         raise C.ConfigError(f"{path}: base: cannot read {base_path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise C.ConfigError(f"{path}: base: {base_path}: not valid YAML: {e}") from None
     if not isinstance(base, dict):
         raise C.ConfigError(f"{path}: base: {base_path} is not a mapping")
     _merge(base, spec.overrides, f"{path}: overrides")

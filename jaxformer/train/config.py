@@ -477,7 +477,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise ConfigError(f"override {text!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: value is not YAML: {e}") from None
     return model_key(parts, value), value
@@ -556,6 +556,37 @@ def from_dict(raw: Any, source: str = "<config>", overrides=(), *, planning: boo
         raise ConfigError(format_errors(e, source, overrides)) from None
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives one key twice (YAML 1.2 forbids it; PyYAML keeps the
+    last, which would drop a whole section of an experiment file without a word)."""
+
+
+def _mapping_once(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    first: dict = {}
+    for key_node, _ in node.value:  # the keys as written ("<<" merges, which they may override, not among them)
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key, line = loader.construct_object(key_node, deep=deep), key_node.start_mark.line + 1
+        try:
+            seen = first.get(key)
+        except TypeError:  # an unhashable key: construct_mapping says so below
+            continue
+        if seen is not None:
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} on line {line} given twice (first "
+                                                                f"on line {seen})")
+        first[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_once)
+
+
+def load_yaml(text: str) -> Any:
+    """``text`` parsed as YAML by the safe loader, a key given twice in one mapping an error
+    (:class:`yaml.YAMLError`, naming both lines)."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load(path: str | Path, overrides=(), *, planning: bool = False) -> ExperimentConfig:
     """Read and validate a YAML experiment file (``planning``: as :func:`from_dict`)."""
     path = Path(path)
@@ -564,7 +595,7 @@ def load(path: str | Path, overrides=(), *, planning: bool = False) -> Experimen
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = load_yaml(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     return from_dict(raw, str(path), overrides, planning=planning, base_dir=path.parent)

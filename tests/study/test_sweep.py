@@ -116,6 +116,18 @@ def test_bad_sweep_files_name_file_and_key(tmp_path, spec, match):
         load_sweep(path)
 
 
+def test_a_key_given_twice_in_a_sweep_or_its_base_is_refused(tmp_path):
+    (tmp_path / "base.yaml").write_text("seq_len: 64\nmodel: {preset: llama_tiny}\nseq_len: 32\n")
+    path = tmp_path / "s.yaml"
+    path.write_text("base: base.yaml\naxes: {model.n_layers: [1]}\n")
+    with pytest.raises(C.ConfigError, match=r"s\.yaml: base: .*base\.yaml: not valid YAML: key 'seq_len' on line 3 "
+                                            r"given twice \(first on line 1\)"):
+        load_sweep(path)
+    path.write_text("base: base.yaml\naxes: {model.n_layers: [1]}\naxes: {model.n_layers: [2]}\n")
+    with pytest.raises(C.ConfigError, match=r"s\.yaml: not valid YAML: key 'axes' on line 3 given twice"):
+        load_sweep(path)
+
+
 def test_a_missing_base_names_the_sweep_file(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text("base: nowhere.yaml\n")

@@ -70,6 +70,24 @@ def test_not_yaml_and_missing_file(tmp_path):
         C.load(tmp_path / "missing.yaml")
 
 
+def test_a_key_given_twice_is_refused_naming_the_file_and_both_lines(tmp_path):
+    """PyYAML keeps a repeated key's last value, which would drop a whole section unseen (here ``lr``)."""
+    p = _write(tmp_path, "model: {preset: llama_tiny}\noptimizer: {lr: 0.003}\nseq_len: 32\noptimizer:\n"
+                         "  weight_decay: 0.0\n")
+    with pytest.raises(C.ConfigError, match=r"^.*x\.yaml: not valid YAML: key 'optimizer' on line 4 given twice "
+                                            r"\(first on line 2\)$"):
+        C.load(p)
+    p = _write(tmp_path, "model:\n  preset: llama_tiny\n  d_model: 32\n  n_layers: 1\n  d_model: 64\nseq_len: 32\n")
+    with pytest.raises(C.ConfigError, match=r"key 'd_model' on line 5 given twice \(first on line 3\)"):
+        C.load(p)
+    with pytest.raises(C.ConfigError, match=r"override 'optimizer=\{lr: 1, lr: 2\}': value is not YAML: key 'lr'"):
+        C.load(_write(tmp_path, "model: {preset: llama_tiny}\nseq_len: 32\n"), ["optimizer={lr: 1, lr: 2}"])
+    # a "<<" merge's keys may be overridden by the mapping that merges them: not a repeat
+    p = _write(tmp_path, "common: &c {lr: 0.003, weight_decay: 0.0}\nmodel: {preset: llama_tiny}\nseq_len: 32\n"
+                         "optimizer:\n  <<: *c\n  lr: 0.001\n")
+    assert C.load_yaml(p.read_text())["optimizer"] == {"lr": 0.001, "weight_decay": 0.0}
+
+
 def test_overrides_are_yaml_parsed_and_validated(tmp_path):
     p = _write(tmp_path, "model: {preset: llama_tiny}\nseq_len: 64\n")
     cfg = C.load(p, ["optimizer.lr=3e-4", "model.n_layers=3", "mesh.data=2", "eval.sample={prompt: 'x'}",
