@@ -89,6 +89,9 @@ class DataConfig(_Section):
                 raise ValueError("source='bin' is pre-tokenized; leave tokenizer at 'bytes'")
             if self.bin_vocab_size is None:
                 raise ValueError("source='bin' needs data.bin_vocab_size")
+            if self.bin_eos_id is not None and self.bin_eos_id >= self.bin_vocab_size:
+                raise ValueError(f"bin_eos_id={self.bin_eos_id} is not a token id below "
+                                 f"bin_vocab_size={self.bin_vocab_size}")
         return self
 
 
@@ -132,6 +135,14 @@ class ScheduleConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     decay_steps: int | None = Field(None, gt=0, description="None: the run's total steps")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.kind != "constant" and self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(f"decay_steps={self.decay_steps} counts the warmup's steps too, so it must exceed "
+                             f"warmup_steps={self.warmup_steps} (else the rate drops to min_lr_ratio * lr as "
+                             f"the warmup ends)")
+        return self
 
 
 class MeshConfig(_Section):

@@ -136,6 +136,12 @@ def build_corpus(cfg: DataConfig, tokenizer_path: str | Path | None = None) -> C
         if not path.is_file():
             raise ValueError(f"data.path={cfg.path!r}: no such .bin file")
         arr = np.memmap(path, dtype=np.dtype(cfg.bin_dtype), mode="r")
+        if len(arr) and cfg.bin_vocab_size <= np.iinfo(arr.dtype).max:  # one pass over the file, at start-up
+            top = int(arr.max())
+            if top >= cfg.bin_vocab_size:
+                raise ValueError(f"data.path={cfg.path!r}: token id {top} at position {int(np.argmax(arr))} is not "
+                                 f"below data.bin_vocab_size={cfg.bin_vocab_size} (a file from another tokenizer, or "
+                                 f"data.bin_dtype={cfg.bin_dtype!r} not the one it was written with?)")
         n_val = int(round(len(arr) * cfg.val_fraction))
         tok = BinTokenizer(cfg.bin_vocab_size, cfg.bin_eos_id)
         return Corpus(tok, [arr[: len(arr) - n_val]], np.asarray(arr[len(arr) - n_val:], np.int32),

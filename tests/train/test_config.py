@@ -70,6 +70,21 @@ def test_not_yaml_and_missing_file(tmp_path):
         C.load(tmp_path / "missing.yaml")
 
 
+@pytest.mark.parametrize("kind", ["cosine", "linear"])
+def test_decay_steps_must_exceed_the_warmup(tmp_path, kind):
+    """``decay_steps`` counts the warmup's steps: at or under ``warmup_steps`` the rate would fall to its floor the
+    step the warmup ends. A run shorter than its warmup (no ``decay_steps``) stays legal, as does ``constant``."""
+    base = "model: {preset: llama_tiny}\nseq_len: 32\nsteps: 40\n"
+    with pytest.raises(C.ConfigError, match=r"x\.yaml: schedule: decay_steps=10 counts the warmup's steps too, so it "
+                                            r"must exceed warmup_steps=20"):
+        C.load(_write(tmp_path, base + f"schedule: {{kind: {kind}, warmup_steps: 20, decay_steps: 10}}\n"))
+    with pytest.raises(C.ConfigError, match=r"decay_steps=20 .* warmup_steps=20"):
+        C.load(_write(tmp_path, base + f"schedule: {{kind: {kind}, warmup_steps: 20, decay_steps: 20}}\n"))
+    assert C.load(_write(tmp_path, base + f"schedule: {{kind: {kind}, warmup_steps: 20, decay_steps: 21}}\n"))
+    assert C.load(_write(tmp_path, base + f"schedule: {{kind: {kind}, warmup_steps: 50}}\n")).schedule.warmup_steps == 50
+    assert C.load(_write(tmp_path, base + "schedule: {kind: constant, warmup_steps: 20, decay_steps: 10}\n"))
+
+
 def test_a_key_given_twice_is_refused_naming_the_file_and_both_lines(tmp_path):
     """PyYAML keeps a repeated key's last value, which would drop a whole section unseen (here ``lr``)."""
     p = _write(tmp_path, "model: {preset: llama_tiny}\noptimizer: {lr: 0.003}\nseq_len: 32\noptimizer:\n"

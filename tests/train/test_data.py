@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from jaxformer.train import config as C
 from jaxformer.train.corpus import build_corpus, is_validation, stdlib_files
@@ -173,6 +174,23 @@ def test_bin_source_memmap(tmp_path):
         after_eos = np.flatnonzero(b.tokens[r][:-1] == 999) + 1
         for i in after_eos:
             assert b.segment_ids[r][i] != b.segment_ids[r][i - 1] and not b.loss_mask[r][i - 1]
+
+
+def test_bin_source_ids_must_be_below_its_vocab_size(tmp_path):
+    """A token file from another tokenizer (ids past ``bin_vocab_size``) is refused at start-up naming the file, the
+    id and where it is, not found as a NaN loss at step 1; likewise a separator id outside the vocabulary."""
+    ids = (np.arange(3000) % 250).astype(np.uint16)
+    ids[1234] = 49999
+    path = tmp_path / "tokens.bin"
+    ids.tofile(path)
+    with pytest.raises(ValueError, match=r"tokens\.bin'?: token id 49999 at position 1234 is not below "
+                                         r"data\.bin_vocab_size=264"):
+        build_corpus(C.DataConfig(source="bin", path=str(path), bin_vocab_size=264))
+    assert build_corpus(C.DataConfig(source="bin", path=str(path), bin_vocab_size=50000)).n_train_tokens > 0
+    assert build_corpus(C.DataConfig(source="bin", path=str(path), bin_vocab_size=65536,
+                                     val_fraction=0.0)).n_train_tokens == 3000
+    with pytest.raises(ValidationError, match=r"bin_eos_id=264 is not a token id below bin_vocab_size=264"):
+        C.DataConfig(source="bin", path=str(path), bin_vocab_size=264, bin_eos_id=264)
 
 
 def test_bpe_tokenizer(tmp_path):
