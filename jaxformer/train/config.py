@@ -462,10 +462,23 @@ def _from_override(loc: tuple, etype: str, overrides) -> str | None:
     return None
 
 
+def _overrides_under(loc: tuple, overrides) -> list[str]:
+    """The ``key.sub=value`` overrides that set a key at or under ``loc`` (a model's flat key, e.g.
+    ``model.n_kv_heads``, read as the key of its section, ``model.attention.n_kv_heads``)."""
+    out = []
+    for text in overrides:
+        parts, value = parse_override(text)
+        moved = flat_key(parts[1], value) if len(parts) == 2 and parts[0] == "model" else None
+        if tuple(("model", *moved) if moved else parts)[:len(loc)] == loc:
+            out.append(text)
+    return out
+
+
 def format_errors(err: ValidationError, source: str, overrides=(), *, schema: type[BaseModel] | None = None) -> str:
     """``source: dotted.key: message`` per error, one per line; an error at a key a ``key.sub=value``
-    override set names the override instead of ``source``; an unknown key gets the closest known one of
-    ``schema`` (the model validated: default :class:`ExperimentConfig`)."""
+    override set names the override instead of ``source``; an error of a whole section (values checked
+    against each other) that overrides set keys in names them after the message; an unknown key gets the
+    closest known one of ``schema`` (the model validated: default :class:`ExperimentConfig`)."""
     lines = []
     for e in err.errors(include_url=False):
         loc = tuple(e["loc"])
@@ -475,7 +488,11 @@ def format_errors(err: ValidationError, source: str, overrides=(), *, schema: ty
         override = _from_override(loc, e["type"], overrides) if loc else None
         where = source if override is None else f"override {override!r}"
         key = _dotted(loc)
-        lines.append(f"{where}: {key}: {msg}" if key else f"{where}: {msg}")
+        line = f"{where}: {key}: {msg}" if key else f"{where}: {msg}"
+        given = _overrides_under(loc, overrides) if override is None else []
+        if given:
+            line += f" (with the override{'s' * (len(given) > 1)} {', '.join(map(repr, given))})"
+        lines.append(line)
     return "\n".join(lines)
 
 

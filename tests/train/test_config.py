@@ -85,6 +85,24 @@ def test_decay_steps_must_exceed_the_warmup(tmp_path, kind):
     assert C.load(_write(tmp_path, base + "schedule: {kind: constant, warmup_steps: 20, decay_steps: 10}\n"))
 
 
+def test_a_section_error_an_override_took_part_in_names_the_override_too(tmp_path):
+    """Values checked against each other (a section's or the top level's validator) fail at the section, not at
+    the key an override set: the file is named, and after the message the overrides that set keys in it (a
+    model's flat key as its section's), not the others."""
+    p = _write(tmp_path, "model: {preset: llama_tiny, max_seq_len: 32}\nseq_len: 32\n")
+    with pytest.raises(C.ConfigError, match=r"^.*x\.yaml: model: d_model=30 not divisible by attention\.n_heads=4; "
+                                            r"set attention\.head_dim \(with the override 'model\.d_model=30'\)$"):
+        C.load(p, ["model.d_model=30", "optimizer.lr=1e-3"])
+    with pytest.raises(C.ConfigError, match=r"x\.yaml: seq_len=64 exceeds model\.max_seq_len=32 \(with the overrides "
+                                            r"'optimizer\.lr=1e-3', 'seq_len=64'\)$"):
+        C.load(p, ["optimizer.lr=1e-3", "seq_len=64"])  # the top level's check: every override is under it
+    with pytest.raises(C.ConfigError, match=r"model\.attention: n_heads=4 not divisible by n_kv_heads=3 \(with the "
+                                            r"override 'model\.n_kv_heads=3'\)$"):
+        C.load(p, ["model.n_kv_heads=3", "model.n_layers=1"])
+    with pytest.raises(C.ConfigError, match=r"x\.yaml: model\.attention: n_heads=4 not divisible by n_kv_heads=3$"):
+        C.load(_write(tmp_path, "model: {preset: llama_tiny, n_kv_heads: 3}\nseq_len: 32\n"), ["model.n_layers=1"])
+
+
 def test_a_key_given_twice_is_refused_naming_the_file_and_both_lines(tmp_path):
     """PyYAML keeps a repeated key's last value, which would drop a whole section unseen (here ``lr``)."""
     p = _write(tmp_path, "model: {preset: llama_tiny}\noptimizer: {lr: 0.003}\nseq_len: 32\noptimizer:\n"
