@@ -41,8 +41,8 @@ from jaxformer.train.host_memory import libc_function
 from jaxformer.train.metrics import (MetricsWriter, ProgressBar, device_peak, measured_cpu_peak, mfu,
                                      peak_is_measured, plain_console)
 from jaxformer.train.pipeline import TrainIterator
-from jaxformer.train.run_dir import (changed_keys, finished_summary, last_train_row, restore, saved_step,
-                                     saved_tokenizer_path, write_run_files)
+from jaxformer.train.run_dir import (changed_keys, finished_summary, last_train_row, refuse_stale_tokenizer, restore,
+                                     saved_step, saved_tokenizer_path, write_run_files)
 from jaxformer.train.step import Trainer, make_trainer
 
 
@@ -233,6 +233,7 @@ def train(cfg: C.ExperimentConfig, run_dir: str | Path, *, on_step: Callable[[in
     with _Signals(run_dir, resume_command, exit_at_once=exit_on_signal) as stop:
         shd.maybe_initialize_distributed(cfg.mesh)
         changed = changed_keys(cfg, run_dir)
+        refuse_stale_tokenizer(cfg, run_dir, changed)
         mesh = shd.make_mesh(cfg.mesh)
         trainer = make_trainer(cfg, mesh)
         ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)

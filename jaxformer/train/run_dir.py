@@ -96,6 +96,19 @@ def changed_keys(cfg: C.ExperimentConfig, run_dir: Path) -> list[tuple[str, obje
     return C.diff(C.load(saved), cfg) if saved.exists() else []
 
 
+def refuse_stale_tokenizer(cfg: C.ExperimentConfig, run_dir: Path, changed) -> None:
+    """ValueError if the run saved a BPE tokenizer and ``cfg`` asks another ``data.bpe_vocab_size`` than it was
+    trained with (``changed``: :func:`changed_keys`): the run would go on with its own tokenizer while the
+    resolved config it writes claimed the new size."""
+    saved = saved_tokenizer_path(cfg, run_dir)
+    sizes = [(a, b) for k, a, b in changed if k == "data.bpe_vocab_size"]
+    if cfg.data.tokenizer == "bpe" and saved is not None and sizes:
+        (was, now), = sizes
+        raise ValueError(f"{saved} was trained with data.bpe_vocab_size={was} (the run's config.yaml); this config "
+                         f"asks {now}, and a run keeps its tokenizer: nothing was changed. Resume with "
+                         f"data.bpe_vocab_size={was}, or give a new --run-dir.")
+
+
 def describe_changes(changed, keys=None) -> str:
     return ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, a, b in changed if keys is None or k in keys)
 

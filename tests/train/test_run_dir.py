@@ -151,6 +151,32 @@ def test_a_bpe_run_keeps_its_tokenizer_and_resumes(tmp_path, capsys):
     assert main(["eval", str(run), "--max-tokens", "64"]) == 0
 
 
+def test_another_bpe_vocab_size_over_a_saved_tokenizer_is_refused(tmp_path, capsys):
+    """A run keeps the BPE it trained: a config asking another ``data.bpe_vocab_size`` in its directory (a resume,
+    or a new start over a run stopped before its first step) is refused before anything is built or written,
+    naming the tokenizer file and both sizes; the same size, or a run without a saved tokenizer, goes on."""
+    from jaxformer.train.run_dir import refuse_stale_tokenizer
+
+    run = tmp_path / "run"
+    run.mkdir()
+    raw = tiny_raw(tmp_path, data={"tokenizer": "bpe", "bpe_vocab_size": 300}, model={"vocab_size": 512})
+    C.dump(C.from_dict(raw, "<test>"), run / "config.yaml")
+    (run / "tokenizer.json").write_text("{}")  # only its presence is read
+    saved = (run / "config.yaml").read_bytes()
+    cfg = write_config(tmp_path / "cfg.yaml", {**raw, "data": {**raw["data"], "bpe_vocab_size": 500}})
+    assert main(["train", str(cfg), "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert ("error: " + str(run / "tokenizer.json") + " was trained with data.bpe_vocab_size=300 (the run's "
+            "config.yaml); this config asks 500, and a run keeps its tokenizer: nothing was changed.") in err
+    assert (run / "config.yaml").read_bytes() == saved and sorted(p.name for p in run.iterdir()) == [
+        "config.yaml", "tokenizer.json"]
+    same = C.from_dict(raw, "<test>")
+    refuse_stale_tokenizer(same, run, [])  # the saved size: goes on
+    (run / "tokenizer.json").unlink()
+    bigger = C.load(cfg)
+    refuse_stale_tokenizer(bigger, run, [("data.bpe_vocab_size", 300, 500)])  # nothing saved to keep
+
+
 def test_only_a_final_evaluation_finishes_a_run(tmp_path):
     """finished_summary: a periodic eval row at the last step is not the final one; legacy rows without
     the flag are; with no validation split no evaluation is expected."""
