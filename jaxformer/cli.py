@@ -39,7 +39,8 @@ def cmd_generate(args) -> int:
     window = check_window(args.window, model)  # ValueError: exit 2, saying why
     prompts = list(args.prompt) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     records = run_prompts(graphdef, params, model, tok, prompts, GenerateOptions.from_args(args, window=window))
-    return report_records(records, model, window=window, jsonl=bool(args.prompts_file), output=args.output)
+    return report_records(records, model, window=window, jsonl=bool(args.prompts_file or args.output),
+                          output=args.output)
 
 
 def cmd_translate(args) -> int:

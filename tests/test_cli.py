@@ -85,6 +85,12 @@ def test_generate_prompts_file_writes_one_json_line_per_request(trained, tmp_pat
     assert rows[0]["error"] is None and 0 < len(rows[0]["tokens"]) <= 4
     assert rows[1]["error"] is None and len(rows[1]["tokens"]) <= 3 and rows[1]["prompt"] == "class "
     assert rows[2]["error"] and "top_p" in rows[2]["error"]
+    # --output with --prompt alone writes its JSON line there too (it was ignored, the text on stdout)
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "class ", "--output", str(out), "--max-new-tokens", "3",
+                 "--temperature", "0", "--max-batch", "2"]) == 0
+    (row,) = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert row["prompt"] == "class " and row["tokens"] == rows[1]["tokens"] and capsys.readouterr().out == ""
 
 
 def test_a_text_folder_of_one_file_trains_with_a_validation_split_and_evaluates(tmp_path, capsys):

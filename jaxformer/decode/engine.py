@@ -310,6 +310,8 @@ class Engine:
             raise ValueError(f"reserve={o.reserve!r} must be 'pages' or 'context'")
         if o.max_batch < 1 or o.chunk_size < 2:
             raise ValueError(f"max_batch={o.max_batch} must be >= 1 and chunk_size={o.chunk_size} >= 2")
+        if o.page_size < 1:
+            raise ValueError(f"page_size={o.page_size} must be >= 1")
         self.max_batch, self.chunk_size = o.max_batch, o.chunk_size
         self.window = check_window(o.window, config)
         self.options = StepOptions(o.backend, o.interpret, self.window)

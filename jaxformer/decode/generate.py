@@ -48,7 +48,7 @@ def _per_request(value, B: int, name: str) -> list:
     if isinstance(value, (list, tuple, np.ndarray)):
         if len(value) != B:
             raise ValueError(f"{name} has {len(value)} values for {B} prompts")
-        return list(value)
+        return value.tolist() if isinstance(value, np.ndarray) else list(value)  # numpy's scalars as Python's
     return [value] * B
 
 

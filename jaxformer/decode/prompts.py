@@ -27,13 +27,14 @@ OVERRIDES = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
 
 
 def read_prompts_file(path: str | Path) -> list[str | dict]:
-    """Requests from a file, one per non-blank line (a JSON object with "prompt", or raw text).
+    """Requests from a UTF-8 file (a byte-order mark at its start ignored), one per non-blank line (a JSON object
+    with "prompt", or raw text).
 
     A line that starts with ``{`` but is not valid JSON stays a dict ``{"error": ...}``, answered
     with an error record.
     """
     out: list[str | dict] = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8-sig").splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
@@ -94,7 +95,8 @@ def add_generate_options(a) -> None:
     a("--prompt", action="append", default=[], help="prompt text (repeatable)")
     a("--prompts-file", help='one request per line: text, or JSON {"prompt": ..., "temperature": ...}; writes '
       "one JSON line per request")
-    a("--output", help="JSON lines output path (default: stdout)")
+    a("--output", help="write one JSON line per request to this path (with --prompt too; default: stdout "
+      "with --prompts-file)")
     a("--window", type=int, help="sliding KV window W <= the model's context (RoPE/ALiBi models): generate past "
       "the context, each new token seeing the last W positions")
     a("--max-new-tokens", type=int, default=200)

@@ -130,6 +130,8 @@ def test_engine_argument_errors(llama):
         eng.Engine(graphdef, state, cfg, num_pages=4, max_context=41)
     with pytest.raises(ValueError, match="chunk_size"):
         eng.Engine(graphdef, state, cfg, num_pages=4, chunk_size=1)
+    with pytest.raises(ValueError, match="page_size=0 must be >= 1"):  # not a ZeroDivisionError sizing the table
+        eng.Engine(graphdef, state, cfg, num_pages=4, page_size=0)
     with pytest.raises(TypeError, match="num_page"):  # a misspelt option is refused by name
         eng.Engine(graphdef, state, cfg, num_page=4)
 

@@ -97,6 +97,10 @@ def test_generate_stop_tokens_context_limit_and_per_request_sampling(llama):
     both = generate(graphdef, state, cfg, [[3, 4, 5], [7, 8]], max_new_tokens=8, temperature=[0.0, 1.5],
                         seed=[0, 3])
     assert both == [greedy, alone]
+    # per-request values as numpy arrays (numpy's scalars taken as Python's)
+    assert generate(graphdef, state, cfg, [[3, 4, 5], [7, 8]], max_new_tokens=8,
+                    temperature=np.array([0.0, 1.5], np.float32), seed=np.array([0, 3]),
+                    top_k=np.zeros(2, np.int64)) == both
 
 
 def test_generate_bad_inputs(llama):

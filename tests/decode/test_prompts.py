@@ -45,6 +45,8 @@ def test_prompts_file_and_jsonl(tmp_path):
     items = read_prompts_file(path)
     assert items[0] == "plain text line" and items[1] == {"prompt": "json", "top_k": 3}
     assert "invalid JSON" in items[2]["error"] and ":4:" in items[2]["error"]
+    path.write_text('{"prompt": "json", "top_k": 3}\nplain\n', encoding="utf-8-sig")  # a BOM (Notepad, PowerShell)
+    assert read_prompts_file(path) == [{"prompt": "json", "top_k": 3}, "plain"]
     buf = io.StringIO()
     write_jsonl([{"a": 1}, {"b": "é"}], buf)
     assert [json.loads(x) for x in buf.getvalue().splitlines()] == [{"a": 1}, {"b": "é"}]
