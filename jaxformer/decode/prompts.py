@@ -150,14 +150,38 @@ def run_prompts(graphdef, state, config, tokenizer, prompts: Sequence[str | dict
                     chunk_size=o.chunk_size, max_context=context, window=o.window)
     ids = [None if r is None else engine.submit(*r, request_id=i) for i, r in enumerate(requests)]
     results = engine.run()
-    for rec, rid in zip(records, ids):
+    for i, (rec, rid) in enumerate(zip(records, ids)):
         if rid is None:
             continue
         r = results[rid]
+        context = completion_context(tokenizer.decode, requests[i][0])
         rec.update(finish_reason=r.finish_reason, stopped_by=r.stopped_by, error=r.error, tokens=r.tokens,
-                   completion=tokenizer.decode([t for t in r.tokens if t not in stop]),
+                   completion=decode_completion(tokenizer.decode, context, [t for t in r.tokens if t not in stop]),
                    num_preemptions=r.num_preemptions)
     return records
+
+
+CONTEXT_TOKENS = 4
+"""How many of the prompt's last tokens a completion is decoded after (:func:`completion_context`)."""
+
+
+def completion_context(decode, prompt: Sequence[int], n: int = CONTEXT_TOKENS) -> list[int]:
+    """The prompt's last ``n`` tokens, which a completion is decoded after and then cut from: a decoder that drops
+    the first space of what it decodes (SentencePiece's, Llama-2's and Mistral's) would drop the space between
+    the prompt and the completion's first word. Empty (the completion decoded alone) where they decode to no
+    text or end in an incomplete character, which the completion's first tokens may finish."""
+    ctx = [int(t) for t in prompt[len(prompt) - min(n, len(prompt)):]]
+    text = decode(ctx) if ctx else ""
+    return ctx if text and not text.endswith("\ufffd") else []
+
+
+def decode_completion(decode, context: Sequence[int], tokens: Sequence[int]) -> str:
+    """``tokens``' text as it continues ``context`` (:func:`completion_context`): ``decode(context + tokens)``
+    past ``decode(context)``, or ``decode(tokens)`` where the first does not start with the second."""
+    if not context:
+        return decode(list(tokens))
+    head, full = decode(list(context)), decode([*context, *tokens])
+    return full[len(head):] if full.startswith(head) else decode(list(tokens))
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from jaxformer.decode.prompts import encode_prompt, stop_token_ids
+from jaxformer.decode.prompts import completion_context, encode_prompt, stop_token_ids
 from jaxformer.decode.sampling import SamplingParams
 from jaxformer.serve import protocol as P
 from jaxformer.serve.text import TextStream, prefix_lengths
@@ -148,10 +148,10 @@ class Service:
             self._pieces[token] = self.tok.decode([token])
         return self._pieces[token]
 
-    def offsets(self, tokens: list[int], base: int, limit: int) -> list[int]:
+    def offsets(self, tokens: list[int], base: int, limit: int, context: list[int] = ()) -> list[int]:
         """Character offset of each token in the returned text: ``base`` plus the length its predecessors
-        decode to (at most ``limit``)."""
-        return [base + min(n, limit) for n in prefix_lengths(self.tok.decode, tokens)]
+        decode to after ``context`` (at most ``limit``)."""
+        return [base + min(n, limit) for n in prefix_lengths(self.tok.decode, tokens, context)]
 
     def update(self, st: _State, tokens, result, scores) -> str:
         """Feed one update to a choice; the text it makes certain."""
@@ -186,7 +186,8 @@ class Service:
         offsets = self.offsets(st.prompt, 0, len(st.prompt_text)) if with_prompt else []
         if st.token_offsets is None:  # one pass per choice, however many chunks a stream slices it into
             base = len(st.prompt_text) if sampling.echo else 0
-            st.token_offsets = self.offsets(st.tokens, base, len(st.stream.text))
+            st.token_offsets = self.offsets(st.tokens, base, len(st.stream.text),
+                                            completion_context(self.tok.decode, st.prompt))
         return P.completion_logprobs(s, self.piece, offsets + st.token_offsets[a:b], width)
 
 
@@ -285,7 +286,8 @@ def create_app(service: Service) -> FastAPI:
             return error_response(P.APIError(503, str(e), type="server_error", code="unavailable"), endpoint)
         n = sampling.n
         states = [_State(j, rid, prompts[j // n], texts[j // n],
-                         TextStream(service.tok.decode, sampling.stop, service.stop_tokens))
+                         TextStream(service.tok.decode, sampling.stop, service.stop_tokens,
+                                    completion_context(service.tok.decode, prompts[j // n])))
                   for j, rid in enumerate(rids)]
         rid_prefix = "chatcmpl-" if chat else "cmpl-"
         meta = {"id": rid_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": service.name}

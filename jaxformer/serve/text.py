@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from jaxformer.decode.prompts import decode_completion
+
 REPLACEMENT = "\ufffd"
 
 
@@ -28,15 +30,22 @@ class IncrementalDecode:
     character (and those of the step before): ``ids[:read]`` decode to ``fixed`` (no incomplete character at
     its end), and a new token's text is ``decode(ids[prefix:])`` past ``decode(ids[prefix:read])``, where
     ``ids[prefix:read]`` decode to some text (or ``prefix`` is 0). A tokenizer whose two decodes do not nest
-    falls back to decoding everything."""
+    falls back to decoding everything.
 
-    def __init__(self, decode):
+    ``context``: tokens before the appended ones (the prompt's last few,
+    :func:`~jaxformer.decode.prompts.completion_context`), decoded with them and cut from the text, as
+    :func:`~jaxformer.decode.prompts.decode_completion` does; without them a SentencePiece decoder drops the
+    first appended word's space."""
+
+    def __init__(self, decode, context: Sequence[int] = ()):
         self._decode = decode
-        self.ids: list[int] = []
-        self._prefix, self._read, self._fixed = 0, 0, ""
+        self._context = [int(t) for t in context]
+        self._head = decode(self._context) if self._context else ""
+        self.ids: list[int] = list(self._context)
+        self._prefix, self._read, self._fixed = 0, len(self.ids), self._head
 
     def push(self, token: int) -> str:
-        """Append ``token``; the whole text so far."""
+        """Append ``token``; the whole text of the appended tokens so far (the context's cut off)."""
         self.ids.append(int(token))
         head = self._decode(self.ids[self._prefix:self._read])
         tail = self._decode(self.ids[self._prefix:])
@@ -47,12 +56,15 @@ class IncrementalDecode:
             if self._read and self._decode(self.ids[self._read:]):
                 self._prefix = self._read
             self._read, self._fixed = len(self.ids), full
-        return full
+        if full.startswith(self._head):
+            return full[len(self._head):]
+        return decode_completion(self._decode, self._context, self.ids[len(self._context):])
 
 
-def prefix_lengths(decode, tokens: Sequence[int]) -> list[int]:
-    """``[len(decode(tokens[:k])) for k in range(len(tokens))]`` in one incremental pass."""
-    d, out, full = IncrementalDecode(decode), [], ""
+def prefix_lengths(decode, tokens: Sequence[int], context: Sequence[int] = ()) -> list[int]:
+    """``[len(decode_completion(decode, context, tokens[:k])) for k in range(len(tokens))]`` in one incremental
+    pass."""
+    d, out, full = IncrementalDecode(decode, context), [], ""
     for t in tokens:
         out.append(len(full))
         full = d.push(t)
@@ -66,12 +78,13 @@ class TextStream:
       decode: ``ids -> str`` (the tokenizer's ``decode``: special tokens left out).
       stop: stop strings (empty strings are ignored).
       skip: token ids never decoded (the request's stop tokens: EOS is not text).
+      context: the prompt's last tokens, which the text is decoded after (:class:`IncrementalDecode`).
     """
 
-    def __init__(self, decode, stop: Sequence[str] = (), skip: Iterable[int] = ()):
+    def __init__(self, decode, stop: Sequence[str] = (), skip: Iterable[int] = (), context: Sequence[int] = ()):
         self.stop = tuple(s for s in stop if s)
         self._skip = frozenset(int(t) for t in skip)
-        self._text = IncrementalDecode(decode)
+        self._text = IncrementalDecode(decode, context)
         self._full = ""  # decode(the tokens so far)
         self.text = ""  # what has been emitted so far
         self.num_tokens = 0  # tokens consumed: up to and including the one that completed a stop string

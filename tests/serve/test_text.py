@@ -102,6 +102,39 @@ def test_incremental_decode_equals_decoding_everything_on_real_tokenizers(name):
         assert prefix_lengths(tok.decode, ids) == [len(tok.decode(ids[:k])) for k in range(len(ids))]
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "spm_gguf"])
+def test_a_completion_decoded_after_its_prompt_keeps_its_first_space(name):
+    """A SentencePiece decoder (llama, mistral, the GGUF vocabulary) drops the first space of what it decodes, so
+    a completion decoded alone lost the space before its first word (``"ab" + "cd"``): decoded after the
+    prompt's last tokens, prompt + completion is the prompt's and completion's tokens decoded together, in the
+    stream (token by token), in one piece (``decode_completion``) and in the logprobs' offsets; a byte-level BPE
+    (gpt2) the same as before."""
+    from jaxformer.decode.prompts import completion_context, decode_completion
+    from jaxformer.interop.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(FIXTURES / "gguf" / "spm_scores.gguf" if name == "spm_gguf" else FIXTURES / name)
+    checked = 0
+    for prompt, whole in [("ab", "ab cd ef"), ("the", "the tin l1"), ("ab c", "ab cd ef")]:
+        p, full = ([int(t) for t in tok.encode_prompt(x)] for x in (prompt, whole))
+        if full[:len(p)] != p:  # the prompt's tokens are not the text's first ones: no continuation to check
+            continue
+        gen, ctx = full[len(p):], completion_context(tok.decode, p)
+        stream = TextStream(tok.decode, context=ctx)
+        text = "".join(stream.add([t]) for t in gen) + stream.finish()
+        assert prompt + text == tok.decode(full) == prompt + decode_completion(tok.decode, ctx, gen), (name, prompt)
+        assert prefix_lengths(tok.decode, gen, ctx) == [len(decode_completion(tok.decode, ctx, gen[:k]))
+                                                        for k in range(len(gen))]
+        checked += 1
+    assert checked >= 2, name
+    rng = random.Random(1)  # random ids after a prompt: the incremental text is decode_completion's at every step
+    for _ in range(10):
+        p, ids = ([rng.randrange(tok.vocab_size) for _ in range(n)] for n in (5, 30))
+        ctx = completion_context(tok.decode, p)
+        d = IncrementalDecode(tok.decode, ctx)
+        for k, t in enumerate(ids, 1):
+            assert d.push(t) == decode_completion(tok.decode, ctx, ids[:k]), (name, p, ids[:k])
+
+
 def test_chat_logprobs_leave_out_the_turns_stop_token():
     """A chat answer that ended on its stop token (EOS: generated, never text) has no logprobs entry for that
     token (OpenAI's chat logprobs cover the message's content); every token before it has one."""
