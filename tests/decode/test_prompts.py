@@ -51,7 +51,8 @@ def test_completions_of_a_sentencepiece_model_keep_the_space_before_their_first_
     cfg, graphdef, state = load_pretrained(fixture)
     tok = load_tokenizer(fixture)
     prompts = ["xo ju", "ab", "the", "x y z", "in4!", "bck", "Apun", "o"] * 3
-    recs = run_prompts(graphdef, state, cfg, tok, prompts, GenerateOptions(max_new_tokens=3, temperature=2.0, seed=11))
+    recs = run_prompts(graphdef, state, cfg, tok, prompts,
+                       GenerateOptions(max_new_tokens=3, temperature=2.0, seed=11))
     starts_a_word = 0
     for r in recs:
         ids = [int(t) for t in tok.encode_prompt(r["prompt"])] + [t for t in r["tokens"] if t != tok.eos_id]
