@@ -71,6 +71,20 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
+UNSUPPORTED = (("presence_penalty", (0, 0.0)), ("frequency_penalty", (0, 0.0)), ("logit_bias", ({},)),
+               ("suffix", ("",)), ("tools", ([],)), ("functions", ([],)), ("tool_choice", ("none", "auto")),
+               ("function_call", ("none", "auto")),
+               # vLLM's and text-generation-inference's sampling extensions, which harnesses send to such servers
+               ("min_p", (0, 0.0)), ("repetition_penalty", (1, 1.0)), ("length_penalty", (1, 1.0)),
+               ("ignore_eos", (False,)), ("min_tokens", (0,)), ("stop_token_ids", ([],)), ("bad_words", ([],)),
+               ("use_beam_search", (False,)), ("include_stop_str_in_output", (False,)),
+               ("skip_special_tokens", (True,)), ("guided_json", ()), ("guided_regex", ()), ("guided_choice", ()),
+               ("guided_grammar", ()), ("structured_outputs", ()), ("prompt_logprobs", ()),
+               ("truncate_prompt_tokens", ()))
+"""``(field, values that change nothing)``: a field the server does not implement, refused (400) with any other
+value; ``None`` (JSON ``null``) always means the default."""
+
+
 def _unsupported(body: dict, name: str, inert) -> None:
     v = body.get(name)
     if v is not None and v not in inert:
@@ -97,8 +111,7 @@ class Sampling:
 
 def parse_sampling(body: dict, *, chat: bool) -> Sampling:
     """The fields both endpoints share (and ``logprobs`` / ``echo``, which differ between them)."""
-    for name, inert in (("presence_penalty", (0, 0.0)), ("frequency_penalty", (0, 0.0)), ("logit_bias", ({},)),
-                        ("suffix", ("",)), ("tools", ([],)), ("functions", ([],))):
+    for name, inert in UNSUPPORTED:
         _unsupported(body, name, inert)
     n = _int(body, "n", 1, low=1, high=MAX_N)
     best_of = _int(body, "best_of", None, low=1)

@@ -162,3 +162,18 @@ def test_chat_logprobs_leave_out_the_turns_stop_token():
     content = service.logprobs(st, sampling, True, 0, stream.num_tokens, False)["content"]
     assert stream.num_tokens == 3 and [e["token"] for e in content] == ["o", "k"]
     assert [e["logprob"] for e in content] == scores.logprobs[len(prompt) - 1:len(prompt) + 1].tolist()
+
+
+@pytest.mark.parametrize("field, value, inert", [
+    ("min_p", 0.9, 0.0), ("repetition_penalty", 1.3, 1.0), ("ignore_eos", True, False), ("min_tokens", 4, 0),
+    ("stop_token_ids", [7], []), ("tool_choice", "required", "auto"), ("presence_penalty", 0.5, 0),
+    ("guided_json", {"type": "object"}, None), ("skip_special_tokens", False, True)])
+def test_a_field_that_would_change_the_answer_is_refused_and_its_default_ignored(field, value, inert):
+    """A field the server does not implement (OpenAI's, or an extension of vLLM's that harnesses send) is a 400
+    naming it when its value would change the answer, not an answer that silently ignored it."""
+    from jaxformer.serve import protocol as P
+
+    with pytest.raises(P.APIError, match=f"^{field}: not supported by this server") as e:
+        P.parse_sampling({"prompt": "x", field: value}, chat=False)
+    assert e.value.status == 400 and e.value.param == field
+    assert P.parse_sampling({"prompt": "x", field: inert}, chat=False).n == 1
