@@ -196,6 +196,13 @@ def _static_scale(scale) -> bool:
     return scale is None or isinstance(scale, (int, float, np.number))
 
 
+def _kernel_takes(q, k, v, scale, softcap) -> bool:
+    """Whether the Pallas kernels take these operands (``pallas_kernels.flash_attention.checks``): one float
+    dtype, ``H <= 256``, a static scale and soft cap."""
+    return (q.dtype == k.dtype == v.dtype and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
+            and q.shape[-1] <= 256 and _static_scale(scale) and _static_scale(softcap))
+
+
 def attention_logit_stats(q: Query, k: KeyValue, *, mask: MaskSpec | None = None, scale: float | None = None,
                           alibi_slopes: Slopes | None = None, softcap: float | None = None,
                           ) -> dict[str, Float[Array, ""]]:
@@ -268,11 +275,13 @@ def dot_product_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec 
       bias: additive logits bias broadcastable to ``[B, N, T, S]`` (xla only).
       scale: logits scale, default ``1/sqrt(H)``.
       alibi_slopes: ``[N]`` or ``[B, N]``; adds ``-slope * |q_pos - k_pos|``.
-      softcap: logit soft-capping value.
+      softcap: logit soft-capping value, positive (None: none).
       impl: "xla" | "blockwise" | "pallas" | "sparse" | "auto". ``"xla"`` runs :func:`dense_attention` (the
         dense math with a hand-written derivative and causal query chunks) when there is no bias, ALiBi,
         soft cap or returned weights, ``K == N`` and a static scale; else :func:`xla_attention` (plain
-        autodiff, the reference). ``"auto"``: :func:`default_impl`.
+        autodiff, the reference). ``"auto"``: :func:`default_impl`, then blockwise where the Pallas kernels
+        refuse the operands (mixed dtypes, ``H > 256``) and xla for a traced scale or soft cap, which
+        "blockwise" and "pallas" refuse. No keys (``S == 0``): zeros, on every path.
       return_weights: also return the attention weights ``[B, N, T, S]`` (xla only).
     """
     B, T, S, N, K, H = check_qkv(q, k, v)
@@ -282,12 +291,24 @@ def dot_product_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec 
     if not isinstance(mask, MaskSpec):
         raise ValueError(f"mask must be a MaskSpec, got {type(mask).__name__}")
     mask.validate(B, T, S, N)
+    if softcap is not None and _static_scale(softcap) and not softcap > 0:  # 0 is not "off": logits all 0
+        raise ValueError(f"softcap={softcap!r} must be positive or None (None: no soft cap)")
+    if T * S == 0:  # no keys (or no queries): every row sees nothing, and such rows are zero
+        out = jnp.zeros(q.shape, jnp.result_type(q, v))
+        return (out, jnp.zeros((B, N, T, S), jnp.float32)) if return_weights else out
     if return_weights or bias is not None:
         if impl not in ("auto", "xla"):
             raise ValueError(f"impl={impl!r} supports neither bias nor return_weights; use impl='xla'")
         impl = "xla"
     if impl == "auto":
         impl = default_impl(T, S, mask)
+        if impl == "pallas" and not _kernel_takes(q, k, v, scale, softcap):
+            impl = "blockwise"  # what the kernels refuse (a traced scale, mixed dtypes, H > 256): the same math
+        if impl == "blockwise" and not (_static_scale(scale) and _static_scale(softcap)):
+            impl = "xla"  # a traced scale or soft cap: the reference, which differentiates it too
+    elif impl in ("blockwise", "pallas") and not (_static_scale(scale) and _static_scale(softcap)):
+        raise ValueError(f"impl={impl!r} needs scale and softcap as Python numbers (got scale={scale!r}, "
+                         f"softcap={softcap!r}); a traced one runs with impl='xla' or 'auto'")
     kwargs = dict(mask=mask, scale=scale, alibi_slopes=alibi_slopes, softcap=softcap)
     if impl == "xla":
         if (bias is None and not return_weights and alibi_slopes is None and softcap is None and K == N

@@ -463,6 +463,58 @@ def test_dense_training_path_traced_scale_falls_back():
     np.testing.assert_allclose(ds, ds_ref, rtol=1e-5)
 
 
+@pytest.mark.no_typecheck  # a traced scale, as above
+def test_auto_falls_back_where_the_path_it_would_pick_refuses(monkeypatch):
+    """``impl="auto"`` never picks a path that refuses the call: a traced scale at 512 x 512 (where the CPU picks
+    blockwise, which needs a static one) runs the reference, its gradient the reference's; on a GPU (the platform
+    simulated: the kernels must not be called) mixed dtypes and ``H > 256`` run blockwise, a traced scale xla, each
+    equal to the reference. Asked for by name, blockwise refuses a traced scale with a ValueError naming it."""
+    from jaxformer.ops import flash
+    from jaxformer.ops.attention import xla_attention
+
+    mask = MaskSpec(causal=True)
+    q, k, v, ct = (rand((1, 512, 1, 8), i) for i in range(4))
+    got = jax.jit(jax.grad(lambda s: jnp.sum(dot_product_attention(q, k, v, mask=mask, scale=s) * ct)))(0.3)
+    want = jax.jit(jax.grad(lambda s: jnp.sum(xla_attention(q, k, v, mask=mask, scale=s) * ct)))(0.3)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"impl='blockwise' needs scale and softcap as Python numbers"):
+        jax.jit(lambda s: dot_product_attention(q, k, v, mask=mask, scale=s, impl="blockwise"))(0.3)
+
+    def no_kernel(*a, **kw):
+        raise AssertionError("auto picked the Pallas kernels for operands they refuse")
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(flash, "pallas_attention", no_kernel)
+    q, k, v = (rand((1, 32, 2, 8), i) for i in range(3))
+    cases = [((q.astype(jnp.bfloat16), k, v), {}, 2e-2), ((q, k, v), {"scale": jnp.float32(0.3)}, 1e-5)]
+    wide = tuple(rand((1, 16, 1, 320), i) for i in range(3))
+    cases.append((wide, {}, 1e-5))
+    for (a, b, c), kw, tol in cases:
+        out = jax.jit(lambda a, b, c, kw=kw: dot_product_attention(a, b, c, mask=mask, **kw))(a, b, c)
+        ref = xla_attention(a.astype(jnp.float32), b, c, mask=mask, **kw)
+        np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("impl", ["auto", "xla", "blockwise", "sparse"])
+def test_no_keys_give_zeros_and_a_nonpositive_softcap_is_refused(impl):
+    """``S == 0`` (an empty context): every row sees nothing, so zeros, and zero gradients, on every path (the
+    reduction over no keys raised); ``softcap`` 0 or negative is refused (0 made every logit 0: uniform weights,
+    and NaN where a logit was 0), as the kernels and the sparse path refuse it."""
+    q = rand((2, 5, 2, 8), 0)
+    k = v = jnp.zeros((2, 0, 2, 8))
+    out = dot_product_attention(q, k, v, mask=MaskSpec(causal=True), impl=impl)
+    assert out.shape == q.shape and not np.asarray(out).any()
+    g = jax.grad(lambda q: jnp.sum(dot_product_attention(q, k, v, impl=impl) ** 2))(q)
+    assert not np.asarray(g).any()
+    if impl in ("auto", "xla"):
+        o, w = dot_product_attention(q, k, v, impl=impl, return_weights=True)
+        assert o.shape == q.shape and w.shape == (2, 2, 5, 0)
+    kv = rand((2, 6, 2, 8), 1)
+    for cap in (0.0, -30.0):
+        with pytest.raises(ValueError, match=f"softcap={cap} must be positive or None"):
+            dot_product_attention(q, kv, kv, softcap=cap, impl=impl)
+
+
 def test_dense_training_path_second_order():
     """Hessian-vector products (forward over reverse) through the hand-written derivative match the reference's."""
     from jaxformer.ops.attention import dense_attention, xla_attention
