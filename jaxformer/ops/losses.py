@@ -16,8 +16,9 @@ def cross_entropy(logits: Float[ArrayLike, "B T V"], targets: Tokens, *,
 
     Args:
       logits: ``[B, T, V]`` (any float dtype; computed in fp32).
-      targets: int ``[B, T]`` in ``[0, V)``; masked positions may hold anything.
-      mask: bool ``[B, T]``, True where the token counts (None: all count).
+      targets: int ``[B, T]`` in ``[0, V)``; masked positions may hold anything, and a negative target (Hugging
+        Face's and PyTorch's ignore label, -100) never counts, mask or not.
+      mask: bool (or 0/1 int) ``[B, T]``, True where the token counts (None: all count); not per-token weights.
       z_loss: coefficient of the mean squared log-partition (PaLM uses 1e-4).
 
     Returns:
@@ -40,7 +41,11 @@ def cross_entropy(logits: Float[ArrayLike, "B T V"], targets: Tokens, *,
             raise ValueError(
                 f"cross_entropy mask must match logits [B,T,V] on [B,T]; got {logits.shape=} {mask.shape=}"
             )
+        if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
+            raise ValueError(f"cross_entropy mask must be bool (or 0/1 integers), not per-token weights; "
+                             f"got {mask.dtype=}")
         mask = mask.astype(jnp.bool_)
+    mask = mask & (targets >= 0)  # -100 and the like: ignored, not read as index V - 100
 
     x = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(x, axis=-1)

@@ -70,6 +70,18 @@ def test_masked_positions_are_ignored_even_with_invalid_targets(batch):
     np.testing.assert_array_equal(np.asarray(grad)[~mask], 0.0)
 
 
+def test_negative_targets_never_count_without_a_mask(batch):
+    """Labels ported from Hugging Face / PyTorch mark ignored positions -100 and pass no mask: those positions are
+    left out (the float64 reference with them masked), never read as index V - 100 and counted."""
+    logits, targets, mask = batch
+    labels = np.where(mask, targets, -100)
+    loss, metrics = cross_entropy(jnp.asarray(logits), jnp.asarray(labels), z_loss=1e-2)
+    want_loss, _, _, want_n = ce_ref(logits, targets, mask, 1e-2)
+    assert float(loss) == pytest.approx(want_loss, rel=1e-5) and int(metrics["n_tokens"]) == want_n < B * T
+    grad = jax.grad(lambda x: cross_entropy(x, jnp.asarray(labels))[0])(jnp.asarray(logits))
+    np.testing.assert_array_equal(np.asarray(grad)[~mask], 0.0)
+
+
 def test_gradient_matches_softmax_minus_onehot(batch):
     logits, targets, mask = batch
     z = 1e-2
@@ -116,3 +128,6 @@ def test_bad_shapes_raise():
         cross_entropy(logits, jnp.zeros((B, T), jnp.int32), mask=jnp.ones(T, bool))
     with pytest.raises(ValueError, match="targets.dtype"):
         cross_entropy(logits, jnp.zeros((B, T), jnp.float32))
+    with pytest.raises(ValueError, match=r"mask must be bool \(or 0/1 integers\), not per-token weights"):
+        cross_entropy(logits, jnp.zeros((B, T), jnp.int32), mask=jnp.full((B, T), 0.5))
+    assert int(cross_entropy(logits, jnp.zeros((B, T), jnp.int32), mask=jnp.ones((B, T), jnp.int32))[1]["n_tokens"]) == 10
