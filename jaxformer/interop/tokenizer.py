@@ -40,13 +40,19 @@ def _token_str(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _piece_text_bytes(piece: str, byte_level: bool, decoder: dict[str, int]) -> bytes:
+    """The bytes of text a vocabulary piece stands for (a byte-level piece's characters mapped back to their
+    bytes; a SentencePiece byte-fallback piece ``<0xNN>`` its byte; else the piece, ``\u2581`` a space)."""
+    if byte_level:
+        return bytes(decoder[c] for c in piece if c in decoder)
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
 def _piece_bytes(piece: str, byte_level: bool, decoder: dict[str, int]) -> int:
     """How many bytes of text a vocabulary piece stands for."""
-    if byte_level:
-        return sum(1 for c in piece if c in decoder)
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
-        return 1
-    return len(piece.replace("\u2581", " ").encode("utf-8"))
+    return len(_piece_text_bytes(piece, byte_level, decoder))
 
 
 class Codec(NamedTuple):
@@ -102,6 +108,16 @@ class HFTokenizer:
         tokens = {f"{k}_token": v for k, v in self._specials.items() if v is not None}
         return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                     **{**tokens, **variables})
+
+    def piece_bytes(self, i: int) -> bytes:
+        """The bytes of text id ``i`` stands for, a part of a character included (empty for a special token or
+        an id outside the vocabulary): what the chat API's logprobs ``bytes`` carry."""
+        if not hasattr(self, "_pieces"):
+            self._pieces = {j: p for p, j in self._vocab.items()}
+        piece = self._pieces.get(int(i))
+        if piece is None or int(i) in self._special_ids:
+            return b""
+        return _piece_text_bytes(piece, self._byte_level, byte_decoder())
 
     @property
     def token_bytes(self) -> np.ndarray:

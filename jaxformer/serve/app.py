@@ -148,6 +148,12 @@ class Service:
             self._pieces[token] = self.tok.decode([token])
         return self._pieces[token]
 
+    def piece_bytes(self, token: int) -> list[int]:
+        """The bytes token ``token`` stands for (a part of a character included), where the tokenizer can say;
+        else its :meth:`piece`'s UTF-8."""
+        of = getattr(self.tok, "piece_bytes", None)
+        return list(of(token) if of is not None else self.piece(token).encode("utf-8"))
+
     def offsets(self, tokens: list[int], base: int, limit: int, context: list[int] = ()) -> list[int]:
         """Character offset of each token in the returned text: ``base`` plus the length its predecessors
         decode to after ``context`` (at most ``limit``)."""
@@ -182,7 +188,7 @@ class Service:
         if chat:  # the end of the turn (a stop token, always the last one) is not part of the message
             if s.tokens and s.tokens[-1] in self.stop_tokens:
                 s = s[:-1]
-            return P.chat_logprobs(s, self.piece, width)
+            return P.chat_logprobs(s, self.piece, width, self.piece_bytes)
         offsets = self.offsets(st.prompt, 0, len(st.prompt_text)) if with_prompt else []
         if st.token_offsets is None:  # one pass per choice, however many chunks a stream slices it into
             base = len(st.prompt_text) if sampling.echo else 0

@@ -33,6 +33,10 @@ class ByteTokenizer:
         ids = np.asarray(ids).reshape(-1)
         return ids[ids < 256].astype(np.uint8).tobytes()
 
+    def piece_bytes(self, i: int) -> bytes:
+        """The bytes id ``i`` stands for (empty for a special token)."""
+        return self.decode_bytes([i])
+
     @property
     def token_bytes(self) -> np.ndarray:
         """Bytes each token id stands for (0 for specials)."""
@@ -90,6 +94,10 @@ class BPETokenizer:
     def decode_bytes(self, ids) -> bytes:
         return b"".join(self._bytes[int(i)] for i in np.asarray(ids).reshape(-1))
 
+    def piece_bytes(self, i: int) -> bytes:
+        """The bytes id ``i`` stands for, a part of a character included (empty for a special token)."""
+        return self._bytes[int(i)]
+
     @property
     def token_bytes(self) -> np.ndarray:
         return np.asarray([len(b) for b in self._bytes], np.int64)
@@ -130,6 +138,10 @@ class HFTextTokenizer:
 
     def decode_bytes(self, ids) -> bytes:
         return self.decode(ids).encode("utf-8")
+
+    def piece_bytes(self, i: int) -> bytes:
+        """The bytes id ``i`` stands for, a part of a character included (:meth:`HFTokenizer.piece_bytes`)."""
+        return self.hf.piece_bytes(i)
 
     @property
     def token_bytes(self) -> np.ndarray:

@@ -177,3 +177,45 @@ def test_a_field_that_would_change_the_answer_is_refused_and_its_default_ignored
         P.parse_sampling({"prompt": "x", field: value}, chat=False)
     assert e.value.status == 400 and e.value.param == field
     assert P.parse_sampling({"prompt": "x", field: inert}, chat=False).n == 1
+
+
+@pytest.mark.parametrize("name", ["byte_level", "gpt2", "llama", "mistral", "spm_gguf", "bytes"])
+def test_chat_logprobs_bytes_are_each_tokens_own_even_a_part_of_a_character(name, tmp_path):
+    """OpenAI's ``bytes`` let a client rebuild text token by token: a token holding part of a character carries
+    its own bytes, not the U+FFFD its text decodes to; joined, the bytes are the text's UTF-8 (a SentencePiece
+    vocabulary's leading space included). A byte-level BPE of every byte and no merge (made here: each non-ASCII
+    character spans several tokens), the fixtures' (gpt2's byte-level; llama, mistral, the GGUF one
+    SentencePiece: ASCII only in their small vocabularies) and jaxformer's byte tokenizer."""
+    import json
+
+    from jaxformer.interop.tokenizer import load_tokenizer
+    from jaxformer.serve import protocol as P
+    from jaxformer.train.tokenizers import ByteTokenizer
+
+    if name == "bytes":
+        tok = ByteTokenizer()
+    elif name == "byte_level":
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+        t = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+        t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        t.save(str(tmp_path / "tokenizer.json"))
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({}))
+        tok = load_tokenizer(tmp_path)
+    else:
+        tok = load_tokenizer(FIXTURES / "gguf" / "spm_scores.gguf" if name == "spm_gguf" else FIXTURES / name)
+    checked = []
+    for text in ["\u00e9\u20ac \u6771\u4eac \U0001f642", "ab cd", "the tin"]:
+        ids = [int(i) for i in tok.encode(text)]
+        if tok.decode(ids) != text:  # the fixture's small vocabulary cannot spell it
+            continue
+        s = P.Scored(ids, [-0.1] * len(ids), [[(i, -0.2)] for i in ids])
+        out = P.chat_logprobs(s, lambda i: tok.decode([i]), 1, lambda i: list(tok.piece_bytes(i)))
+        joined = b"".join(bytes(e["bytes"]) for e in out["content"])
+        assert joined.decode("utf-8") in (text, " " + text), (name, joined)
+        assert [e["top_logprobs"][0]["bytes"] for e in out["content"]] == [e["bytes"] for e in out["content"]]
+        checked.append(text)
+    assert len(checked) >= 2 and (name not in ("byte_level", "bytes") or not checked[0].isascii()), (name, checked)
+    if name == "bytes":
+        assert tok.piece_bytes(0xC3) == b"\xc3" and tok.piece_bytes(tok.eos_id) == b""
