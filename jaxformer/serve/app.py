@@ -102,6 +102,9 @@ class Service:
         """The choice's ``max_new_tokens`` (0: score only; default: what the context and the pool leave);
         400 naming the limit when it cannot fit alone. ``field``: where the prompt came from."""
         n, L = len(prompt), self.page_size
+        if n == 0:  # text a tokenizer with no BOS cannot spell (or that is all specials), or an empty chat turn
+            raise P.APIError(400, "the prompt encodes to no tokens (this tokenizer adds none of its own and spells "
+                             "none of its text)", param=field, code="invalid_value")
         if n > self.max_context or (n == self.max_context and sampling.max_tokens != 0):
             raise P.APIError(400, f"This model's maximum context length is {self.max_context} tokens; the prompt "
                              f"has {n} tokens", param=field, code="context_length_exceeded")

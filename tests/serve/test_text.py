@@ -219,3 +219,17 @@ def test_chat_logprobs_bytes_are_each_tokens_own_even_a_part_of_a_character(name
     assert len(checked) >= 2 and (name not in ("byte_level", "bytes") or not checked[0].isascii()), (name, checked)
     if name == "bytes":
         assert tok.piece_bytes(0xC3) == b"\xc3" and tok.piece_bytes(tok.eos_id) == b""
+
+
+def test_a_prompt_of_no_tokens_is_a_400_naming_the_field():
+    """Text that a tokenizer without BOS cannot spell encodes to no tokens: a bad request (400 at the prompt's
+    field), not the engine's "empty prompt" answered as a 500."""
+    from jaxformer.serve import protocol as P
+    from jaxformer.serve.app import Service
+
+    service = object.__new__(Service)  # max_new reads only the limits before it finds the prompt empty
+    service.page_size, service.max_context = 4, 64
+    sampling = P.parse_sampling({"prompt": "x"}, chat=False)
+    with pytest.raises(P.APIError, match="the prompt encodes to no tokens") as e:
+        service.max_new([], sampling, "prompt")
+    assert e.value.status == 400 and e.value.param == "prompt"
