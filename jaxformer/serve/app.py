@@ -151,6 +151,11 @@ class Service:
             self._pieces[token] = self.tok.decode([token])
         return self._pieces[token]
 
+    def text_stream(self, prompt: list[int], stop=()) -> TextStream:
+        """The text of a choice continuing ``prompt``, decoded after its last tokens (a SentencePiece decoder
+        would drop its first space alone), stop strings ``stop``, the stop tokens not text."""
+        return TextStream(self.tok.decode, stop, self.stop_tokens, completion_context(self.tok.decode, prompt))
+
     def piece_bytes(self, token: int) -> list[int]:
         """The bytes token ``token`` stands for (a part of a character included), where the tokenizer can say;
         else its :meth:`piece`'s UTF-8."""
@@ -294,9 +299,7 @@ def create_app(service: Service) -> FastAPI:
         except ShuttingDown as e:
             return error_response(P.APIError(503, str(e), type="server_error", code="unavailable"), endpoint)
         n = sampling.n
-        states = [_State(j, rid, prompts[j // n], texts[j // n],
-                         TextStream(service.tok.decode, sampling.stop, service.stop_tokens,
-                                    completion_context(service.tok.decode, prompts[j // n])))
+        states = [_State(j, rid, prompts[j // n], texts[j // n], service.text_stream(prompts[j // n], sampling.stop))
                   for j, rid in enumerate(rids)]
         rid_prefix = "chatcmpl-" if chat else "cmpl-"
         meta = {"id": rid_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": service.name}

@@ -111,19 +111,25 @@ def test_a_completion_decoded_after_its_prompt_keeps_its_first_space(name):
     (gpt2) the same as before."""
     from jaxformer.decode.prompts import completion_context, decode_completion
     from jaxformer.interop.tokenizer import load_tokenizer
+    from jaxformer.serve.app import Service, _State
 
     tok = load_tokenizer(FIXTURES / "gguf" / "spm_scores.gguf" if name == "spm_gguf" else FIXTURES / name)
+    service = object.__new__(Service)  # only what the text needs: the tokenizer and the stop tokens
+    service.tok, service.stop_tokens = tok, (tok.eos_id,)
     checked = 0
     for prompt, whole in [("ab", "ab cd ef"), ("the", "the tin l1"), ("ab c", "ab cd ef")]:
         p, full = ([int(t) for t in tok.encode_prompt(x)] for x in (prompt, whole))
         if full[:len(p)] != p:  # the prompt's tokens are not the text's first ones: no continuation to check
             continue
         gen, ctx = full[len(p):], completion_context(tok.decode, p)
-        stream = TextStream(tok.decode, context=ctx)
+        stream = service.text_stream(p)  # what the server streams (its stop tokens not text)
         text = "".join(stream.add([t]) for t in gen) + stream.finish()
         assert prompt + text == tok.decode(full) == prompt + decode_completion(tok.decode, ctx, gen), (name, prompt)
         assert prefix_lengths(tok.decode, gen, ctx) == [len(decode_completion(tok.decode, ctx, gen[:k]))
                                                         for k in range(len(gen))]
+        st = _State(0, 0, p, prompt, stream, tokens=gen, finish_reason="length")  # the server's text offsets
+        assert service.offsets(st.tokens, 0, len(text), completion_context(tok.decode, p)) == prefix_lengths(
+            tok.decode, gen, ctx)
         checked += 1
     assert checked >= 2, name
     rng = random.Random(1)  # random ids after a prompt: the incremental text is decode_completion's at every step
@@ -190,6 +196,7 @@ def test_chat_logprobs_bytes_are_each_tokens_own_even_a_part_of_a_character(name
 
     from jaxformer.interop.tokenizer import load_tokenizer
     from jaxformer.serve import protocol as P
+    from jaxformer.serve.app import Service
     from jaxformer.train.tokenizers import ByteTokenizer
 
     if name == "bytes":
@@ -205,13 +212,15 @@ def test_chat_logprobs_bytes_are_each_tokens_own_even_a_part_of_a_character(name
         tok = load_tokenizer(tmp_path)
     else:
         tok = load_tokenizer(FIXTURES / "gguf" / "spm_scores.gguf" if name == "spm_gguf" else FIXTURES / name)
+    service = object.__new__(Service)  # what the logprobs need: the tokenizer and its pieces' cache
+    service.tok, service._pieces = tok, {}
     checked = []
     for text in ["\u00e9\u20ac \u6771\u4eac \U0001f642", "ab cd", "the tin"]:
         ids = [int(i) for i in tok.encode(text)]
         if tok.decode(ids) != text:  # the fixture's small vocabulary cannot spell it
             continue
         s = P.Scored(ids, [-0.1] * len(ids), [[(i, -0.2)] for i in ids])
-        out = P.chat_logprobs(s, lambda i: tok.decode([i]), 1, lambda i: list(tok.piece_bytes(i)))
+        out = P.chat_logprobs(s, service.piece, 1, service.piece_bytes)  # as the server calls it
         joined = b"".join(bytes(e["bytes"]) for e in out["content"])
         assert joined.decode("utf-8") in (text, " " + text), (name, joined)
         assert [e["top_logprobs"][0]["bytes"] for e in out["content"]] == [e["bytes"] for e in out["content"]]
