@@ -226,9 +226,9 @@ def report_records(records: Sequence[dict], config, *, window: int | None = None
                    output: str | Path | None = None) -> int:
     """Print what :func:`run_prompts` answered as ``jaxformer generate`` does; return its exit code.
 
-    ``jsonl`` (a prompts file): one JSON line per request to ``output`` (default stdout), exit 1 if any
-    failed (the others were answered). Else each prompt + completion (``----- completion i of n -----``
-    lines between several), an error as a usage error (exit 2). Notes on stderr: a completion the
+    ``jsonl`` (a prompts file, or ``--output``): one JSON line per request to ``output`` (default stdout), exit 1
+    if any failed (the others were answered; the error is in its line). Else each prompt + completion
+    (``----- completion i of n -----`` lines between several), an error as a usage error (exit 2). Notes on stderr: a completion the
     model's context cut (with the way on, ``--window``, where the positions allow it), and generation
     past the context with a sliding ``window``.
     """

@@ -71,8 +71,10 @@ class HFTokenizer:
     name = "hf"
 
     def __init__(self, *, path: Path, vocab: dict[str, int], specials: dict[str, str | None], codec: Codec,
-                 byte_level: bool, special_ids: set[int], chat_template: str | None = None):
+                 byte_level: bool, special_ids: set[int], chat_template: str | None = None,
+                 text_ids: frozenset[int] = frozenset()):
         self.path = path
+        self._text_ids = text_ids  # added tokens that are text, stored as it (not in a byte-level alphabet)
         self.chat_template = chat_template
         self._specials = specials
         self._vocab = vocab
@@ -117,6 +119,8 @@ class HFTokenizer:
         piece = self._pieces.get(int(i))
         if piece is None or int(i) in self._special_ids:
             return b""
+        if int(i) in self._text_ids:
+            return piece.encode("utf-8")
         return _piece_text_bytes(piece, self._byte_level, byte_decoder())
 
     @property
@@ -201,12 +205,13 @@ def _from_tokenizer_json(path: Path) -> HFTokenizer:
         if specials[k] is None and isinstance(model_cfg.get(f"{k}_token_id"), int):
             specials[k] = inverse.get(model_cfg[f"{k}_token_id"])
     added = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+    text = frozenset(t["id"] for t in spec.get("added_tokens", []) if not t.get("special"))
     return HFTokenizer(
         path=path, vocab=vocab, specials=specials,
         codec=Codec(encode=lambda s: tok.encode(s, add_special_tokens=False).ids,
                     decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
                     prompt=lambda s: tok.encode(s, add_special_tokens=True).ids),
-        byte_level='"ByteLevel"' in kinds, special_ids=added, chat_template=_chat_template(path))
+        byte_level='"ByteLevel"' in kinds, special_ids=added, chat_template=_chat_template(path), text_ids=text)
 
 
 def _from_sentencepiece(path: Path, model_file: Path) -> HFTokenizer:

@@ -196,6 +196,11 @@ def _static_scale(scale) -> bool:
     return scale is None or isinstance(scale, (int, float, np.number))
 
 
+def _concrete(x) -> bool:
+    """None or a value known while tracing (a Python, NumPy or JAX constant: ``float()`` takes it), not a tracer."""
+    return x is None or not isinstance(x, jax.core.Tracer)
+
+
 def _kernel_takes(q, k, v, scale, softcap) -> bool:
     """Whether the Pallas kernels take these operands (``pallas_kernels.flash_attention.checks``): one float
     dtype, ``H <= 256``, a static scale and soft cap."""
@@ -291,11 +296,8 @@ def dot_product_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec 
     if not isinstance(mask, MaskSpec):
         raise ValueError(f"mask must be a MaskSpec, got {type(mask).__name__}")
     mask.validate(B, T, S, N)
-    if softcap is not None and _static_scale(softcap) and not softcap > 0:  # 0 is not "off": logits all 0
+    if softcap is not None and _concrete(softcap) and not bool(softcap > 0):  # 0 is not "off": logits all 0
         raise ValueError(f"softcap={softcap!r} must be positive or None (None: no soft cap)")
-    if T * S == 0:  # no keys (or no queries): every row sees nothing, and such rows are zero
-        out = jnp.zeros(q.shape, jnp.result_type(q, v))
-        return (out, jnp.zeros((B, N, T, S), jnp.float32)) if return_weights else out
     if return_weights or bias is not None:
         if impl not in ("auto", "xla"):
             raise ValueError(f"impl={impl!r} supports neither bias nor return_weights; use impl='xla'")
@@ -304,11 +306,16 @@ def dot_product_attention(q: Query, k: KeyValue, v: KeyValue, *, mask: MaskSpec 
         impl = default_impl(T, S, mask)
         if impl == "pallas" and not _kernel_takes(q, k, v, scale, softcap):
             impl = "blockwise"  # what the kernels refuse (a traced scale, mixed dtypes, H > 256): the same math
-        if impl == "blockwise" and not (_static_scale(scale) and _static_scale(softcap)):
+        if impl == "blockwise" and not (_concrete(scale) and _concrete(softcap)):
             impl = "xla"  # a traced scale or soft cap: the reference, which differentiates it too
-    elif impl in ("blockwise", "pallas") and not (_static_scale(scale) and _static_scale(softcap)):
-        raise ValueError(f"impl={impl!r} needs scale and softcap as Python numbers (got scale={scale!r}, "
+    elif impl in ("blockwise", "pallas") and not (_concrete(scale) and _concrete(softcap)):
+        raise ValueError(f"impl={impl!r} needs scale and softcap known when traced (got scale={scale!r}, "
                          f"softcap={softcap!r}); a traced one runs with impl='xla' or 'auto'")
+    if B * T * S == 0:  # no keys (or no queries, no rows): every row sees nothing, and such rows are zero
+        if impl in ("blockwise", "pallas"):
+            _refuse_patterns(blockwise if impl == "blockwise" else flash, impl, mask)
+        out = jnp.zeros(q.shape, q.dtype)
+        return (out, jnp.zeros((B, N, T, S), jnp.float32)) if return_weights else out
     kwargs = dict(mask=mask, scale=scale, alibi_slopes=alibi_slopes, softcap=softcap)
     if impl == "xla":
         if (bias is None and not return_weights and alibi_slopes is None and softcap is None and K == N

@@ -271,12 +271,14 @@ def completion_logprobs(s: Scored, piece, offsets: list[int], width: int) -> dic
 
 def chat_logprobs(s: Scored, piece, width: int, piece_bytes=None) -> dict:
     """The chat API's ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``;
-    ``piece_bytes(id) -> list[int]``: a token's own bytes (a part of a character too; default: ``piece``'s UTF-8,
-    which cannot carry a part)."""
+    ``piece_bytes(id) -> list[int]``: a token's own bytes (a part of a character too), ``token`` then what they
+    read as; default: ``token`` is ``piece(id)`` and ``bytes`` its UTF-8, which cannot carry a part."""
     def entry(i: int, v: float) -> dict:
-        text = piece(i)
-        raw = list(text.encode("utf-8")) if piece_bytes is None else piece_bytes(i)
-        return {"token": text, "logprob": v, "bytes": raw}
+        if piece_bytes is None:
+            text = piece(i)
+            return {"token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
+        raw = piece_bytes(i)  # the token as its bytes read (a SentencePiece piece's space included)
+        return {"token": bytes(raw).decode("utf-8", errors="replace"), "logprob": v, "bytes": raw}
 
     return {"content": [{**entry(t, v), "top_logprobs": [entry(i, w) for i, w in (top or [])[:width]]}
                         for t, v, top in zip(s.tokens, s.logprobs, s.top)]}

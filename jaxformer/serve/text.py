@@ -1,9 +1,11 @@
 """Tokens in, text out, a step at a time: the deltas a stream sends and where a stop string ends it.
 
 :class:`TextStream` turns a request's generated tokens into text as they arrive. Every delta is a piece of
-one text, ``decode(tokens so far)`` (computed incrementally: each token decodes the few tokens since the
-last complete character), so the deltas of a stream concatenate to exactly what the whole
-answer decodes to; two things are held back until the next tokens decide them:
+one text, the tokens so far decoded after the prompt's last few
+(:func:`~jaxformer.decode.prompts.decode_completion`: ``decode(tokens so far)`` but for the space a
+SentencePiece decoder drops at the start of what it decodes; computed incrementally: each token decodes the few
+tokens since the last complete character), so the deltas of a stream concatenate to exactly what the whole
+answer decodes to after its prompt; two things are held back until the next tokens decide them:
 
 - an incomplete UTF-8 character: a byte-level tokenizer (GPT-2's BPE, raw bytes) may spend several tokens
   on one character, and the tokens so far decode with a trailing U+FFFD (the replacement character) that
@@ -85,7 +87,7 @@ class TextStream:
         self.stop = tuple(s for s in stop if s)
         self._skip = frozenset(int(t) for t in skip)
         self._text = IncrementalDecode(decode, context)
-        self._full = ""  # decode(the tokens so far)
+        self._full = ""  # the tokens so far decoded after the context (decode_completion)
         self.text = ""  # what has been emitted so far
         self.num_tokens = 0  # tokens consumed: up to and including the one that completed a stop string
         self.stopped = False  # a stop string matched; later tokens are ignored

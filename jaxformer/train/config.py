@@ -462,14 +462,14 @@ def _from_override(loc: tuple, etype: str, overrides) -> str | None:
     return None
 
 
-def _overrides_under(loc: tuple, overrides) -> list[str]:
+def _overrides_under(loc: tuple, overrides, msg: str) -> list[str]:
     """The ``key.sub=value`` overrides that set a key at or under ``loc`` (a model's flat key, e.g.
-    ``model.n_kv_heads``, read as the key of its section, ``model.attention.n_kv_heads``)."""
+    ``model.n_kv_heads``, read as its section's, ``model.attention.n_kv_heads``, as :func:`parse_override` reads
+    it); at the top level (``loc`` empty) only those whose key ``msg`` names."""
     out = []
     for text in overrides:
-        parts, value = parse_override(text)
-        moved = flat_key(parts[1], value) if len(parts) == 2 and parts[0] == "model" else None
-        if tuple(("model", *moved) if moved else parts)[:len(loc)] == loc:
+        parts = tuple(parse_override(text)[0])
+        if parts[:len(loc)] == loc and (loc or ".".join(parts) in msg):
             out.append(text)
     return out
 
@@ -489,7 +489,7 @@ def format_errors(err: ValidationError, source: str, overrides=(), *, schema: ty
         where = source if override is None else f"override {override!r}"
         key = _dotted(loc)
         line = f"{where}: {key}: {msg}" if key else f"{where}: {msg}"
-        given = _overrides_under(loc, overrides) if override is None else []
+        given = _overrides_under(loc, overrides, msg) if override is None else []
         if given:
             line += f" (with the override{'s' * (len(given) > 1)} {', '.join(map(repr, given))})"
         lines.append(line)

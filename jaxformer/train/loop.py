@@ -501,7 +501,7 @@ def sample_text(trainer: Trainer, params, tokenizer, sample: C.SampleConfig, see
     """``sample.prompt`` + a continuation generated with the contiguous KV cache (``jaxformer.decode``), as
     ``eval.sample`` asks (``max_new_tokens`` None: until the model's context is full)."""
     from jaxformer.decode.generate import generate
-    from jaxformer.decode.prompts import encode_prompt
+    from jaxformer.decode.prompts import completion_context, decode_completion, encode_prompt
 
     model = trainer.spec.model
     ids = encode_prompt(tokenizer, sample.prompt)
@@ -509,7 +509,7 @@ def sample_text(trainer: Trainer, params, tokenizer, sample: C.SampleConfig, see
     out = generate(trainer.graphdef, params, model, [ids], max_new_tokens=n_new,
                    temperature=sample.temperature, top_k=sample.top_k or 0, top_p=sample.top_p or 1.0, seed=seed,
                    stop_tokens=[] if tokenizer.eos_id is None else [tokenizer.eos_id])[0]
-    return sample.prompt + tokenizer.decode(out)
+    return sample.prompt + decode_completion(tokenizer.decode, completion_context(tokenizer.decode, ids), out)
 
 
 def add_train_options(a) -> None:

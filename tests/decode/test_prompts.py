@@ -59,6 +59,22 @@ def test_completions_of_a_sentencepiece_model_keep_the_space_before_their_first_
         assert r["prompt"] + r["completion"] == tok.decode(ids), r
         starts_a_word += r["completion"].startswith(" ")
     assert starts_a_word >= 5  # the case the fix is for is among them
+    # the training loop's eval.sample (sample_text) the same way
+    from types import SimpleNamespace
+
+    from jaxformer.train import config as C
+    from jaxformer.train.loop import sample_text
+
+    trainer = SimpleNamespace(spec=SimpleNamespace(model=cfg), graphdef=graphdef)
+    texts = []
+    for seed in range(8):
+        sample = C.SampleConfig(prompt="ab", max_new_tokens=3, temperature=2.0)
+        texts.append(sample_text(trainer, state, tok, sample, seed))
+        ids = [int(t) for t in tok.encode_prompt("ab")]
+        out = generate(graphdef, state, cfg, [ids], max_new_tokens=3, temperature=2.0, seed=seed,
+                       stop_tokens=[tok.eos_id])[0]
+        assert texts[-1] == tok.decode(ids + out), (seed, texts[-1])
+    assert any(t.startswith("ab ") for t in texts), texts  # seed 7's continuation starts a word
 
 
 def test_prompts_file_and_jsonl(tmp_path):

@@ -477,8 +477,13 @@ def test_auto_falls_back_where_the_path_it_would_pick_refuses(monkeypatch):
     got = jax.jit(jax.grad(lambda s: jnp.sum(dot_product_attention(q, k, v, mask=mask, scale=s) * ct)))(0.3)
     want = jax.jit(jax.grad(lambda s: jnp.sum(xla_attention(q, k, v, mask=mask, scale=s) * ct)))(0.3)
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    with pytest.raises(ValueError, match=r"impl='blockwise' needs scale and softcap as Python numbers"):
+    with pytest.raises(ValueError, match=r"impl='blockwise' needs scale and softcap known when traced"):
         jax.jit(lambda s: dot_product_attention(q, k, v, mask=mask, scale=s, impl="blockwise"))(0.3)
+    # a constant array is no tracer: blockwise as before, by name and by auto, the same numbers as a float's
+    by_float = dot_product_attention(q, k, v, mask=mask, scale=0.3, impl="blockwise")
+    for impl in ("blockwise", "auto"):
+        np.testing.assert_array_equal(dot_product_attention(q, k, v, mask=mask, scale=jnp.float32(0.3), impl=impl),
+                                      by_float)
 
     def no_kernel(*a, **kw):
         raise AssertionError("auto picked the Pallas kernels for operands they refuse")
@@ -504,6 +509,11 @@ def test_no_keys_give_zeros_and_a_nonpositive_softcap_is_refused(impl):
     k = v = jnp.zeros((2, 0, 2, 8))
     out = dot_product_attention(q, k, v, mask=MaskSpec(causal=True), impl=impl)
     assert out.shape == q.shape and not np.asarray(out).any()
+    half = dot_product_attention(q.astype(jnp.bfloat16), k, v, impl=impl)  # q's dtype, as every path returns
+    assert half.dtype == jnp.bfloat16 and half.shape == q.shape
+    if impl == "blockwise":  # what the path refuses it still refuses with no keys
+        with pytest.raises(ValueError, match="does not handle MaskSpec.global_tokens"):
+            dot_product_attention(q, k, v, mask=MaskSpec(global_tokens=[0]), impl=impl)
     g = jax.grad(lambda q: jnp.sum(dot_product_attention(q, k, v, impl=impl) ** 2))(q)
     assert not np.asarray(g).any()
     if impl in ("auto", "xla"):

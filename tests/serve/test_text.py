@@ -109,13 +109,17 @@ def test_a_completion_decoded_after_its_prompt_keeps_its_first_space(name):
     prompt's last tokens, prompt + completion is the prompt's and completion's tokens decoded together, in the
     stream (token by token), in one piece (``decode_completion``) and in the logprobs' offsets; a byte-level BPE
     (gpt2) the same as before."""
+    import numpy as np
+
     from jaxformer.decode.prompts import completion_context, decode_completion
+    from jaxformer.decode.scoring import TokenLogprobs
     from jaxformer.interop.tokenizer import load_tokenizer
+    from jaxformer.serve import protocol as P
     from jaxformer.serve.app import Service, _State
 
     tok = load_tokenizer(FIXTURES / "gguf" / "spm_scores.gguf" if name == "spm_gguf" else FIXTURES / name)
     service = object.__new__(Service)  # only what the text needs: the tokenizer and the stop tokens
-    service.tok, service.stop_tokens = tok, (tok.eos_id,)
+    service.tok, service.stop_tokens, service._pieces = tok, (tok.eos_id,), {}
     checked = 0
     for prompt, whole in [("ab", "ab cd ef"), ("the", "the tin l1"), ("ab c", "ab cd ef")]:
         p, full = ([int(t) for t in tok.encode_prompt(x)] for x in (prompt, whole))
@@ -127,9 +131,12 @@ def test_a_completion_decoded_after_its_prompt_keeps_its_first_space(name):
         assert prompt + text == tok.decode(full) == prompt + decode_completion(tok.decode, ctx, gen), (name, prompt)
         assert prefix_lengths(tok.decode, gen, ctx) == [len(decode_completion(tok.decode, ctx, gen[:k]))
                                                         for k in range(len(gen))]
-        st = _State(0, 0, p, prompt, stream, tokens=gen, finish_reason="length")  # the server's text offsets
-        assert service.offsets(st.tokens, 0, len(text), completion_context(tok.decode, p)) == prefix_lengths(
-            tok.decode, gen, ctx)
+        n = len(p) + len(gen) - 1  # the server's logprobs: each generated token's offset in the returned text
+        scores = TokenLogprobs(-np.ones(n), np.zeros((n, 1), np.int32), -np.ones((n, 1)))
+        st = _State(0, 0, p, prompt, stream, tokens=gen, finish_reason="length", scores=scores)
+        sampling = P.parse_sampling({"prompt": prompt, "logprobs": 1}, chat=False)
+        assert service.logprobs(st, sampling, False, 0, len(gen), False)["text_offset"] == [
+            len(decode_completion(tok.decode, ctx, gen[:k])) for k in range(len(gen))]
         checked += 1
     assert checked >= 2, name
     rng = random.Random(1)  # random ids after a prompt: the incremental text is decode_completion's at every step
@@ -207,6 +214,7 @@ def test_chat_logprobs_bytes_are_each_tokens_own_even_a_part_of_a_character(name
         alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
         t = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
         t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        t.add_tokens(["\n\n"])  # an added token that is text (not special), stored as it, not in the byte alphabet
         t.save(str(tmp_path / "tokenizer.json"))
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({}))
         tok = load_tokenizer(tmp_path)
@@ -223,11 +231,16 @@ def test_chat_logprobs_bytes_are_each_tokens_own_even_a_part_of_a_character(name
         out = P.chat_logprobs(s, service.piece, 1, service.piece_bytes)  # as the server calls it
         joined = b"".join(bytes(e["bytes"]) for e in out["content"])
         assert joined.decode("utf-8") in (text, " " + text), (name, joined)
+        if text.isascii():  # whole characters: each token reads as its bytes do (a SentencePiece piece's space too)
+            assert "".join(e["token"] for e in out["content"]) == joined.decode("utf-8"), name
         assert [e["top_logprobs"][0]["bytes"] for e in out["content"]] == [e["bytes"] for e in out["content"]]
         checked.append(text)
     assert len(checked) >= 2 and (name not in ("byte_level", "bytes") or not checked[0].isascii()), (name, checked)
     if name == "bytes":
         assert tok.piece_bytes(0xC3) == b"\xc3" and tok.piece_bytes(tok.eos_id) == b""
+    if name == "byte_level":
+        (nl,) = tok.encode("\n\n")
+        assert tok.piece_bytes(int(nl)) == b"\n\n" == tok.decode([nl]).encode()
 
 
 def test_a_prompt_of_no_tokens_is_a_400_naming_the_field():
