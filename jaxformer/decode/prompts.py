@@ -228,9 +228,9 @@ def report_records(records: Sequence[dict], config, *, window: int | None = None
 
     ``jsonl`` (a prompts file, or ``--output``): one JSON line per request to ``output`` (default stdout), exit 1
     if any failed (the others were answered; the error is in its line). Else each prompt + completion
-    (``----- completion i of n -----`` lines between several), an error as a usage error (exit 2). Notes on stderr: a completion the
-    model's context cut (with the way on, ``--window``, where the positions allow it), and generation
-    past the context with a sliding ``window``.
+    (``----- completion i of n -----`` lines between several), an error as a usage error (exit 2). Notes on
+    stderr: a completion the model's context cut (with the way on, ``--window``, where the positions allow it),
+    and generation past the context with a sliding ``window``.
     """
     from jaxformer.decode.engine import RELATIVE_POSITIONS
 
