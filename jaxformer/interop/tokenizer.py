@@ -129,7 +129,9 @@ class HFTokenizer:
         decoder = byte_decoder()
         out = np.zeros(self.vocab_size, np.int64)
         for piece, i in self._vocab.items():
-            if i not in self._special_ids:
+            if i in self._text_ids:  # an added token that is text: its own UTF-8, not a byte-level spelling
+                out[i] = len(piece.encode("utf-8"))
+            elif i not in self._special_ids:
                 out[i] = _piece_bytes(piece, self._byte_level, decoder)
         return out
 

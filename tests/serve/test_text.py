@@ -241,6 +241,7 @@ def test_chat_logprobs_bytes_are_each_tokens_own_even_a_part_of_a_character(name
     if name == "byte_level":
         (nl,) = tok.encode("\n\n")
         assert tok.piece_bytes(int(nl)) == b"\n\n" == tok.decode([nl]).encode()
+        assert tok.token_bytes[int(nl)] == 2  # bits per byte count it as its two bytes (was 0: no byte alphabet)
 
 
 def test_a_prompt_of_no_tokens_is_a_400_naming_the_field():
