@@ -1013,6 +1013,12 @@ MUTATIONS = [
     Mutation("no_keys_reduce", "jaxformer/ops/attention.py",
              "    if B * T * S == 0:  # no keys", "    if False:  # no keys",
              ("tests/ops/test_attention.py",), "no keys reach the reductions (an error, not zeros)"),
+    Mutation("closed_loop_reports_kept", "jaxformer/train/checkpoint.py",
+             "        if not _closed_loop_callback(unraisable):", "        if True:", ("tests/train/test_checkpoint.py",),
+             "an aborted restore's ~50 'Event loop is closed' tracebacks printed"),
+    Mutation("restore_never_quiets", "jaxformer/train/checkpoint.py",
+             "        _quiet_aborted_restores()  # an unreadable", "        pass  # an unreadable",
+             ("tests/train/test_checkpoint.py",), "the filter of an aborted restore's reports never installed"),
     Mutation("ce_negative_targets_count", "jaxformer/ops/losses.py", "    mask = mask & (targets >= 0)", "    mask = mask",
              ("tests/ops/test_losses.py",), "cross_entropy counts -100 targets as index V - 100"),
 ]
