@@ -62,6 +62,9 @@ def test_eval_info_generate(trained, capsys):
     assert capsys.readouterr().out == (f"eval: step 3 · val loss {out['val_loss']:.4f} over {out['val_tokens']:,} "
                                        f"tokens · val {out['val_bpb']:.4f} bits/byte over "
                                        f"{out['val_bytes']:,} bytes\n")
+    for bad in ("0", "-5"):  # scored one window, reported as a result; -1 (the default) alone is a sentinel
+        assert main(["eval", str(run), "--max-tokens", bad]) == 2
+        assert f"eval: --max-tokens {bad} must be >= 1 (or --all" in capsys.readouterr().err
     assert main(["generate", str(run), "--prompt", "import ", "--max-new-tokens", "5", "--seed", "1"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("import ")

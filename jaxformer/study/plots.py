@@ -362,6 +362,7 @@ def _plot_metric_vs_eval_length(plt, sweep, out, rows):
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     for values, rs in settings(sweep, rows):
+        rs = [r for r in rs if not r["diverged"]]  # as the report's table of these lengths
         ms = [mean_spread([r.get("eval_lengths", {}).get(str(n), {}).get(metric) for r in rs]) for n in lengths]
         keep = [(n, m, s) for n, (m, s) in zip(lengths, ms) if m is not None]
         if keep:
@@ -391,7 +392,7 @@ def _plot_loss_by_position(plt, sweep, out, rows):
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     key = "bpb"
     for values, rs in settings(sweep, rows):
-        per = [r.get("eval_lengths", {}).get(str(n), {}).get("buckets") for r in rs]
+        per = [r.get("eval_lengths", {}).get(str(n), {}).get("buckets") for r in rs if not r["diverged"]]
         per = [b for b in per if b]
         if not per:
             continue
@@ -469,13 +470,13 @@ def _plot_sinusoidal_table(plt, sweep, out, rows):
 
     m = sweep.points[0].config.model
     n = max([sweep.points[0].config.seq_len, *sweep.spec.eval_lengths])
-    table = np.asarray(sinusoidal_positions(np.arange(n), m.d_model))
+    table = np.asarray(sinusoidal_positions(np.arange(n), m.d_model, layout=m.positions.sinusoidal_layout))
     fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
     im = ax.imshow(table, aspect="auto", cmap="RdBu", vmin=-1, vmax=1, interpolation="nearest")
     ax.set_xlabel("dimension")
     ax.set_ylabel("position")
     fig.colorbar(im, ax=ax)
-    ax.set_title(f"sinusoidal position table (d_model {m.d_model}, {n} positions)")
+    ax.set_title(f"sinusoidal position table ({m.positions.sinusoidal_layout}, d_model {m.d_model}, {n} positions)")
     return fig
 
 

@@ -72,10 +72,15 @@ LOSS_RULE = "final train loss"  # how blew_up's train-loss verdict begins
 POINT_FILE = "sweep_point.json"
 
 
+METRICS = ("val_bpb", "val_loss", "loss", "tokens_per_s", "wall_s")
+"""The summary row's columns a study may compare (``report.metric``, ``tune.metric``)."""
+Metric = Literal[METRICS]  # type: ignore[valid-type]
+
+
 class ReportConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    metric: str = Field("val_bpb", description="the summary column the table and plots compare")
+    metric: Metric = Field("val_bpb", description="the summary column the table and plots compare")
     x: str | None = Field(None, description="the axis on the x of the final_metric plot (default: the first)")
     plots: tuple[Literal[PLOTS], ...] = ("loss_curves", "final_metric")  # type: ignore[valid-type]
     baseline: dict[str, Any] | None = Field(None, description="values of varied keys naming the baseline arm: "
@@ -100,7 +105,7 @@ class TuneConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     keys: dict[str, list[Any]] = Field(min_length=1, description="dotted key -> values to try (their product)")
-    metric: str | None = Field(None, description="the summary column to optimise (default: report.metric)")
+    metric: Metric | None = Field(None, description="the summary column to optimise (default: report.metric)")
     mode: Literal["min", "max"] = "min"
     seeds: int = Field(1, ge=1, description="tuning runs per value: the sweep's first N seeds")
 
@@ -184,9 +189,21 @@ class SweepConfig(BaseModel):
             if self.tune.seeds > len(self.seeds):
                 raise ValueError(f"tune.seeds={self.tune.seeds} is more than the {len(self.seeds)} seeds {self.seeds}")
         if self.report.baseline is not None:
-            unknown = sorted(set(self.report.baseline) - set(keys))
+            base = self.report.baseline
+            unknown = sorted(set(base) - set(keys))
             if unknown:
                 raise ValueError(f"report.baseline keys {unknown} are not varied keys {keys}")
+            for key, values in self.axes.items():
+                if key in base and base[key] not in values:
+                    raise ValueError(f"report.baseline {key}={base[key]!r} is not one of its values {values}")
+            for group in self.zip:  # an arm's baseline: its own zip setting with the named keys replaced
+                named = [k for k in group if k in base]
+                n = len(next(iter(group.values())))
+                rows = [tuple(group[k][i] for k in group) for i in range(n)]
+                wanted = [tuple(base[k] if k in base else group[k][i] for k in group) for i in range(n)]
+                if named and not any(w in rows for w in wanted):
+                    raise ValueError(f"report.baseline {({k: base[k] for k in named})} gives no arm of the zip group "
+                                     f"{list(group)} a baseline that is one of its settings")
         return self
 
     @property

@@ -316,6 +316,8 @@ def evaluate_source(run_dir: str | Path | None, hf: str | Path | None = None,
     o = options
     check_source(run_dir, hf=hf, adapter=o.adapter, command="eval")
     limit = o.max_tokens
+    _refuse(limit is not None and limit != -1 and limit < 1
+            and f"eval: --max-tokens {limit} must be >= 1 (or --all; the default: the config's final evaluation)")
     if hf is not None:
         _refuse(o.text is None and "eval --hf DIR needs --text FILE (the text to score)",
                 o.bucket is not None and "eval: --bucket goes with a run directory, not --hf")

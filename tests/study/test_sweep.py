@@ -109,6 +109,17 @@ def test_bad_shard_is_refused(text):
     ({"axes": {"model.n_layerz": [1]}}, r"sweep\.yaml \(point n_layerz-1_seed-0\): model.n_layerz: unknown key"),
     ({"eval_lengths": [1, 64]}, r"sweep\.yaml: eval_lengths: .*>= 2"),
     ({"axes": {"seed": [1, 2]}}, r"`seeds:`"),
+    # a metric no summary row has: n/a everywhere, or with tune: the whole grid trained before the error
+    ({"axes": {"model.position": ["rope"]}, "report": {"metric": "val_bpbb"}},
+     r"sweep\.yaml: report\.metric: Input should be 'val_bpb', 'val_loss', 'loss', 'tokens_per_s' or 'wall_s'"),
+    ({"axes": {"model.position": ["rope"]}, "tune": {"keys": {"optimizer.lr": [1e-3]}, "metric": "val_bpbb"}},
+     r"sweep\.yaml: tune\.metric: Input should be 'val_bpb'"),
+    # a baseline no arm is: every paired difference empty
+    ({"axes": {"model.position": ["rope", "alibi"]}, "report": {"baseline": {"model.position": "ropee"}}},
+     r"sweep\.yaml: report\.baseline model\.position='ropee' is not one of its values \['rope', 'alibi'\]"),
+    ({"zip": [{"model.n_heads": [1, 2], "model.head_dim": [8, 16]}], "report": {"baseline": {"model.n_heads": 2,
+                                                                                          "model.head_dim": 8}}},
+     r"report\.baseline \{'model\.n_heads': 2, 'model\.head_dim': 8\} gives no arm of the zip group"),
 ])
 def test_bad_sweep_files_name_file_and_key(tmp_path, spec, match):
     path = write_sweep(tmp_path, spec, base={"seq_len": 64, "model": {"preset": "llama_tiny"}})
@@ -126,6 +137,35 @@ def test_a_key_given_twice_in_a_sweep_or_its_base_is_refused(tmp_path):
     path.write_text("base: base.yaml\naxes: {model.n_layers: [1]}\naxes: {model.n_layers: [2]}\n")
     with pytest.raises(C.ConfigError, match=r"s\.yaml: not valid YAML: key 'axes' on line 3 given twice"):
         load_sweep(path)
+
+
+def test_length_plots_leave_out_diverged_seeds_and_the_table_plot_draws_the_models_layout(tmp_path):
+    """The evaluation-length plot averages the seeds the report's length table averages (not the diverged ones:
+    a seed that diverged but stayed finite is still evaluated at every length); the sinusoidal table is the
+    model's own layout ("halves" here: tensor2tensor's, not the default interleaved one)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jaxformer.ops.positional import sinusoidal_positions
+    from jaxformer.study import plots
+
+    base = {"seq_len": 16, "model": {"preset": "llama_tiny", "position": "sinusoidal", "sinusoidal_layout": "halves",
+                                     "max_seq_len": 64}}
+    sweep = load_sweep(write_sweep(tmp_path, {"axes": {"model.n_layers": [1]}, "seeds": [0, 1],
+                                              "eval_lengths": [16, 32]}, base=base))
+    rows = [{"name": p.name, "values": p.values, "seed": p.seed, "diverged": p.seed == 1,
+             "eval_lengths": {"16": {"val_bpb": 1.0 + 8 * p.seed}, "32": {"val_bpb": 2.0 + 8 * p.seed}}}
+            for p in sweep.points]
+    fig = plots._plot_metric_vs_eval_length(plt, sweep, tmp_path, rows)
+    drawn = [list(ln.get_ydata()) for ln in fig.axes[0].get_lines() if list(ln.get_xdata()) == [16, 32]]
+    assert drawn and all(y == [1.0, 2.0] for y in drawn), drawn  # the line and its caps: seed 1's 9 and 10 left out
+    plt.close(fig)
+    fig = plots._plot_sinusoidal_table(plt, sweep, tmp_path, rows)
+    drawn = np.asarray(fig.axes[0].images[0].get_array())
+    np.testing.assert_allclose(drawn, sinusoidal_positions(np.arange(drawn.shape[0]), drawn.shape[1], layout="halves"))
+    plt.close(fig)
 
 
 def test_a_missing_base_names_the_sweep_file(tmp_path):
