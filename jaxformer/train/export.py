@@ -66,7 +66,10 @@ def export_run(run_dir: str | Path, out: str | Path, *, dtype: str | None = None
     nnx.replace_by_pure_dict(state, params)
     # a scanned run (model.scan_layers) is written per layer by save_pretrained (unstack_layers)
     save_pretrained(out, model, state, model_type=model_type, hf_config=hf_config, dtype=dtype)
-    if cfg.hf_source is not None:
+    if cfg.hf_source is not None and Path(cfg.hf_source).is_file():  # a GGUF base: no tokenizer files to copy
+        print(f"note: {run_dir} was trained from the GGUF file {cfg.hf_source}: its tokenizer is not written as "
+              f"Hugging Face files (`jaxformer export RUN --peft DIR` writes the adapter alone)", file=sys.stderr)
+    elif cfg.hf_source is not None:
         tokenizer_files = copy_files(source if source.is_dir() else cfg.hf_source, out,
                                      ("generation_config.json", *TOKENIZER_FILES))
     elif cfg.data.tokenizer == "bpe":

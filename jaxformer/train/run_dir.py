@@ -48,9 +48,10 @@ def source_dir(run_dir: str | Path) -> Path:
 
 
 def tokenizer_dir(cfg: C.ExperimentConfig, run_dir: str | Path) -> Path:
-    """Where a run from ``model.hf`` reads its tokenizer: its own copy once made, else the checkpoint."""
+    """Where a run from ``model.hf`` reads its tokenizer: its own copy once made, else the checkpoint (a GGUF
+    file always: it holds its tokenizer, and no copy is made)."""
     copy = source_dir(run_dir)
-    return copy if copy.is_dir() else Path(cfg.hf_source)
+    return copy if copy.is_dir() and not Path(cfg.hf_source).is_file() else Path(cfg.hf_source)
 
 
 def copy_files(src: str | Path, dst: str | Path, names=COPIED) -> list[str]:
@@ -66,9 +67,10 @@ def copy_files(src: str | Path, dst: str | Path, names=COPIED) -> list[str]:
 
 
 def copy_source(cfg: C.ExperimentConfig, run_dir: str | Path) -> None:
-    """``RUN/hf_source/``: the checkpoint's config.json and tokenizer files (once; atomically)."""
+    """``RUN/hf_source/``: the checkpoint's config.json and tokenizer files (once; atomically); none for a GGUF
+    file, which has no such files (its tokenizer is read from it)."""
     dst = source_dir(run_dir)
-    if cfg.hf_source is None or dst.is_dir():
+    if cfg.hf_source is None or dst.is_dir() or Path(cfg.hf_source).is_file():
         return
     tmp = dst.with_name(f".{HF_SOURCE}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

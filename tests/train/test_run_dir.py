@@ -177,6 +177,27 @@ def test_another_bpe_vocab_size_over_a_saved_tokenizer_is_refused(tmp_path, caps
     refuse_stale_tokenizer(bigger, run, [("data.bpe_vocab_size", 300, 500)])  # nothing saved to keep
 
 
+def test_a_run_from_a_gguf_file_reads_its_tokenizer_from_the_file(tmp_path):
+    """A GGUF base (a LoRA fine-tune of SmolLM2's file trains) has no config.json or tokenizer files to copy: no
+    ``hf_source/`` is made (it was made empty, and then generate, eval and export read their tokenizer from it and
+    failed), and the tokenizer comes from the file, also for a run an older version left an empty copy in."""
+    from jaxformer.train.run_dir import copy_source, saved_tokenizer_path, tokenizer_dir
+    from jaxformer.train.tokenizers import HFTextTokenizer
+    from tests.interop import gguf_reference
+
+    gguf = gguf_reference.fetch()
+    raw = {**tiny_raw(tmp_path, data={"tokenizer": "hf"}), "model": {"hf": str(gguf), "lora": {"rank": 2, "alpha": 4}}}
+    cfg = C.from_dict(raw, "<test>")
+    run = tmp_path / "run"
+    run.mkdir()
+    copy_source(cfg, run)
+    assert not (run / "hf_source").exists() and tokenizer_dir(cfg, run) == gguf
+    (run / "hf_source").mkdir()  # what an older version left
+    assert tokenizer_dir(cfg, run) == gguf == saved_tokenizer_path(cfg, run)
+    tok = HFTextTokenizer.load(saved_tokenizer_path(cfg, run))
+    assert tok.vocab_size == 49152 and tok.decode(tok.encode("The capital of France")) == "The capital of France"
+
+
 def test_only_a_final_evaluation_finishes_a_run(tmp_path):
     """finished_summary: a periodic eval row at the last step is not the final one; legacy rows without
     the flag are; with no validation split no evaluation is expected."""
