@@ -306,11 +306,12 @@ def adapter_state(state) -> dict:
     return nnx.traversals.unflatten_mapping({p: v for p, v in flat.items() if _is_adapter(p)})
 
 
-def merge_lora(config: ModelConfig, state) -> tuple[ModelConfig, Any]:
+def merge_lora(config: ModelConfig, state, *, dtype=None) -> tuple[ModelConfig, Any]:
     """``(config.base, state with every adapted kernel W replaced by W + s A B)``, the adapters (and their
     dropout keys) gone: a model that computes what the LoRA model computes (without dropout), in the base's
     own layout. ``state``: the LoRA model's ``nnx.State`` (an ``nnx.State`` of the base model is returned) or
-    pure dict (a pure dict is returned). The sum is taken in float32 and cast to each kernel's dtype."""
+    pure dict (a pure dict is returned). The sum is taken in float32 and cast to ``dtype`` (default: each
+    kernel's own; an export that saves wider than a bfloat16 base passes float32 and rounds once, when saving)."""
     if config.lora is None:
         return config, state
     scale = config.lora.scale
@@ -322,7 +323,7 @@ def merge_lora(config: ModelConfig, state) -> tuple[ModelConfig, Any]:
         lora = path[:-1] + (path[-1] + LORA_SUFFIX,)
         if lora + ("a",) in flat:
             delta = lora_delta(flat[lora + ("a",)], flat[lora + ("b",)], scale, np.shape(value))
-            value = (jnp.asarray(value, jnp.float32) + delta).astype(jnp.asarray(value).dtype)
+            value = (jnp.asarray(value, jnp.float32) + delta).astype(dtype or jnp.asarray(value).dtype)
         out[path] = value
     base = config.base
     pure = nnx.traversals.unflatten_mapping(out)

@@ -61,7 +61,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, dtype: str | None = None
     if model.lora is not None:  # a LoRA run: the adapter merged into its base, a checkpoint that stands alone
         from jaxformer.interop.peft import merge_lora
 
-        model, params = merge_lora(model, params)
+        model, params = merge_lora(model, params, dtype="float32")  # rounded once, to the saved dtype
     _, state = abstract_init(model)
     nnx.replace_by_pure_dict(state, params)
     # a scanned run (model.scan_layers) is written per layer by save_pretrained (unstack_layers)
