@@ -66,6 +66,8 @@ def check_decode_inputs(q, k_pages, v_pages, block_tables, lengths, alibi_slopes
         raise ValueError(f"k_pages and v_pages differ: {k_pages.shape=} {v_pages.shape=}")
     B, N, H = q.shape
     K, P, L, Hk = k_pages.shape
+    if B == 0 or H == 0:
+        raise ValueError(f"empty decode operands: {q.shape=} (a batch of at least one query of head dim >= 1)")
     if Hk != H:
         raise ValueError(f"head dim mismatch: {q.shape=} {k_pages.shape=}")
     if K == 0 or N % K:

@@ -269,6 +269,12 @@ def test_every_entry_point_checks_its_inputs(fn):
         fn(q[:, :3], kp, vp, tables, lengths)
     with pytest.raises(ValueError, match="softcap"):
         fn(q, kp, vp, tables, lengths, softcap=0.0)
+    for backend in (("gpu", "tpu") if fn is paged_attention else (None,)):  # the kernels divided by B and by H
+        kw = {} if backend is None else {"backend": backend}
+        with pytest.raises(ValueError, match=r"empty decode operands: q.shape=\(0, 4, 16\)"):
+            fn(q[:0], kp, vp, tables[:0], lengths[:0], **kw)
+        with pytest.raises(ValueError, match=r"empty decode operands: q.shape=\(\d+, 4, 0\)"):
+            fn(q[..., :0], kp[..., :0], vp[..., :0], tables, lengths, **kw)
 
 
 def test_auto_backend_and_default_scale_against_float64_numpy():
