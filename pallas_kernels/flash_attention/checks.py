@@ -110,7 +110,8 @@ def check_logits(logits: Logits, B: int, N: int, H: int) -> Logits:
     (``1/sqrt(H)``) and the slopes fp32 ``[1|B, N]``."""
     slopes = check_slopes(logits.alibi_slopes, B, N)
     softcap, scale = logits.softcap, logits.scale
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating))
+                                or not softcap > 0):  # as scale: NumPy's floats too; True is no soft cap
         raise ValueError(f"softcap={softcap!r} must be a positive float or None")
     if scale is not None and not isinstance(scale, (int, float, np.floating)):
         raise ValueError(f"scale={scale!r} must be a Python float or None")

@@ -247,6 +247,7 @@ def _qkv(B=1, T=8, S=8, N=2, K=1, H=16, dtype=jnp.float32):
     (dict(alibi_slopes=jnp.zeros((3,))), dict(), r"alibi_slopes.shape=\(3,\)"),
     (dict(window=(-1, 2)), dict(), "non-negative"),
     (dict(softcap=-1.0), dict(), "softcap=-1.0"),
+    (dict(softcap=True), dict(), "softcap=True must be a positive float"),
     (dict(backend="cuda"), dict(), "backend='cuda' is not one of"),
 ])
 @pytest.mark.no_typecheck
@@ -255,6 +256,16 @@ def test_bad_input_raises(kwargs, shapes, match):
     kwargs = dict(interpret=True, backend="gpu") | kwargs
     with pytest.raises(ValueError, match=match):
         flash_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.no_typecheck  # the annotations say `float`; NumPy's float32 is taken as scale always was
+def test_a_numpy_float_softcap_is_a_float():
+    """``softcap=np.float32(5)`` (as ``scale`` already was) is taken as 5.0, not refused as 'not a positive float'."""
+    from pallas_kernels.flash_attention.checks import check_logits
+    from pallas_kernels.flash_attention.tiles import Logits
+
+    got = check_logits(Logits(scale=np.float32(0.5), softcap=np.float32(5.0)), 1, 2, 16)
+    assert (got.scale, got.softcap) == (0.5, 5.0) and type(got.softcap) is float
 
 
 def test_auto_backend_on_cpu_needs_interpret():
