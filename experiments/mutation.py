@@ -1028,7 +1028,7 @@ MUTATIONS = [
     Mutation("eval_max_tokens_zero", "jaxformer/train/evaluation.py", "limit != -1 and limit < 1", "limit < -1",
              ("tests/test_cli.py",), "eval --max-tokens 0 scores one window as a result"),
     Mutation("gguf_tokenizer_from_copy", "jaxformer/train/run_dir.py",
-             "return copy if copy.is_dir() and not Path(cfg.hf_source).is_file() else",
+             "return copy if copy.is_dir() and not from_gguf_file(cfg) else",
              "return copy if copy.is_dir() else", ("tests/train/test_run_dir.py",),
              "a GGUF-base run reads its tokenizer from an empty hf_source/ (generate, eval, export fail)"),
     Mutation("export_merges_in_bf16", "jaxformer/train/export.py", 'merge_lora(model, params, dtype="float32")',

@@ -50,11 +50,6 @@ def _piece_text_bytes(piece: str, byte_level: bool, decoder: dict[str, int]) -> 
     return piece.replace("\u2581", " ").encode("utf-8")
 
 
-def _piece_bytes(piece: str, byte_level: bool, decoder: dict[str, int]) -> int:
-    """How many bytes of text a vocabulary piece stands for."""
-    return len(_piece_text_bytes(piece, byte_level, decoder))
-
-
 class Codec(NamedTuple):
     """What a tokenizer library does for :class:`HFTokenizer`: ``encode(text) -> ids`` with no special
     tokens, ``decode(ids) -> text`` skipping them, ``prompt(text) -> ids`` with the specials the checkpoint
@@ -78,6 +73,7 @@ class HFTokenizer:
         self.chat_template = chat_template
         self._specials = specials
         self._vocab = vocab
+        self._pieces = {i: piece for piece, i in vocab.items()}
         self._encode, self._decode, self._prompt = codec
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
         self.bos_id, self.eos_id, self.pad_id, self.unk_id = (
@@ -114,26 +110,18 @@ class HFTokenizer:
     def piece_bytes(self, i: int) -> bytes:
         """The bytes of text id ``i`` stands for, a part of a character included (empty for a special token or
         an id outside the vocabulary): what the chat API's logprobs ``bytes`` carry."""
-        if not hasattr(self, "_pieces"):
-            self._pieces = {j: p for p, j in self._vocab.items()}
         piece = self._pieces.get(int(i))
         if piece is None or int(i) in self._special_ids:
             return b""
-        if int(i) in self._text_ids:
+        if int(i) in self._text_ids:  # an added token that is text: its own UTF-8, not a byte-level spelling
             return piece.encode("utf-8")
         return _piece_text_bytes(piece, self._byte_level, byte_decoder())
 
     @property
     def token_bytes(self) -> np.ndarray:
-        """Bytes of text each id stands for (0 for special tokens), for bits per byte."""
-        decoder = byte_decoder()
-        out = np.zeros(self.vocab_size, np.int64)
-        for piece, i in self._vocab.items():
-            if i in self._text_ids:  # an added token that is text: its own UTF-8, not a byte-level spelling
-                out[i] = len(piece.encode("utf-8"))
-            elif i not in self._special_ids:
-                out[i] = _piece_bytes(piece, self._byte_level, decoder)
-        return out
+        """Bytes of text each id stands for (0 for special tokens), for bits per byte: :meth:`piece_bytes`'s
+        lengths."""
+        return np.asarray([len(self.piece_bytes(i)) for i in range(self.vocab_size)], np.int64)
 
 
 @functools.cache

@@ -202,10 +202,16 @@ def _concrete(x) -> bool:
 
 
 def _kernel_takes(q, k, v, scale, softcap) -> bool:
-    """Whether the Pallas kernels take these operands (``pallas_kernels.flash_attention.checks``): one float
-    dtype, ``H <= 256``, a static scale and soft cap."""
-    return (q.dtype == k.dtype == v.dtype and q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
-            and q.shape[-1] <= 256 and _static_scale(scale) and _static_scale(softcap))
+    """Whether the Pallas kernels take these operands: their own operand check passes (one float dtype,
+    ``H <= MAX_HEAD_DIM``: ``pallas_kernels.flash_attention.checks.check_operands``) and the scale and soft cap
+    are static numbers."""
+    from pallas_kernels.flash_attention.checks import check_operands  # the kernels' package: only on GPU / TPU
+
+    try:
+        check_operands(q, k, v)
+    except ValueError:
+        return False
+    return _static_scale(scale) and _static_scale(softcap)
 
 
 def attention_logit_stats(q: Query, k: KeyValue, *, mask: MaskSpec | None = None, scale: float | None = None,

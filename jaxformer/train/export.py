@@ -17,7 +17,8 @@ from pathlib import Path
 
 from jaxformer.train import config as C
 from jaxformer.train import sharding as shd
-from jaxformer.train.run_dir import TOKENIZER_FILES, config_path, copy_files, load_run, run_tokenizer, source_dir
+from jaxformer.train.run_dir import (TOKENIZER_FILES, config_path, copy_files, from_gguf_file, load_run, run_tokenizer,
+                                     source_dir)
 
 
 def _bpe_specials(tok) -> tuple[dict, dict]:
@@ -66,7 +67,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, dtype: str | None = None
     nnx.replace_by_pure_dict(state, params)
     # a scanned run (model.scan_layers) is written per layer by save_pretrained (unstack_layers)
     save_pretrained(out, model, state, model_type=model_type, hf_config=hf_config, dtype=dtype)
-    if cfg.hf_source is not None and Path(cfg.hf_source).is_file():  # a GGUF base: no tokenizer files to copy
+    if from_gguf_file(cfg):  # no tokenizer files to copy
         print(f"note: {run_dir} was trained from the GGUF file {cfg.hf_source}: its tokenizer is not written as "
               f"Hugging Face files (`jaxformer export RUN --peft DIR` writes the adapter alone)", file=sys.stderr)
     elif cfg.hf_source is not None:

@@ -47,11 +47,17 @@ def source_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / HF_SOURCE
 
 
+def from_gguf_file(cfg: C.ExperimentConfig) -> bool:
+    """Whether ``model.hf`` names a file (a GGUF base), not a checkpoint directory: nothing to copy, its tokenizer
+    read from the file."""
+    return cfg.hf_source is not None and Path(cfg.hf_source).is_file()
+
+
 def tokenizer_dir(cfg: C.ExperimentConfig, run_dir: str | Path) -> Path:
     """Where a run from ``model.hf`` reads its tokenizer: its own copy once made, else the checkpoint (a GGUF
     file always: it holds its tokenizer, and no copy is made)."""
     copy = source_dir(run_dir)
-    return copy if copy.is_dir() and not Path(cfg.hf_source).is_file() else Path(cfg.hf_source)
+    return copy if copy.is_dir() and not from_gguf_file(cfg) else Path(cfg.hf_source)
 
 
 def copy_files(src: str | Path, dst: str | Path, names=COPIED) -> list[str]:
@@ -70,7 +76,7 @@ def copy_source(cfg: C.ExperimentConfig, run_dir: str | Path) -> None:
     """``RUN/hf_source/``: the checkpoint's config.json and tokenizer files (once; atomically); none for a GGUF
     file, which has no such files (its tokenizer is read from it)."""
     dst = source_dir(run_dir)
-    if cfg.hf_source is None or dst.is_dir() or Path(cfg.hf_source).is_file():
+    if cfg.hf_source is None or dst.is_dir() or from_gguf_file(cfg):
         return
     tmp = dst.with_name(f".{HF_SOURCE}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
